@@ -1,0 +1,81 @@
+"""The `ftengine` command line: parse, call the library, print. No model logic here."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ftengine import Encoder, FtengineError
+from ftengine.backends import DEVICES
+from ftengine.encoder import DTYPES
+from ftengine.textio import FORMATS, check_writable, output_format, read_lines, write_embeddings
+
+
+def _fail(message: str):
+    click.echo(f"ftengine: error: {message}", err=True)
+    sys.exit(1)
+
+
+@click.group()
+@click.version_option(package_name="ftengine")
+def main():
+    """ftengine: transformer inference on raw CUDA kernels (NumPy reference on the CPU)."""
+
+
+@main.command()
+@click.argument("input_path", metavar="[INPUT|-]", default="-")
+@click.option("-o", "--output", default="-", show_default=True,
+              help="Output file (.npy or .jsonl); '-' writes JSONL to stdout.")
+@click.option("--model", "model_path", default=None,
+              help="Model folder (HF/sentence-transformers). Default: the installed all-MiniLM-L6-v2.")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
+              help="Compute precision. Default: fp16 on the GPU, fp32 on the CPU.")
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=None,
+              help="Token budget per batch (batch size x padded length).")
+@click.option("--max-length", type=click.IntRange(min=2), default=None,
+              help="Longest tokenised text; longer texts are truncated. Default: the model folder's.")
+@click.option("--pooling", default=None,
+              help="cls, mean, max, mean_sqrt_len, lasttoken, or several joined by commas. Default: the model folder's.")
+@click.option("--normalize/--no-normalize", default=None,
+              help="L2-normalise embeddings. Default: the model folder's (Normalize module).")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="Output format. Default: from the output's file name; JSONL on stdout.")
+@click.option("--errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True,
+              help="Invalid UTF-8: fail naming the line, or replace with U+FFFD.")
+@click.option("--truncate/--no-truncate", default=True, show_default=True,
+              help="Truncate over-long lines (counted in the summary) or fail naming the line.")
+@click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
+def encode(input_path, output, model_path, device, dtype, batch_tokens, max_length, pooling,
+           normalize, fmt, errors, truncate, quiet):
+    """Embed each line of INPUT (a UTF-8 text file, or '-' for stdin): one row per line, in order."""
+    try:
+        fmt = output_format(output, fmt)
+        check_writable(output)
+        lines = read_lines(input_path, errors=errors)
+        encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
+        show_bar = not quiet and sys.stderr.isatty()
+        from tqdm import tqdm
+        with tqdm(total=len(lines), unit="line", disable=not show_bar, file=sys.stderr) as bar:
+            embeddings, stats = encoder.encode_with_stats(
+                lines, batch_tokens=batch_tokens, pooling=pooling, normalize=normalize,
+                truncate=truncate, progress=bar.update)
+        write_embeddings(output, fmt, embeddings)
+    except FtengineError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        click.echo("ftengine: interrupted", err=True)
+        sys.exit(130)
+    if not quiet:
+        rate = stats.lines / stats.seconds if stats.seconds > 0 else 0.0
+        click.echo(
+            f"ftengine: {stats.lines} lines, {stats.tokens} tokens, {stats.truncated} truncated, "
+            f"{embeddings.shape[1]}-dim on {encoder.device} ({encoder.dtype}), "
+            f"{stats.seconds:.2f} s, {rate:.0f} lines/s -> {'stdout' if output == '-' else output}",
+            err=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""ftengine: a standalone transformer inference engine (BERT-family encoders, GPT-2 generation).
+
+Public API:
+    Encoder.from_pretrained(path=None, device="auto", dtype=None)
+    Encoder.encode(texts, *, batch_tokens=None, pooling=None, normalize=None) -> np.ndarray
+"""
+
+from .encoder import EncodeStats, Encoder
+from .errors import CheckpointError, ConfigError, DeviceError, FtengineError, InputError
+
+__all__ = [
+    "Encoder",
+    "EncodeStats",
+    "FtengineError",
+    "ConfigError",
+    "CheckpointError",
+    "InputError",
+    "DeviceError",
+]
+__version__ = "0.1.0"

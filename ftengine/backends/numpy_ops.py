@@ -1,0 +1,150 @@
+"""Reference ops: plain NumPy, float32, obvious. The golden model every CUDA op is checked against.
+
+Each op writes into an explicit output buffer; the CUDA launchers in backends/cuda/ops.py
+have the same names and signatures, so models/ code runs unchanged on either backend.
+Layout: tokens are rows. A padded batch of B sequences of S slots is (B*S, H), row b*S + s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+name = "numpy"
+
+
+# ------------------------------------------------------------------ memory
+
+def empty(shape, dtype):
+    return np.empty(shape, dtype=dtype)
+
+
+def to_device(array, dtype=None):
+    return np.ascontiguousarray(array, dtype=dtype or array.dtype)
+
+
+def copy_from_host(dst, src):
+    dst[...] = src
+
+
+def to_host(array):
+    return np.asarray(array)
+
+
+def synchronize():
+    pass
+
+
+# ------------------------------------------------------------------ helpers
+
+def _layernorm(x, gamma, beta, eps):
+    x = x.astype(np.float32)
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * gamma + beta
+
+
+def _erf(x):
+    """erf, Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7 plus the rounding of x's dtype), vectorised."""
+    sign = np.sign(x)
+    a = np.abs(x)
+    t = 1 / (1 + np.float32(0.3275911) * a)
+    c = [np.float32(v) for v in (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)]
+    poly = t * (c[0] + t * (c[1] + t * (c[2] + t * (c[3] + t * c[4]))))
+    return sign * (1 - poly * np.exp(-a * a))
+
+
+def _gelu(x, form):
+    if form == "erf":
+        return 0.5 * x * (1.0 + _erf(x * np.float32(1.0 / math.sqrt(2.0))))
+    if form == "tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    raise ValueError(f"unknown GELU form {form!r}")
+
+
+# ------------------------------------------------------------------ ops
+
+def embed_layernorm(out, ids, token_types, positions, word_emb, pos_emb, type_emb, gamma, beta, *, eps):
+    """out (T, H) = LayerNorm(word_emb[ids] + pos_emb[positions] + type_emb[token_types])."""
+    x = word_emb[ids] + pos_emb[positions] + type_emb[token_types]
+    out[...] = _layernorm(x, gamma, beta, eps)
+
+
+def matmul(out, x, weight):
+    """out (M, N) = x (M, K) @ weight (N, K)^T  -- weight in HF's (out, in) layout."""
+    np.matmul(x, weight.T, out=out)
+
+
+def add_qkv_bias_split_heads(q, k, v, qkv, bias, *, batch, seq, heads):
+    """qkv (B*S, 3H) + bias (3H,) -> q, k, v each (B*heads, S, D)."""
+    hidden = qkv.shape[1] // 3
+    d = hidden // heads
+    x = (qkv + bias).reshape(batch, seq, 3, heads, d)          # (B, S, 3, heads, D)
+    for i, dst in enumerate((q, k, v)):
+        dst[...] = x[:, :, i].transpose(0, 2, 1, 3).reshape(batch * heads, seq, d)
+
+
+def batched_matmul(out, a, b, *, transpose_b, alpha=1.0):
+    """out (N, M, P) = alpha * a (N, M, K) @ b (N, K, P), or b^T when b is (N, P, K)."""
+    out[...] = alpha * np.matmul(a, b.transpose(0, 2, 1) if transpose_b else b)
+
+
+def masked_softmax(probs, scores, lengths, *, heads):
+    """Softmax over the last axis of scores (B*heads, S, S); keys at or past a sequence's
+    length get zero weight. A row with no valid key (length 0) is all zeros."""
+    n, s, _ = scores.shape
+    key_valid = np.arange(s)[None, :] < np.repeat(np.asarray(lengths), heads)[:, None]  # (B*heads, S)
+    masked = np.where(key_valid[:, None, :], scores, -np.inf)
+    row_max = masked.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    e = np.where(key_valid[:, None, :], np.exp(masked - row_max), 0.0)
+    total = e.sum(axis=-1, keepdims=True)
+    probs[...] = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+
+
+def merge_heads(out, ctx, *, batch, seq, heads):
+    """ctx (B*heads, S, D) -> out (B*S, heads*D)."""
+    d = ctx.shape[-1]
+    out[...] = ctx.reshape(batch, heads, seq, d).transpose(0, 2, 1, 3).reshape(batch * seq, heads * d)
+
+
+def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
+    """out (T, H) = LayerNorm(x + bias + residual). out may alias residual."""
+    out[...] = _layernorm(x + bias + residual, gamma, beta, eps)
+
+
+def add_bias_gelu(out, x, bias, *, form):
+    """out (T, I) = GELU(x + bias), erf or tanh form. out may alias x."""
+    out[...] = _gelu(x + bias, form)
+
+
+def pool(out, hidden, lengths, *, seq, modes):
+    """hidden (B*S, H) -> out (B, len(modes)*H), the modes concatenated in the given order."""
+    b = out.shape[0]
+    h = hidden.shape[1]
+    x = hidden.reshape(b, seq, h)
+    lengths = np.asarray(lengths)
+    valid = (np.arange(seq)[None, :] < lengths[:, None])[:, :, None]        # (B, S, 1)
+    count = np.maximum(lengths, 1).astype(np.float32)[:, None]
+    parts = []
+    for mode in modes:
+        if mode == "cls":
+            parts.append(x[:, 0])
+        elif mode == "max":
+            parts.append(np.where(valid, x, -np.inf).max(axis=1))
+        elif mode == "mean":
+            parts.append(np.where(valid, x, 0.0).sum(axis=1) / count)
+        elif mode == "mean_sqrt_len":
+            parts.append(np.where(valid, x, 0.0).sum(axis=1) / np.sqrt(count))
+        elif mode == "lasttoken":
+            parts.append(x[np.arange(b), np.maximum(lengths - 1, 0)])
+        else:
+            raise ValueError(f"unknown pooling mode {mode!r}")
+    out[...] = np.concatenate(parts, axis=1)
+
+
+def l2_normalize(out, x):
+    """out (B, D) = x / max(||x||, 1e-12), row by row (torch.nn.functional.normalize)."""
+    norm = np.sqrt((x.astype(np.float32) ** 2).sum(axis=1, keepdims=True))
+    out[...] = x / np.maximum(norm, 1e-12)

@@ -1,0 +1,250 @@
+"""safetensors checkpoints -> host float32 arrays, through one explicit name table per architecture.
+
+Every tensor in the files is either consumed by a slot or matched by an ignore pattern;
+every slot must be filled; every shape is checked against the config before use.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import BertConfig
+from .errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+# ---------------------------------------------------------------- reading files
+
+class SafetensorsFiles:
+    """The tensors of one model folder: name -> file, from an index, one file, or every file."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = Path(model_dir)
+        self.where: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        index = self.model_dir / INDEX_FILE
+        if index.is_file():
+            self._read_index(index)
+        else:
+            single = self.model_dir / SINGLE_FILE
+            files = [single] if single.is_file() else sorted(self.model_dir.glob("*.safetensors"))
+            if not files:
+                hint = ""
+                if (self.model_dir / "pytorch_model.bin").exists():
+                    hint = " (pytorch_model.bin is a pickle and is never loaded; save the model as safetensors)"
+                raise CheckpointError(f"no *.safetensors weights in {self.model_dir}{hint}")
+            for f in files:
+                for name in self._open(f).keys():
+                    if name in self.where:
+                        raise CheckpointError(
+                            f"tensor {name!r} is stored twice: in {self.where[name]} and {f}"
+                        )
+                    self.where[name] = f
+
+    def _read_index(self, index: Path):
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        root = self.model_dir.resolve()
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard:
+                raise CheckpointError(f"{index}: tensor {name!r} has no shard file name")
+            path = (self.model_dir / shard).resolve()
+            if path.parent != root or Path(shard).is_absolute():
+                raise CheckpointError(
+                    f"{index}: shard {shard!r} for tensor {name!r} is outside the model folder {self.model_dir}"
+                )
+            if not path.is_file():
+                raise CheckpointError(f"{index}: shard file {path} (for tensor {name!r}) is missing")
+            self.where[name] = path
+        for path in sorted(set(self.where.values())):
+            stored = set(self._open(path).keys())
+            listed = {n for n, p in self.where.items() if p == path}
+            absent = sorted(listed - stored)
+            if absent:
+                raise CheckpointError(
+                    f"{path}: tensors listed in {INDEX_FILE} are not in the file: {', '.join(absent[:10])}"
+                )
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            from safetensors import safe_open
+            try:
+                self._handles[path] = safe_open(str(path), framework="numpy")
+            except Exception as e:  # safetensors raises its own error types for corrupt files
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        return self._handles[path]
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def shape_and_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
+        sl = self._open(self.where[name]).get_slice(name)
+        return tuple(sl.get_shape()), sl.get_dtype()
+
+    def float32(self, name: str) -> np.ndarray:
+        """The tensor widened to float32 (bf16 words are widened by hand: NumPy has no bfloat16)."""
+        path = self.where[name]
+        shape, dtype = self.shape_and_dtype(name)
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}; expected one of {', '.join(FLOAT_DTYPES)}")
+        try:
+            if dtype == "BF16":
+                words = _raw_tensor_bytes(path, name).view(np.uint16).astype(np.uint32)
+                return (words << 16).view(np.float32).reshape(shape)
+            return np.ascontiguousarray(self._open(path).get_tensor(name), dtype=np.float32)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from None
+
+
+def _raw_tensor_bytes(path: Path, name: str) -> np.ndarray:
+    """The stored bytes of one tensor, located through the file's JSON header."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        begin, end = header[name]["data_offsets"]
+        f.seek(8 + header_len + begin)
+        data = f.read(end - begin)
+    if len(data) != end - begin:
+        raise CheckpointError(f"{path}: file is truncated inside tensor {name!r}")
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+# ---------------------------------------------------------------- BERT name table
+
+# HF name (after an optional "bert." prefix) -> (slot, shape as a function of the config)
+BERT_EMBEDDING_NAMES = {
+    "embeddings.word_embeddings.weight": ("word_emb", lambda c: (c.vocab_size, c.hidden_size)),
+    "embeddings.position_embeddings.weight": ("pos_emb", lambda c: (c.max_position_embeddings, c.hidden_size)),
+    "embeddings.token_type_embeddings.weight": ("type_emb", lambda c: (c.type_vocab_size, c.hidden_size)),
+    "embeddings.LayerNorm.weight": ("emb_ln_gamma", lambda c: (c.hidden_size,)),
+    "embeddings.LayerNorm.bias": ("emb_ln_beta", lambda c: (c.hidden_size,)),
+}
+BERT_LAYER_NAMES = {
+    "encoder.layer.{i}.attention.self.query.weight": ("q_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "encoder.layer.{i}.attention.self.query.bias": ("q_bias", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.attention.self.key.weight": ("k_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "encoder.layer.{i}.attention.self.key.bias": ("k_bias", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.attention.self.value.weight": ("v_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "encoder.layer.{i}.attention.self.value.bias": ("v_bias", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.attention.output.dense.weight": ("attn_out_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "encoder.layer.{i}.attention.output.dense.bias": ("attn_out_bias", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.attention.output.LayerNorm.weight": ("attn_ln_gamma", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.attention.output.LayerNorm.bias": ("attn_ln_beta", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.intermediate.dense.weight": ("ffn_in_weight", lambda c: (c.intermediate_size, c.hidden_size)),
+    "encoder.layer.{i}.intermediate.dense.bias": ("ffn_in_bias", lambda c: (c.intermediate_size,)),
+    "encoder.layer.{i}.output.dense.weight": ("ffn_out_weight", lambda c: (c.hidden_size, c.intermediate_size)),
+    "encoder.layer.{i}.output.dense.bias": ("ffn_out_bias", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.output.LayerNorm.weight": ("ffn_ln_gamma", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.output.LayerNorm.bias": ("ffn_ln_beta", lambda c: (c.hidden_size,)),
+}
+# Tensors that are in BERT checkpoints but not used by the encoder: buffers, the pooler,
+# and the heads of BertForPreTraining / MaskedLM / SequenceClassification / QA / ...
+BERT_IGNORED = [re.compile(p) for p in (
+    r"(bert\.)?embeddings\.position_ids",
+    r"(bert\.)?pooler\..+",
+    r"cls\..+",
+    r"classifier\..+",
+    r"qa_outputs\..+",
+)]
+BERT_PREFIX = "bert."
+# Checkpoints converted from TensorFlow name LayerNorm parameters gamma/beta.
+_LEGACY_LN = re.compile(r"LayerNorm\.(gamma|beta)$")
+
+
+@dataclass
+class BertLayerWeights:
+    qkv_weight: np.ndarray       # (3H, H): query, key, value rows stacked
+    qkv_bias: np.ndarray         # (3H,)
+    attn_out_weight: np.ndarray  # (H, H)
+    attn_out_bias: np.ndarray    # (H,)
+    attn_ln_gamma: np.ndarray    # (H,)
+    attn_ln_beta: np.ndarray     # (H,)
+    ffn_in_weight: np.ndarray    # (I, H)
+    ffn_in_bias: np.ndarray      # (I,)
+    ffn_out_weight: np.ndarray   # (H, I)
+    ffn_out_bias: np.ndarray     # (H,)
+    ffn_ln_gamma: np.ndarray     # (H,)
+    ffn_ln_beta: np.ndarray      # (H,)
+
+
+@dataclass
+class BertWeights:
+    word_emb: np.ndarray      # (V, H)
+    pos_emb: np.ndarray       # (P, H)
+    type_emb: np.ndarray      # (TV, H)
+    emb_ln_gamma: np.ndarray  # (H,)
+    emb_ln_beta: np.ndarray   # (H,)
+    layers: list              # num_hidden_layers x BertLayerWeights
+
+
+def _canonical(name: str) -> str:
+    name = name[len(BERT_PREFIX):] if name.startswith(BERT_PREFIX) else name
+    return _LEGACY_LN.sub(lambda m: "LayerNorm." + {"gamma": "weight", "beta": "bias"}[m.group(1)], name)
+
+
+def load_bert_weights(model_dir: Path, config: BertConfig) -> BertWeights:
+    files = SafetensorsFiles(model_dir)
+    expected = {}  # canonical name -> (layer index or None, slot, shape)
+    for name, (slot, shape) in BERT_EMBEDDING_NAMES.items():
+        expected[name] = (None, slot, shape(config))
+    for i in range(config.num_hidden_layers):
+        for template, (slot, shape) in BERT_LAYER_NAMES.items():
+            expected[template.format(i=i)] = (i, slot, shape(config))
+
+    found = {}  # canonical name -> stored name
+    unexpected = []
+    for stored in files.names():
+        if any(p.fullmatch(stored) for p in BERT_IGNORED):
+            continue
+        canonical = _canonical(stored)
+        if canonical not in expected:
+            unexpected.append(stored)
+        elif canonical in found:
+            raise CheckpointError(f"{model_dir}: tensors {found[canonical]!r} and {stored!r} both fill {canonical!r}")
+        else:
+            found[canonical] = stored
+    if unexpected:
+        raise CheckpointError(
+            f"{model_dir}: {len(unexpected)} unexpected tensor(s) for a BERT with "
+            f"{config.num_hidden_layers} layers: {', '.join(sorted(unexpected)[:20])}"
+        )
+    missing = [n for n in expected if n not in found]
+    if missing:
+        raise CheckpointError(f"{model_dir}: {len(missing)} tensor(s) missing: {', '.join(missing[:20])}")
+    wrong = []
+    for canonical, stored in found.items():
+        shape, _ = files.shape_and_dtype(stored)
+        if shape != expected[canonical][2]:
+            wrong.append(f"{stored} is {list(shape)}, config says {list(expected[canonical][2])}")
+    if wrong:
+        raise CheckpointError(f"{model_dir}: tensor shapes do not match config.json: " + "; ".join(wrong[:10]))
+
+    top = {}
+    layers = [{} for _ in range(config.num_hidden_layers)]
+    for canonical, stored in found.items():
+        layer, slot, _ = expected[canonical]
+        (top if layer is None else layers[layer])[slot] = files.float32(stored)
+    return BertWeights(layers=[_fuse_layer(parts) for parts in layers], **top)
+
+
+def _fuse_layer(p: dict) -> BertLayerWeights:
+    return BertLayerWeights(
+        qkv_weight=np.concatenate([p.pop("q_weight"), p.pop("k_weight"), p.pop("v_weight")], axis=0),
+        qkv_bias=np.concatenate([p.pop("q_bias"), p.pop("k_bias"), p.pop("v_bias")], axis=0),
+        **p,
+    )

@@ -1,0 +1,30 @@
+"""Allocate once, from a table: name -> (element count, dtype) -> one allocation -> named views."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+ALIGN = 256  # bytes; cuBLAS and vector loads want aligned starts
+
+
+class Workspace:
+    def __init__(self, ops, table: dict):
+        """table: name -> (max element count, dtype). One buffer holds every entry."""
+        self.entries = {}
+        offset = 0
+        for name, (count, dtype) in table.items():
+            dtype = np.dtype(dtype)
+            self.entries[name] = (offset, int(count), dtype)
+            offset += -(-int(count) * dtype.itemsize // ALIGN) * ALIGN
+        self.nbytes = offset
+        self.buffer = ops.empty((max(offset, ALIGN),), np.uint8)
+
+    def view(self, name: str, shape) -> "array":
+        """The first prod(shape) elements of entry `name`, shaped. Refuses shapes over the entry's size."""
+        offset, count, dtype = self.entries[name]
+        n = math.prod(shape)
+        if n > count:
+            raise ValueError(f"workspace entry {name!r}: {shape} needs {n} elements, {count} allocated")
+        return self.buffer[offset:offset + n * dtype.itemsize].view(dtype).reshape(shape)

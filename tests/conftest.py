@@ -1,0 +1,39 @@
+import os
+
+import numpy as np
+import pytest
+
+from weights.fixtures import write_bert_checkpoint
+
+# The HF oracle must never try the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _cuda_usable() -> bool:
+    from ftengine.backends import cuda_available
+    return cuda_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_usable():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def st_model(tmp_path_factory):
+    """A small random sentence-transformers-style folder: mean pooling, normalised, max 48 tokens."""
+    return write_bert_checkpoint(
+        tmp_path_factory.mktemp("st_model"), seed=1, max_positions=64,
+        sentence_transformers={"pooling": {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True},
+                               "normalize": True, "max_seq_length": 48},
+    )
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

@@ -1,0 +1,39 @@
+"""HuggingFace transformers as the test oracle (torch CPU; a test-only dependency)."""
+
+import numpy as np
+
+
+def hf_bert(path):
+    from transformers import BertModel
+    return BertModel.from_pretrained(str(path), attn_implementation="eager").eval()
+
+
+def hf_hidden_states(model, ids: np.ndarray, token_types: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Last hidden states (B, S, H) float32 for a padded batch."""
+    import torch
+    mask = (np.arange(ids.shape[1])[None, :] < lengths[:, None]).astype(np.int64)
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(ids.astype(np.int64)),
+                    token_type_ids=torch.from_numpy(token_types.astype(np.int64)),
+                    attention_mask=torch.from_numpy(mask))
+    return out.last_hidden_state.numpy()
+
+
+def st_pooling(hidden, lengths, modes):
+    """sentence-transformers' Pooling module, restated in torch over (B, S, H) hidden states."""
+    import torch
+    x = torch.from_numpy(hidden)
+    mask = (torch.arange(x.shape[1])[None, :] < torch.from_numpy(lengths)[:, None]).unsqueeze(-1).float()
+    parts = []
+    for mode in modes:
+        if mode == "cls":
+            parts.append(x[:, 0])
+        elif mode == "max":
+            parts.append(torch.where(mask > 0, x, torch.tensor(-1e9)).max(dim=1).values)
+        elif mode in ("mean", "mean_sqrt_len"):
+            total = (x * mask).sum(1)
+            count = mask.sum(1).clamp(min=1e-9)
+            parts.append(total / count if mode == "mean" else total / count.sqrt())
+        elif mode == "lasttoken":
+            parts.append(x[torch.arange(x.shape[0]), torch.from_numpy(lengths).long() - 1])
+    return torch.cat(parts, dim=1).numpy()

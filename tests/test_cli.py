@@ -1,0 +1,151 @@
+"""The `ftengine encode` command: outputs, order, summary, and every expected error without a traceback."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from ftengine import Encoder
+from tests.tolerances import BATCHING_INVARIANCE_FP32
+
+LINES = ["the quick brown fox", "", "hello world", "   ", "a dog " * 30, "text line 42"]
+
+
+@pytest.fixture
+def sample(tmp_path):
+    path = tmp_path / "in.txt"
+    path.write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    return path
+
+
+def run(*args, input=None):
+    result = CliRunner().invoke(main, ["encode", *map(str, args)], input=input)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+def test_npy_output_matches_api_in_input_order(st_model, sample, tmp_path):
+    out = tmp_path / "emb.npy"
+    r = run(sample, "-o", out, "--model", st_model, "--device", "cpu", "--batch-tokens", "64")
+    assert r.exit_code == 0, r.output
+    got = np.load(out)
+    ref = Encoder.from_pretrained(st_model, device="cpu").encode(LINES)
+    assert got.dtype == np.float32 and got.shape == (len(LINES), 32)
+    assert np.abs(got - ref).max() <= BATCHING_INVARIANCE_FP32
+    assert "6 lines" in r.stderr and "1 truncated" in r.stderr and "lines/s" in r.stderr
+
+
+def test_jsonl_on_stdout(st_model, sample):
+    r = run(sample, "-o", "-", "--model", st_model, "--device", "cpu", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["line"] for row in rows] == list(range(1, len(LINES) + 1))
+    assert all(len(row["embedding"]) == 32 for row in rows)
+    assert r.stderr == ""
+
+
+def test_stdin_jsonl_file_and_options(st_model, tmp_path):
+    out = tmp_path / "emb.jsonl"
+    r = run("-", "-o", out, "--model", st_model, "--device", "cpu", "--pooling", "cls,max",
+            "--no-normalize", "--max-length", "8", input="hello world\nthe dog\n")
+    assert r.exit_code == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and len(rows[0]["embedding"]) == 64
+    ref = Encoder.from_pretrained(st_model, device="cpu", max_length=8).encode(
+        ["hello world", "the dog"], pooling=["cls", "max"], normalize=False)
+    assert np.abs(np.array([row["embedding"] for row in rows]) - ref).max() <= BATCHING_INVARIANCE_FP32
+
+
+def test_invalid_utf8_names_the_line(st_model, tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"fine\nalso fine\nbad \xff byte\n")
+    out = tmp_path / "emb.npy"
+    r = run(path, "-o", out, "--model", st_model, "--device", "cpu")
+    assert r.exit_code == 1
+    assert "bad.txt, line 3: invalid UTF-8" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+    r = run(path, "-o", out, "--model", st_model, "--device", "cpu", "--errors", "replace")
+    assert r.exit_code == 0 and np.load(out).shape == (3, 32)
+
+
+def test_no_truncate_names_the_line(st_model, sample, tmp_path):
+    r = run(sample, "-o", tmp_path / "e.npy", "--model", st_model, "--device", "cpu", "--no-truncate")
+    assert r.exit_code == 1 and "text 5 is longer than max_length 48 tokens" in r.stderr
+
+
+def test_existing_output_survives_a_failed_run(st_model, tmp_path):
+    out = tmp_path / "keep.npy"
+    out.write_bytes(b"precious")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xfe\n")
+    r = run(bad, "-o", out, "--model", st_model, "--device", "cpu")
+    assert r.exit_code == 1 and out.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-o", "/nonexistent-dir/x.npy"], "output folder /nonexistent-dir does not exist"),
+    (["-o", "-", "--format", "npy"], "npy output is binary"),
+    (["--model", "/no/such/model"], "model folder not found: /no/such/model"),
+    (["--batch-tokens", "10"], "batch_tokens 10 must be at least max_length 48"),
+    (["--max-length", "1000"], "max_length 1000 must be within 2..64"),
+    (["--pooling", "median"], "pooling mode 'median' is not supported"),
+    (["--dtype", "fp16", "--device", "cpu"], "dtype fp16 needs the CUDA backend"),
+])
+def test_expected_errors_are_one_line(st_model, sample, args, message):
+    args = list(args) + ([] if "--model" in args else ["--model", st_model])
+    args = args + ([] if "--device" in args else ["--device", "cpu"])
+    r = run(sample, *args)
+    assert r.exit_code != 0
+    assert message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unwritable_output_checked_before_work(st_model, sample, tmp_path):
+    if os.geteuid() == 0:
+        out = tmp_path / "dir.npy"
+        out.mkdir()
+        message = "is a directory"
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        out, message = locked / "x.npy", "is not writable"
+    r = run(sample, "-o", out, "--model", "/no/such/model")
+    assert r.exit_code == 1 and message in r.stderr  # refused before the model is even looked at
+
+
+def test_unknown_architecture(st_model, sample, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(st_model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["model_type"] = "t5"
+    (model / "config.json").write_text(json.dumps(config))
+    r = run(sample, "--model", model, "--device", "cpu")
+    assert r.exit_code == 1 and "model_type 't5' is not supported by the encoder" in r.stderr
+
+
+def test_cuda_without_gpu_is_an_error(st_model, sample):
+    from ftengine.backends import cuda_available
+    if cuda_available():
+        pytest.skip("a GPU is present: --device cuda is valid here")
+    r = run(sample, "--model", st_model, "--device", "cuda")
+    assert r.exit_code == 1 and "no usable GPU" in r.stderr
+
+
+def test_installed_console_script(st_model, sample, tmp_path):
+    """The real entry point, as a user runs it: a subprocess of the installed `ftengine`."""
+    exe = Path(sys.executable).with_name("ftengine")
+    assert exe.is_file(), f"console script not installed beside {sys.executable}"
+    out = tmp_path / "emb.npy"
+    proc = subprocess.run([str(exe), "encode", str(sample), "-o", str(out), "--model", str(st_model),
+                           "--device", "auto"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert np.load(out).shape == (len(LINES), 32)
+    assert "running on the CPU" in proc.stderr and "6 lines" in proc.stderr

@@ -1,0 +1,68 @@
+"""sentence-transformers folder settings and the tokenizer (tokenizer.json, vocab.txt fallback)."""
+
+import json
+
+import pytest
+
+from ftengine.errors import ConfigError
+from ftengine.tokenizer import Tokenizer, parse_pooling, read_folder_settings
+from weights.fixtures import write_bert_checkpoint, write_sentence_transformers_files
+
+
+def test_plain_bert_folder_defaults(tmp_path):
+    s = read_folder_settings(write_bert_checkpoint(tmp_path))
+    assert (s.pooling, s.normalize, s.max_length) == (("mean",), False, None)
+
+
+def test_legacy_pooling_booleans_in_sentence_transformers_order(tmp_path):
+    folder = write_bert_checkpoint(tmp_path)
+    write_sentence_transformers_files(folder, normalize=True, max_seq_length=20, pooling={
+        "pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True,
+        "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": True})
+    s = read_folder_settings(folder)
+    assert (s.pooling, s.normalize, s.max_length) == (("cls", "mean", "mean_sqrt_len", "lasttoken"), True, 20)
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("max", ("max",)),
+    (["lasttoken", "cls"], ("cls", "lasttoken")),
+    ("mean_sqrt_len_tokens", ("mean_sqrt_len",)),
+])
+def test_pooling_mode_string_or_list(tmp_path, value, expected):
+    folder = write_bert_checkpoint(tmp_path)
+    write_sentence_transformers_files(folder, pooling={"pooling_mode": value})
+    assert read_folder_settings(folder).pooling == expected
+
+
+def test_unsupported_pooling_is_named(tmp_path):
+    folder = write_bert_checkpoint(tmp_path)
+    write_sentence_transformers_files(folder, pooling={"pooling_mode_weightedmean_tokens": True})
+    with pytest.raises(ConfigError, match="weightedmean pooling is not supported"):
+        read_folder_settings(folder)
+    with pytest.raises(ConfigError, match=r"pooling mode 'median' is not supported; supported: cls, max, mean"):
+        parse_pooling("mean,median", "--pooling")
+
+
+def test_unsupported_module_is_named(tmp_path):
+    folder = write_bert_checkpoint(tmp_path)
+    (folder / "modules.json").write_text(json.dumps([{"idx": 0, "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ConfigError, match="module 'sentence_transformers.models.Dense' is not supported"):
+        read_folder_settings(folder)
+
+
+def test_vocab_txt_fallback_tokenises_like_tokenizer_json(tmp_path):
+    folder = write_bert_checkpoint(tmp_path / "a")
+    texts = ["Hello World, the quick brown fox!", "  lazy dog  ", "", "unknownwordxyz 123"]
+    full = Tokenizer(folder, max_length=16).encode(texts)
+    (folder / "tokenizer.json").unlink()
+    fallback = Tokenizer(folder, max_length=16).encode(texts)
+    assert [e.ids for e in fallback] == [e.ids for e in full]
+    assert full[2].ids == [2, 3]  # an empty line is [CLS] [SEP]
+
+
+def test_truncation_is_flagged(tmp_path):
+    folder = write_bert_checkpoint(tmp_path)
+    out = Tokenizer(folder, max_length=6).encode(["the dog", "the quick brown fox jumps over"])
+    assert [len(e.ids) for e in out] == [4, 6]
+    assert [e.truncated for e in out] == [False, True]
+    assert out[1].ids[-1] == 3  # still ends with [SEP]

@@ -1,0 +1,140 @@
+"""Small random checkpoints in HuggingFace format: config.json, model.safetensors, tokenizer.json.
+
+Weights are drawn from a seeded normal distribution, never zeros, scaled so that every
+sub-layer contributes visibly (errors in any op show up in the outputs).
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = ["the", "a", "of", "and", "to", "in", "is", "it", "that", "was", "for", "on", "are", "with",
+         "as", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "word",
+         "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when", "up",
+         "hello", "world", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "text", "line"]
+
+
+def fixture_vocab() -> list[str]:
+    chars = list(string.ascii_lowercase + string.digits + string.punctuation)
+    return SPECIAL + WORDS + chars + ["##" + c for c in string.ascii_lowercase + string.digits]
+
+
+def write_wordpiece_tokenizer(folder: Path, vocab: list[str]):
+    """tokenizer.json (BERT-style WordPiece, lowercasing) and the matching vocab.txt."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordPiece
+    tok = Tokenizer(WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab.index("[CLS]")), ("[SEP]", vocab.index("[SEP]"))],
+    )
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "BertTokenizer", "do_lower_case": True, "unk_token": "[UNK]",
+        "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]", "mask_token": "[MASK]",
+    }), encoding="utf-8")
+
+
+def bert_config(*, hidden=32, layers=2, heads=4, intermediate=37, max_positions=64, type_vocab=2,
+                hidden_act="gelu", vocab_size=None, eps=1e-12) -> dict:
+    return {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        "vocab_size": vocab_size or len(fixture_vocab()),
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": max_positions,
+        "type_vocab_size": type_vocab,
+        "hidden_act": hidden_act,
+        "layer_norm_eps": eps,
+        "pad_token_id": 0,
+        "position_embedding_type": "absolute",
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    }
+
+
+def random_bert_tensors(config: dict, *, seed: int = 0, prefix: str = "") -> dict:
+    """HF-named float32 tensors for `config`, with a pooler (which ftengine ignores)."""
+    rng = np.random.default_rng(seed)
+    h, inter = config["hidden_size"], config["intermediate_size"]
+
+    def mat(*shape, std=None):
+        std = std if std is not None else 1.0 / np.sqrt(shape[-1])
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def gamma(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t = {
+        "embeddings.word_embeddings.weight": mat(config["vocab_size"], h, std=0.5),
+        "embeddings.position_embeddings.weight": mat(config["max_position_embeddings"], h, std=0.5),
+        "embeddings.token_type_embeddings.weight": mat(config["type_vocab_size"], h, std=0.5),
+        "embeddings.LayerNorm.weight": gamma(h),
+        "embeddings.LayerNorm.bias": mat(h, std=0.1),
+        "pooler.dense.weight": mat(h, h),
+        "pooler.dense.bias": mat(h, std=0.1),
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"encoder.layer.{i}."
+        for name in ("query", "key", "value"):
+            t[p + f"attention.self.{name}.weight"] = mat(h, h, std=2.0 / np.sqrt(h))
+            t[p + f"attention.self.{name}.bias"] = mat(h, std=0.1)
+        t[p + "attention.output.dense.weight"] = mat(h, h)
+        t[p + "attention.output.dense.bias"] = mat(h, std=0.1)
+        t[p + "attention.output.LayerNorm.weight"] = gamma(h)
+        t[p + "attention.output.LayerNorm.bias"] = mat(h, std=0.1)
+        t[p + "intermediate.dense.weight"] = mat(inter, h)
+        t[p + "intermediate.dense.bias"] = mat(inter, std=0.1)
+        t[p + "output.dense.weight"] = mat(h, inter)
+        t[p + "output.dense.bias"] = mat(h, std=0.1)
+        t[p + "output.LayerNorm.weight"] = gamma(h)
+        t[p + "output.LayerNorm.bias"] = mat(h, std=0.1)
+    return {prefix + k: v for k, v in t.items()}
+
+
+def write_bert_checkpoint(folder, *, seed: int = 0, sentence_transformers: dict | None = None,
+                          **config_args) -> Path:
+    """A random BERT in `folder` (created): config.json, model.safetensors, tokenizer files.
+
+    sentence_transformers: None for a plain BERT folder, or a dict with keys
+    `pooling` (the 1_Pooling/config.json object), `normalize` (bool), `max_seq_length` (int).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = bert_config(**config_args)
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    save_file(random_bert_tensors(config, seed=seed), str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    write_wordpiece_tokenizer(folder, fixture_vocab())
+    if sentence_transformers is not None:
+        write_sentence_transformers_files(folder, **sentence_transformers)
+    return folder
+
+
+def write_sentence_transformers_files(folder: Path, *, pooling: dict, normalize: bool = False,
+                                      max_seq_length: int | None = None):
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules), encoding="utf-8")
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling), encoding="utf-8")
+    if max_seq_length is not None:
+        (folder / "sentence_bert_config.json").write_text(
+            json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}), encoding="utf-8")
