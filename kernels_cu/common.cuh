@@ -4,6 +4,9 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+// NVRTC has no <math.h>: spell infinity out.
+#define FT_INFINITY __int_as_float(0x7f800000)
+
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
@@ -46,6 +49,61 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     const int warps = blockDim.x >> 5;
-    v = (lane < warps) ? scratch[lane] : -INFINITY;
+    v = (lane < warps) ? scratch[lane] : -FT_INFINITY;
     return warp_max(v);
+}
+
+// VEC consecutive elements of T, moved as one 16-byte (or smaller) access.
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack { T v[VEC]; };
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load_floats(float* dst, const T* src) {
+    const Pack<T, VEC> p = *reinterpret_cast<const Pack<T, VEC>*>(src);
+    #pragma unroll
+    for (int j = 0; j < VEC; ++j) dst[j] = to_float(p.v[j]);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_floats(T* dst, const float* src) {
+    Pack<T, VEC> p;
+    #pragma unroll
+    for (int j = 0; j < VEC; ++j) p.v[j] = from_float<T>(src[j]);
+    *reinterpret_cast<Pack<T, VEC>*>(dst) = p;
+}
+
+// LayerNorm of one row held in registers: each thread owns up to ITEMS vectors of VEC values
+// (vector k of the thread is columns (threadIdx.x + k * blockDim.x) * VEC ...). Two-pass
+// mean / variance in float; `valid[k]` says whether the thread's vector k is inside the row.
+template <typename T, int VEC, int ITEMS>
+__device__ __forceinline__ void layernorm_row_store(T* out, float (&v)[ITEMS][VEC], const bool (&valid)[ITEMS],
+                                                    const T* __restrict__ gamma, const T* __restrict__ beta,
+                                                    int H, float eps, float* scratch) {
+    float sum = 0.0f;
+    #pragma unroll
+    for (int k = 0; k < ITEMS; ++k)
+        if (valid[k]) {
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) sum += v[k][j];
+        }
+    const float mean = block_sum(sum, scratch) / H;
+    float sq = 0.0f;
+    #pragma unroll
+    for (int k = 0; k < ITEMS; ++k)
+        if (valid[k]) {
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) { const float d = v[k][j] - mean; sq += d * d; }
+        }
+    const float rstd = rsqrtf(block_sum(sq, scratch) / H + eps);
+    #pragma unroll
+    for (int k = 0; k < ITEMS; ++k)
+        if (valid[k]) {
+            const int col = (threadIdx.x + k * blockDim.x) * VEC;
+            float g[VEC], b[VEC], o[VEC];
+            load_floats<T, VEC>(g, gamma + col);
+            load_floats<T, VEC>(b, beta + col);
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) o[j] = (v[k][j] - mean) * rstd * g[j] + b[j];
+            store_floats<T, VEC>(out + col, o);
+        }
 }

@@ -29,7 +29,7 @@ def _ragged_batch(rng, config, lengths):
 
 def _runner(path, max_batch_tokens=1024, max_seq_len=64):
     config = load_bert_config(path)
-    return BertRunner(config, load_bert_weights(path, config), numpy_ops, dtype=np.float32,
+    return BertRunner(config, load_bert_weights(path, config), numpy_ops, dtype="fp32",
                       max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len)
 
 

@@ -65,17 +65,31 @@ def bert_config(*, hidden=32, layers=2, heads=4, intermediate=37, max_positions=
     }
 
 
-def random_bert_tensors(config: dict, *, seed: int = 0, prefix: str = "") -> dict:
-    """HF-named float32 tensors for `config`, with a pooler (which ftengine ignores)."""
+INITS = ("stress", "hf")
+
+
+def random_bert_tensors(config: dict, *, seed: int = 0, prefix: str = "", init: str = "stress") -> dict:
+    """HF-named float32 tensors for `config`, with a pooler (which ftengine ignores).
+
+    init "stress": large weights (sharp attention, visible biases) so that an error in any op
+    shows in the outputs. init "hf": like HF's initialisation (normal, std 0.02), with small
+    random biases and LayerNorm parameters instead of HF's zeros and ones: what a randomly
+    initialised real model looks like.
+    """
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}")
     rng = np.random.default_rng(seed)
     h, inter = config["hidden_size"], config["intermediate_size"]
 
     def mat(*shape, std=None):
-        std = std if std is not None else 1.0 / np.sqrt(shape[-1])
+        if init == "hf":
+            std = 0.02
+        elif std is None:
+            std = 1.0 / np.sqrt(shape[-1])
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
     def gamma(n):
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        return (1.0 + (0.02 if init == "hf" else 0.1) * rng.standard_normal(n)).astype(np.float32)
 
     t = {
         "embeddings.word_embeddings.weight": mat(config["vocab_size"], h, std=0.5),
@@ -105,9 +119,10 @@ def random_bert_tensors(config: dict, *, seed: int = 0, prefix: str = "") -> dic
 
 
 def write_bert_checkpoint(folder, *, seed: int = 0, sentence_transformers: dict | None = None,
-                          **config_args) -> Path:
+                          init: str = "stress", **config_args) -> Path:
     """A random BERT in `folder` (created): config.json, model.safetensors, tokenizer files.
 
+    init: "stress" or "hf", see random_bert_tensors.
     sentence_transformers: None for a plain BERT folder, or a dict with keys
     `pooling` (the 1_Pooling/config.json object), `normalize` (bool), `max_seq_length` (int).
     """
@@ -115,7 +130,7 @@ def write_bert_checkpoint(folder, *, seed: int = 0, sentence_transformers: dict 
     folder.mkdir(parents=True, exist_ok=True)
     config = bert_config(**config_args)
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    save_file(random_bert_tensors(config, seed=seed), str(folder / "model.safetensors"),
+    save_file(random_bert_tensors(config, seed=seed, init=init), str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     write_wordpiece_tokenizer(folder, fixture_vocab())
     if sentence_transformers is not None:

@@ -12,12 +12,20 @@ import math
 import numpy as np
 
 name = "numpy"
+STORAGE = {"fp32": np.float32}
 
 
 # ------------------------------------------------------------------ memory
 
+def storage_dtype(dtype_name: str):
+    return STORAGE[dtype_name]
+
+
 def empty(shape, dtype):
     return np.empty(shape, dtype=dtype)
+
+
+pinned_empty = empty
 
 
 def to_device(array, dtype=None):
@@ -34,6 +42,16 @@ def to_host(array):
 
 def synchronize():
     pass
+
+
+class GraphCache:
+    """The CUDA backend captures forward passes as graphs; here every call runs directly."""
+
+    def __init__(self, capacity: int = 32, *, enabled: bool = True):
+        self.enabled = enabled
+
+    def run(self, key, launch):
+        launch()
 
 
 # ------------------------------------------------------------------ helpers

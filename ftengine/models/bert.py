@@ -43,9 +43,24 @@ def make_batch(token_lists, type_lists, *, pad_id: int) -> Batch:
     return Batch(ids, types, lengths)
 
 
+def bucket_shape(b: int, s: int, *, max_seq_len: int, max_batch_tokens: int) -> tuple[int, int]:
+    """The padded shape a (b, s) batch runs at: s up to a multiple of 16, b up to a power of two
+    (multiples of 16 past 16), within the limits (b * s itself must fit them).
+    Few distinct shapes -> few CUDA graphs."""
+    s_pad = min(max_seq_len, -(-s // 16) * 16)
+    if b * s_pad > max_batch_tokens:
+        s_pad = s
+    b_pad = 1 << (b - 1).bit_length() if b <= 16 else -(-b // 16) * 16
+    b_pad = max(b, min(b_pad, max_batch_tokens // s_pad))
+    return b_pad, s_pad
+
+
 class BertRunner:
-    def __init__(self, config: BertConfig, weights: BertWeights, ops, *, dtype,
-                 max_batch_tokens: int, max_seq_len: int):
+    """BERT for fixed limits: weights uploaded once, every activation in one Workspace, each
+    padded batch shape run as one captured graph on the CUDA backend (graphs=False: direct)."""
+
+    def __init__(self, config: BertConfig, weights: BertWeights, ops, *, dtype: str,
+                 max_batch_tokens: int, max_seq_len: int, graphs: bool = True):
         if max_seq_len > config.max_position_embeddings:
             raise InputError(
                 f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
@@ -55,9 +70,10 @@ class BertRunner:
             raise InputError(f"batch_tokens {max_batch_tokens} must be at least max_length {max_seq_len}")
         self.config = config
         self.ops = ops
-        self.dtype = np.dtype(dtype)
+        self.dtype = ops.storage_dtype(dtype)
         self.max_batch_tokens = max_batch_tokens
         self.max_seq_len = max_seq_len
+        self.graphs = ops.GraphCache(enabled=graphs)
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.word_emb = up(weights.word_emb)        # (V, H)
         self.pos_emb = up(weights.pos_emb)          # (P, H)
@@ -69,10 +85,7 @@ class BertRunner:
         t, h, heads = max_batch_tokens, c.hidden_size, c.num_attention_heads
         act = self.dtype
         self.ws = Workspace(ops, {
-            "ids": (t, np.int32),                      # (T,)
-            "token_types": (t, np.int32),              # (T,)
-            "positions": (t, np.int32),                # (T,)
-            "lengths": (t, np.int32),                  # (B,), B <= T
+            "inputs": (4 * t, np.int32),               # ids, token types, positions (T each), lengths (B)
             "hidden": (t * h, act),                    # (T, H)
             "qkv": (t * 3 * h, act),                   # (T, 3H)
             "q": (t * h, act),                         # (B*heads, S, D)
@@ -84,8 +97,13 @@ class BertRunner:
             "proj": (t * h, act),                      # (T, H)
             "attn_ln": (t * h, act),                   # (T, H)
             "inter": (t * c.intermediate_size, act),   # (T, I)
-            "pooled": (t * len(POOLING_ORDER) * h, act),  # (B, modes*H)
+            "pooled": (t * len(POOLING_ORDER) * h, np.float32),  # (B, modes*H), float32 on every backend
         })
+        # host staging for "inputs" (pinned on the CUDA backend): one copy per batch
+        self.staging = ops.pinned_empty((4 * t,), np.int32)
+
+    def padded_shape(self, b: int, s: int) -> tuple[int, int]:
+        return bucket_shape(b, s, max_seq_len=self.max_seq_len, max_batch_tokens=self.max_batch_tokens)
 
     def check(self, batch: Batch):
         """Validate a batch on the host before any kernel indexes memory with it."""
@@ -107,20 +125,38 @@ class BertRunner:
             i, j = np.argwhere(bad)[0]
             raise InputError(f"token type {batch.token_types[i, j]} (sequence {i}) is outside 0..{c.type_vocab_size - 1}")
 
-    def hidden_states(self, batch: Batch):
-        """Last hidden states (B*S, H) on the backend's device (a workspace view)."""
+    def _inputs(self, b: int, s: int):
+        """Views of the "inputs" entry for a (b, s) batch: ids, token types, positions (b*s each), lengths (b)."""
+        t = b * s
+        flat = self.ws.view("inputs", (3 * t + b,))
+        return flat[:t], flat[t:2 * t], flat[2 * t:3 * t], flat[3 * t:]
+
+    def _load_inputs(self, batch: Batch) -> tuple[int, int]:
+        """Check the batch, pad it to its bucket shape and copy it, in one transfer, into the
+        fixed device buffer. Padding sequences get length 1 so every kernel stays on its normal path."""
         self.check(batch)
-        ops, c, ws = self.ops, self.config, self.ws
         b, s = batch.shape
+        bp, sp = self.padded_shape(b, s)
+        t = bp * sp
+        st = self.staging[:3 * t + bp]
+        ids, types, positions = (st[i * t:(i + 1) * t].reshape(bp, sp) for i in range(3))
+        lengths = st[3 * t:]
+        ids.fill(self.config.pad_token_id)
+        types.fill(0)
+        ids[:b, :s] = batch.ids
+        types[:b, :s] = batch.token_types
+        positions[:] = np.arange(sp, dtype=np.int32)
+        lengths.fill(1)
+        lengths[:b] = batch.lengths
+        self.ops.copy_from_host(self.ws.view("inputs", (3 * t + bp,)), st)
+        return bp, sp
+
+    def _encoder_layers(self, b: int, s: int):
+        """Embedding + all layers on the loaded inputs; hidden states end in ws "hidden"."""
+        ops, c, ws = self.ops, self.config, self.ws
         t, h, heads = b * s, c.hidden_size, c.num_attention_heads
         d = c.head_dim
-        positions = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
-        inputs = {"ids": batch.ids, "token_types": batch.token_types, "positions": positions}
-        for name, host in inputs.items():
-            ops.copy_from_host(ws.view(name, (t,)), host.reshape(t))
-        lengths = ws.view("lengths", (b,))
-        ops.copy_from_host(lengths, batch.lengths)
-
+        ids, token_types, positions, lengths = self._inputs(b, s)
         hidden = ws.view("hidden", (t, h))
         qkv = ws.view("qkv", (t, 3 * h))
         q, k, v = (ws.view(n, (b * heads, s, d)) for n in ("q", "k", "v"))
@@ -131,9 +167,8 @@ class BertRunner:
         attn_ln = ws.view("attn_ln", (t, h))
         inter = ws.view("inter", (t, c.intermediate_size))
 
-        ops.embed_layernorm(hidden, ws.view("ids", (t,)), ws.view("token_types", (t,)),
-                            ws.view("positions", (t,)), self.word_emb, self.pos_emb, self.type_emb,
-                            *self.emb_ln, eps=c.layer_norm_eps)
+        ops.embed_layernorm(hidden, ids, token_types, positions, self.word_emb, self.pos_emb,
+                            self.type_emb, *self.emb_ln, eps=c.layer_norm_eps)
         scale = 1.0 / float(np.sqrt(d))
         for w in self.layers:
             ops.matmul(qkv, hidden, w["qkv_weight"])
@@ -150,15 +185,32 @@ class BertRunner:
             ops.matmul(proj, inter, w["ffn_out_weight"])
             ops.add_bias_residual_layernorm(hidden, proj, w["ffn_out_bias"], attn_ln,
                                             w["ffn_ln_gamma"], w["ffn_ln_beta"], eps=c.layer_norm_eps)
-        return hidden
+
+    def _pool(self, b: int, s: int, pooling: tuple, normalize: bool):
+        h = self.config.hidden_size
+        pooled = self.ws.view("pooled", (b, len(pooling) * h))
+        self.ops.pool(pooled, self.ws.view("hidden", (b * s, h)), self._inputs(b, s)[3],
+                      seq=s, modes=pooling)
+        if normalize:
+            self.ops.l2_normalize(pooled, pooled)
+
+    def hidden_states(self, batch: Batch) -> np.ndarray:
+        """Last hidden states (B, S, H) as float32 on the host (padding positions included)."""
+        b, s = batch.shape
+        bp, sp = self._load_inputs(batch)
+        self.graphs.run(("hidden", bp, sp), lambda: self._encoder_layers(bp, sp))
+        hidden = self.ops.to_host(self.ws.view("hidden", (bp, sp, self.config.hidden_size)))
+        return hidden[:b, :s].astype(np.float32)
 
     def embed(self, batch: Batch, *, pooling: tuple, normalize: bool) -> np.ndarray:
         """Pooled (and optionally L2-normalised) embeddings, (B, len(pooling)*H) float32 on the host."""
-        b, s = batch.shape
-        hidden = self.hidden_states(batch)
-        pooled = self.ws.view("pooled", (b, len(pooling) * self.config.hidden_size))
-        self.ops.pool(pooled, hidden, self.ws.view("lengths", (b,)), seq=s, modes=pooling)
-        if normalize:
-            self.ops.l2_normalize(pooled, pooled)
-        return self.ops.to_host(pooled).astype(np.float32)
+        b, _ = batch.shape
+        bp, sp = self._load_inputs(batch)
 
+        def forward():
+            self._encoder_layers(bp, sp)
+            self._pool(bp, sp, pooling, normalize)
+
+        self.graphs.run(("embed", bp, sp, pooling, normalize), forward)
+        pooled = self.ws.view("pooled", (bp, len(pooling) * self.config.hidden_size))
+        return self.ops.to_host(pooled)[:b].astype(np.float32)

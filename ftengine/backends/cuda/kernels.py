@@ -1,0 +1,74 @@
+"""Compile kernels_cu/*.cu once per process with cupy.RawModule.
+
+common.cuh is prepended to each source (not #included) so that CuPy's compile cache key
+covers it. Each op family lists its template instantiations here, in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from . import kernel_dir
+
+# numpy storage dtype name -> CUDA element type (bf16 is stored as uint16 words)
+CUDA_TYPES = {"float32": "float", "float16": "__half", "uint16": "__nv_bfloat16"}
+SOFTMAX_PER_LANE = (1, 2, 4, 8, 16, 32)     # warp kernel: S <= 32 * PER_LANE
+SOFTMAX_VEC = {"float": 4, "__half": 8, "__nv_bfloat16": 8}  # 16 bytes
+# vector widths (elements) per type, widest first: at most 16 bytes
+VECS = {"float": (4, 2, 1), "__half": (8, 4, 2, 1), "__nv_bfloat16": (8, 4, 2, 1)}
+ROW_ITEMS = (1, 4)  # vectors per thread in the row (LayerNorm) kernels
+
+
+def _softmax_variants(t: str) -> list[str]:
+    names = [f"masked_softmax_block<{t}>"]
+    for per_lane in SOFTMAX_PER_LANE:
+        names.append(f"masked_softmax_warp<{t}, {per_lane}, 1>")
+        if per_lane % SOFTMAX_VEC[t] == 0:
+            names.append(f"masked_softmax_warp<{t}, {per_lane}, {SOFTMAX_VEC[t]}>")
+    return names
+
+
+# file -> kernel templates; each is instantiated for every type in CUDA_TYPES
+def _row_variants(kernel: str, t: str) -> list[str]:
+    return [f"{kernel}<{t}, {v}, {i}>" for v in VECS[t] for i in ROW_ITEMS]
+
+
+def _vec_variants(kernel: str, t: str) -> list[str]:
+    return [f"{kernel}<{t}, {v}>" for v in VECS[t]]
+
+
+FAMILIES = {
+    "embedding.cu": lambda t: _row_variants("embed_layernorm", t),
+    "layernorm.cu": lambda t: _row_variants("add_bias_residual_layernorm", t),
+    "activation.cu": lambda t: _vec_variants("add_bias_gelu", t),
+    "attention.cu": lambda t: (_vec_variants("add_qkv_bias_split_heads", t) + _vec_variants("merge_heads", t)
+                               + _softmax_variants(t)),
+    "pooling.cu": lambda t: [f"pool<{t}>"] + (["l2_normalize<float>"] if t == "float" else []),
+}
+
+
+def compile_options() -> tuple[str, ...]:
+    options = ["--std=c++17", "-DNDEBUG"]
+    include = "/usr/local/cuda/include"  # NVRTC may not find the toolkit headers on its own
+    if os.path.isdir(include):
+        options.append(f"-I{include}")
+    return tuple(options)
+
+
+def source(file: str) -> str:
+    folder = kernel_dir()
+    return (folder / "common.cuh").read_text() + "\n" + (folder / file).read_text()
+
+
+@lru_cache(maxsize=None)
+def module(file: str):
+    import cupy
+    names = [n for t in CUDA_TYPES.values() for n in FAMILIES[file](t)]
+    return cupy.RawModule(code=source(file), options=compile_options(), name_expressions=names)
+
+
+@lru_cache(maxsize=None)
+def kernel(file: str, name: str):
+    """A compiled kernel, e.g. kernel("layernorm.cu", "add_bias_residual_layernorm<__half>")."""
+    return module(file).get_function(name)

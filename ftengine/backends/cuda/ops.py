@@ -1,0 +1,254 @@
+"""CUDA launchers: the same op names and signatures as backends/numpy_ops.py.
+
+Every launch goes on one non-blocking stream owned by this module; GEMMs go through the
+capture-safe cuBLAS binding on that stream, so a whole forward pass can be captured as a
+CUDA graph (GraphCache). Kernel scalars are wrapped as np.int32 / np.int64 / np.float32.
+bf16 tensors are stored as uint16 words (NumPy has no bfloat16).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from functools import lru_cache
+
+import numpy as np
+
+from ...errors import DeviceError
+from . import cublas as cb
+from .kernels import CUDA_TYPES, ROW_ITEMS, SOFTMAX_PER_LANE, SOFTMAX_VEC, VECS, kernel
+
+name = "cuda"
+STORAGE = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
+POOL_CODES = {"cls": 0, "max": 1, "mean": 2, "mean_sqrt_len": 3, "lasttoken": 4}
+ROW_THREADS = 256
+
+
+class _Context:
+    def __init__(self):
+        import cupy
+        self.cupy = cupy
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.cublas_workspace = cupy.empty((cb.WORKSPACE_BYTES,), dtype=np.uint8)
+        self.blas = cb.Cublas(self.stream.ptr, self.cublas_workspace.data.ptr, cb.WORKSPACE_BYTES)
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        self.sm_count = props["multiProcessorCount"]
+        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+
+
+@lru_cache(maxsize=None)
+def context() -> _Context:
+    try:
+        return _Context()
+    except ImportError as e:
+        raise DeviceError(f"the CUDA backend needs CuPy: {e}") from None
+
+
+# ------------------------------------------------------------------ memory
+
+def storage_dtype(dtype_name: str):
+    return STORAGE[dtype_name]
+
+
+def empty(shape, dtype):
+    cupy = context().cupy
+    with context().stream:
+        return cupy.empty(shape, dtype=dtype)
+
+
+def _bf16_words(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, rounded to nearest even."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16)
+
+
+def to_device(array, dtype=None):
+    """Host array -> device array of storage dtype `dtype` (bf16: uint16 words)."""
+    dtype = np.dtype(dtype or array.dtype)
+    host = _bf16_words(array) if dtype == np.uint16 and array.dtype != np.uint16 else \
+        np.ascontiguousarray(array, dtype=dtype)
+    out = empty(host.shape, dtype)
+    out.set(host, stream=context().stream)
+    return out
+
+
+def copy_from_host(dst, src):
+    dst.set(np.ascontiguousarray(src, dtype=dst.dtype), stream=context().stream)
+
+
+def to_host(array):
+    """Device -> host float32 (bf16 words widened), after the stream's work is done."""
+    host = array.get(stream=context().stream)
+    context().stream.synchronize()
+    if host.dtype == np.uint16:
+        return (host.astype(np.uint32) << 16).view(np.float32)
+    return host
+
+
+def synchronize():
+    context().stream.synchronize()
+
+
+def pinned_empty(shape, dtype):
+    import cupyx
+    return cupyx.empty_pinned(shape, dtype=dtype)
+
+
+class GraphCache:
+    """Captured forward passes, keyed by shape, least recently used dropped past `capacity`.
+    With enabled=False every call runs the launches directly (for debugging)."""
+
+    def __init__(self, capacity: int = 32, *, enabled: bool = True):
+        self.capacity = capacity
+        self.enabled = enabled
+        self.graphs = OrderedDict()
+
+    def run(self, key, launch):
+        ctx = context()
+        if not self.enabled:
+            launch()
+            return
+        graph = self.graphs.get(key)
+        if graph is None:
+            ctx.stream.begin_capture()
+            try:
+                launch()
+            finally:
+                graph = ctx.stream.end_capture()
+            self.graphs[key] = graph
+            if len(self.graphs) > self.capacity:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+        graph.launch(stream=ctx.stream)
+
+
+# ------------------------------------------------------------------ launch helpers
+
+def _ctype(a) -> str:
+    return CUDA_TYPES[a.dtype.name]
+
+
+def _launch(file, kname, grid, block, args, shared_mem=0):
+    k = kernel(file, kname)
+    with context().stream:
+        k(grid, block, args, shared_mem=shared_mem)
+
+
+def _vec(a, *widths) -> int:
+    """The widest vector (at most 16 bytes) of a's element type that divides every width."""
+    return next(v for v in VECS[_ctype(a)] if all(w % v == 0 for w in widths))
+
+
+def _threads(n: int, limit: int = 1024) -> int:
+    return int(min(limit, max(32, -(-n // 32) * 32)))
+
+
+def _row_kernel_shape(a, h: int):
+    """(VEC, ITEMS, threads) for a one-block-per-row kernel holding the row in registers."""
+    vec = _vec(a, h)
+    vectors = h // vec
+    items = next((i for i in ROW_ITEMS if vectors <= 1024 * i), None)
+    if items is None:
+        raise DeviceError(f"row length {h} is too long for the row kernels (at most {1024 * ROW_ITEMS[-1] * vec})")
+    return vec, items, _threads(-(-vectors // items))
+
+
+# ------------------------------------------------------------------ ops
+
+def embed_layernorm(out, ids, token_types, positions, word_emb, pos_emb, type_emb, gamma, beta, *, eps):
+    t, h = out.shape
+    vec, items, threads = _row_kernel_shape(out, h)
+    _launch("embedding.cu", f"embed_layernorm<{_ctype(out)}, {vec}, {items}>", (t,), (threads,),
+            (out, ids, token_types, positions, word_emb, pos_emb, type_emb, gamma, beta,
+             np.int32(h), np.float32(eps)))
+
+
+def matmul(out, x, weight):
+    """out (M, N) = x (M, K) @ weight (N, K)^T. Column-major: out^T = op_T(W^T) @ x^T."""
+    m, k = x.shape
+    n = weight.shape[0]
+    dt = cb.DATA_TYPES[out.dtype.name]
+    with context().stream:
+        context().blas.gemm(cb.OP_T, cb.OP_N, n, m, k, weight.data.ptr, dt, k, x.data.ptr, dt, k,
+                            out.data.ptr, dt, n)
+
+
+def add_qkv_bias_split_heads(q, k, v, qkv, bias, *, batch, seq, heads):
+    t, h3 = qkv.shape
+    d = q.shape[-1]
+    vec = _vec(qkv, d)
+    _launch("attention.cu", f"add_qkv_bias_split_heads<{_ctype(qkv)}, {vec}>", (t,), (_threads(h3 // vec),),
+            (q, k, v, qkv, bias, np.int32(seq), np.int32(heads), np.int32(d)))
+
+
+def batched_matmul(out, a, b, *, transpose_b, alpha=1.0):
+    """out (N, M, P) = alpha * a (N, M, K) @ b (N, K, P), or b^T when b is (N, P, K)."""
+    nb, m, k = a.shape
+    p = out.shape[2]
+    dt = cb.DATA_TYPES[out.dtype.name]
+    op_b, ld_b = (cb.OP_T, k) if transpose_b else (cb.OP_N, p)
+    with context().stream:
+        context().blas.gemm_strided_batched(op_b, cb.OP_N, p, m, k, b.data.ptr, dt, ld_b, p * k,
+                                            a.data.ptr, dt, k, m * k, out.data.ptr, dt, p, m * p, nb,
+                                            alpha=alpha)
+
+
+def masked_softmax(probs, scores, lengths, *, heads):
+    n, s, _ = scores.shape
+    rows = n * s
+    t = _ctype(scores)
+    if s <= 32 * SOFTMAX_PER_LANE[-1]:
+        per_lane = next(p for p in SOFTMAX_PER_LANE if 32 * p >= s)
+        vec = SOFTMAX_VEC[t] if (s % SOFTMAX_VEC[t] == 0 and per_lane % SOFTMAX_VEC[t] == 0) else 1
+        warps = 4
+        _launch("attention.cu", f"masked_softmax_warp<{t}, {per_lane}, {vec}>",
+                ((rows + warps - 1) // warps,), (32 * warps,),
+                (probs, scores, lengths, np.int64(rows), np.int32(s), np.int32(heads)))
+    else:
+        _launch("attention.cu", f"masked_softmax_block<{t}>", (rows,), (ROW_THREADS,),
+                (probs, scores, lengths, np.int64(rows), np.int32(s), np.int32(heads)), shared_mem=s * 4)
+
+
+def merge_heads(out, ctx, *, batch, seq, heads):
+    t, h = out.shape
+    d = ctx.shape[-1]
+    vec = _vec(out, d)
+    _launch("attention.cu", f"merge_heads<{_ctype(out)}, {vec}>", (t,), (_threads(h // vec),),
+            (out, ctx, np.int32(seq), np.int32(heads), np.int32(d)))
+
+
+def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
+    t, h = out.shape
+    vec, items, threads = _row_kernel_shape(out, h)
+    _launch("layernorm.cu", f"add_bias_residual_layernorm<{_ctype(out)}, {vec}, {items}>", (t,), (threads,),
+            (out, x, bias, residual, gamma, beta, np.int32(h), np.float32(eps)))
+
+
+def add_bias_gelu(out, x, bias, *, form):
+    t, i = out.shape
+    codes = {"erf": 0, "tanh": 1}
+    if form not in codes:
+        raise ValueError(f"unknown GELU form {form!r}")
+    vec = _vec(out, i)
+    _launch("activation.cu", f"add_bias_gelu<{_ctype(out)}, {vec}>", (t,), (_threads(i // vec, 256),),
+            (out, x, bias, np.int32(i), np.int32(codes[form])))
+
+
+def pool(out, hidden, lengths, *, seq, modes):
+    """out (B, modes*H) float32 from hidden states (B*S, H) of any storage type."""
+    b = out.shape[0]
+    h = hidden.shape[1]
+    threads = 128
+    for i, mode in enumerate(modes):
+        if mode not in POOL_CODES:
+            raise ValueError(f"unknown pooling mode {mode!r}")
+        _launch("pooling.cu", f"pool<{_ctype(hidden)}>", (b, (h + threads - 1) // threads), (threads,),
+                (out, hidden, lengths, np.int32(seq), np.int32(h), np.int32(out.shape[1]),
+                 np.int32(i * h), np.int32(POOL_CODES[mode])))
+
+
+def l2_normalize(out, x):
+    """Row-wise L2 normalisation of float32 (pooled) vectors."""
+    b, d = out.shape
+    _launch("pooling.cu", f"l2_normalize<{_ctype(out)}>", (b,), (ROW_THREADS,), (out, x, np.int32(d)))

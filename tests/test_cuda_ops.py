@@ -1,0 +1,194 @@
+"""Level 1 (GPU): every CUDA op against its NumPy twin on fresh random inputs, odd sizes
+included, output buffers poisoned (NaN) before each call; tolerances from tests/tolerances.py."""
+
+import numpy as np
+import pytest
+
+from ftengine.backends import numpy_ops as ref
+from tests.tolerances import OPS
+
+pytestmark = pytest.mark.gpu
+DTYPES = ["fp32", "fp16", "bf16"]
+HIDDEN = [384, 768, 1024, 200]
+
+
+@pytest.fixture(scope="module")
+def cu():
+    from ftengine.backends.cuda import ops
+    return ops
+
+
+def quantize(cu, x, dtype):
+    """(device array in `dtype`, the host float32 values it holds) for a float32 host array."""
+    dev = cu.to_device(np.asarray(x, np.float32), cu.storage_dtype(dtype))
+    return dev, cu.to_host(dev).astype(np.float32)
+
+
+def poisoned(cu, shape, dtype):
+    import cupy
+    storage = np.dtype(cu.storage_dtype(dtype))
+    out = cu.empty(shape, storage)
+    if storage == np.uint16:
+        out.view(cupy.uint16).fill(0x7FC0)  # bf16 NaN
+    else:
+        out.fill(np.nan)
+    return out
+
+
+def assert_close(cu, out, expected, dtype):
+    got = cu.to_host(out).astype(np.float32)
+    assert not np.isnan(got).any(), "some outputs were never written (NaN poison left)"
+    tol = OPS[dtype]
+    bound = tol["atol"] + tol["rtol"] * np.abs(expected)
+    worst = np.max(np.abs(got - expected) - bound)
+    assert worst <= 0, f"max |err| {np.abs(got - expected).max():.3g} exceeds {dtype} tolerance"
+
+
+def ints(cu, a):
+    return cu.to_device(np.asarray(a, np.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", HIDDEN)
+def test_embed_layernorm(cu, rng, dtype, h):
+    t, v, p, tv = 37, 101, 64, 2
+    ids, pos, types = rng.integers(0, v, t), rng.integers(0, p, t), rng.integers(0, tv, t)
+    tables = [quantize(cu, rng.standard_normal(shape), dtype) for shape in ((v, h), (p, h), (tv, h))]
+    gamma, beta = (quantize(cu, rng.standard_normal(h), dtype) for _ in range(2))
+    out = poisoned(cu, (t, h), dtype)
+    cu.embed_layernorm(out, ints(cu, ids), ints(cu, types), ints(cu, pos), *(d for d, _ in tables),
+                       gamma[0], beta[0], eps=1e-12)
+    expected = np.empty((t, h), np.float32)
+    ref.embed_layernorm(expected, ids, types, pos, *(hst for _, hst in tables), gamma[1], beta[1], eps=1e-12)
+    assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", HIDDEN)
+@pytest.mark.parametrize("alias", [False, True])
+def test_add_bias_residual_layernorm(cu, rng, dtype, h, alias):
+    t = 53
+    (x, xh), (b, bh), (r, rh), (g, gh), (be, beh) = (
+        quantize(cu, rng.standard_normal(s), dtype) for s in ((t, h), (h,), (t, h), (h,), (h,)))
+    out = r if alias else poisoned(cu, (t, h), dtype)
+    expected = np.empty((t, h), np.float32)
+    ref.add_bias_residual_layernorm(expected, xh, bh, rh, gh, beh, eps=1e-5)
+    cu.add_bias_residual_layernorm(out, x, b, r, g, be, eps=1e-5)
+    assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", ["erf", "tanh"])
+@pytest.mark.parametrize("inter", [1536, 3072, 4096, 803])
+def test_add_bias_gelu(cu, rng, dtype, form, inter):
+    t = 29
+    (x, xh), (b, bh) = (quantize(cu, 3 * rng.standard_normal(s), dtype) for s in ((t, inter), (inter,)))
+    out = poisoned(cu, (t, inter), dtype)
+    expected = np.empty((t, inter), np.float32)
+    ref.add_bias_gelu(expected, xh, bh, form=form)
+    cu.add_bias_gelu(out, x, b, form=form)
+    assert_close(cu, out, expected, dtype)
+
+
+SPLITS = [(1, 1, 12, 64), (3, 17, 6, 64), (2, 128, 16, 64), (5, 33, 4, 50), (64, 8, 12, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, seq, heads, d", SPLITS)
+def test_split_and_merge_heads(cu, rng, dtype, batch, seq, heads, d):
+    h = heads * d
+    (qkv, qkvh), (b, bh) = (quantize(cu, rng.standard_normal(s), dtype) for s in ((batch * seq, 3 * h), (3 * h,)))
+    outs = [poisoned(cu, (batch * heads, seq, d), dtype) for _ in range(3)]
+    expected = [np.empty((batch * heads, seq, d), np.float32) for _ in range(3)]
+    cu.add_qkv_bias_split_heads(*outs, qkv, b, batch=batch, seq=seq, heads=heads)
+    ref.add_qkv_bias_split_heads(*expected, qkvh, bh, batch=batch, seq=seq, heads=heads)
+    for o, e in zip(outs, expected):
+        assert_close(cu, o, e, dtype)
+    ctx, ctxh = quantize(cu, rng.standard_normal((batch * heads, seq, d)), dtype)
+    merged = poisoned(cu, (batch * seq, h), dtype)
+    expected_merged = np.empty((batch * seq, h), np.float32)
+    cu.merge_heads(merged, ctx, batch=batch, seq=seq, heads=heads)
+    ref.merge_heads(expected_merged, ctxh, batch=batch, seq=seq, heads=heads)
+    assert_close(cu, merged, expected_merged, dtype)
+
+
+SOFTMAX = [(1, 1), (3, 7), (2, 32), (4, 33), (2, 128), (1, 255), (2, 256), (1, 512), (1, 1000), (1, 1500), (64, 16)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, seq", SOFTMAX)
+def test_masked_softmax(cu, rng, dtype, batch, seq):
+    heads = 3
+    lengths = rng.integers(1, seq + 1, batch)
+    lengths[0] = seq
+    scores, sh = quantize(cu, 4 * rng.standard_normal((batch * heads, seq, seq)), dtype)
+    out = poisoned(cu, scores.shape, dtype)
+    expected = np.empty(sh.shape, np.float32)
+    ref.masked_softmax(expected, sh, lengths, heads=heads)
+    cu.masked_softmax(out, scores, ints(cu, lengths), heads=heads)
+    assert_close(cu, out, expected, dtype)
+    cu.masked_softmax(scores, scores, ints(cu, lengths), heads=heads)  # in place, as the model runs it
+    assert_close(cu, scores, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_masked_row_is_zero_not_nan(cu, rng, dtype):
+    seq, heads = 40, 2
+    lengths = np.array([0, 5])
+    scores, sh = quantize(cu, rng.standard_normal((2 * heads, seq, seq)), dtype)
+    out = poisoned(cu, scores.shape, dtype)
+    cu.masked_softmax(out, scores, ints(cu, lengths), heads=heads)
+    got = cu.to_host(out).astype(np.float32)
+    assert (got[:heads] == 0).all()
+    expected = np.empty(sh.shape, np.float32)
+    ref.masked_softmax(expected, sh, lengths, heads=heads)
+    assert_close(cu, out, expected, dtype)
+
+
+GEMMS = [(1, 384, 1152), (37, 768, 768), (128, 1024, 4096), (5, 200, 803), (512, 3072, 768)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n", GEMMS)
+def test_matmul(cu, rng, dtype, m, k, n):
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
+    out = poisoned(cu, (m, n), dtype)
+    cu.matmul(out, x, w)
+    expected = (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32)
+    assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_b", [True, False])
+@pytest.mark.parametrize("nb, m, k, p", [(36, 128, 64, 128), (7, 33, 50, 33), (1, 1, 64, 1), (24, 512, 64, 512)])
+def test_batched_matmul(cu, rng, dtype, transpose_b, nb, m, k, p):
+    a, ah = quantize(cu, rng.standard_normal((nb, m, k)) / 4, dtype)
+    b, bh = quantize(cu, rng.standard_normal((nb, p, k) if transpose_b else (nb, k, p)) / 4, dtype)
+    out = poisoned(cu, (nb, m, p), dtype)
+    cu.batched_matmul(out, a, b, transpose_b=transpose_b, alpha=0.125)
+    expected = np.empty((nb, m, p), np.float32)
+    ref.batched_matmul(expected, ah.astype(np.float64), bh.astype(np.float64), transpose_b=transpose_b, alpha=0.125)
+    assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, seq, h", [(1, 1, 384), (3, 17, 768), (64, 9, 200), (2, 512, 1024)])
+def test_pool_and_normalize(cu, rng, dtype, batch, seq, h):
+    modes = ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")
+    lengths = rng.integers(1, seq + 1, batch)
+    hidden, hh = quantize(cu, rng.standard_normal((batch * seq, h)), dtype)
+    out = poisoned(cu, (batch, len(modes) * h), "fp32")  # pooled vectors are float32
+    expected = np.empty((batch, len(modes) * h), np.float32)
+    cu.pool(out, hidden, ints(cu, lengths), seq=seq, modes=modes)
+    ref.pool(expected, hh, lengths, seq=seq, modes=modes)
+    assert_close(cu, out, expected, "fp32")
+
+
+@pytest.mark.parametrize("batch, d", [(1, 384), (3, 768), (64, 200), (2, 5 * 1024)])
+def test_l2_normalize(cu, rng, batch, d):
+    x, xh = quantize(cu, rng.standard_normal((batch, d)), "fp32")
+    normed = poisoned(cu, (batch, d), "fp32")
+    cu.l2_normalize(normed, x)
+    expected = np.empty((batch, d), np.float32)
+    ref.l2_normalize(expected, xh)
+    assert_close(cu, normed, expected, "fp32")

@@ -1,0 +1,31 @@
+"""Every kernels_cu/*.cu compiles with nvcc for sm_80 and sm_90, every listed template
+instantiated (CPU only: catches syntax and type errors without a GPU)."""
+
+import shutil
+import subprocess
+
+import pytest
+
+from ftengine.backends.cuda.kernels import CUDA_TYPES, FAMILIES, source
+from ftengine.backends.cuda import kernel_dir
+
+NVCC = shutil.which("nvcc")
+
+
+def test_every_cu_file_is_listed():
+    assert sorted(p.name for p in kernel_dir().glob("*.cu")) == sorted(FAMILIES)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
+@pytest.mark.parametrize("file", sorted(FAMILIES))
+def test_compiles_for_sm80_and_sm90(tmp_path, file):
+    names = [n for t in CUDA_TYPES.values() for n in FAMILIES[file](t)]
+    unit = tmp_path / file
+    unit.write_text(source(file) + "\nvoid* const* ftengine_instantiate_all() {\n    static void* kernels[] = {\n"
+                    + "".join(f"        (void*)&{n},\n" for n in names) + "    };\n    return kernels;\n}\n")
+    proc = subprocess.run(
+        [NVCC, "-std=c++17", "-c", str(unit), "-o", str(tmp_path / "out.o"),
+         "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+         "-Werror", "all-warnings"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
