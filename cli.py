@@ -33,7 +33,8 @@ def main():
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="Compute precision. Default: fp16 on the GPU, fp32 on the CPU.")
 @click.option("--batch-tokens", type=click.IntRange(min=1), default=None,
-              help="Token budget per batch (batch size x padded length).")
+              help="Token budget per batch: real tokens (packed layout) or batch size x longest "
+                   "(padded). Default: 16384 on the GPU, 4096 on the CPU.")
 @click.option("--max-length", type=click.IntRange(min=2), default=None,
               help="Longest tokenised text; longer texts are truncated. Default: the model folder's.")
 @click.option("--pooling", default=None,
@@ -46,18 +47,21 @@ def main():
               help="Invalid UTF-8: fail naming the line, or replace with U+FFFD.")
 @click.option("--truncate/--no-truncate", default=True, show_default=True,
               help="Truncate over-long lines (counted in the summary) or fail naming the line.")
+@click.option("--layout", type=click.Choice(["auto", "packed", "padded"]), default="auto", show_default=True,
+              help="packed: padding-free with fused attention; padded: batched-GEMM attention. "
+                   "auto: packed when the model's head size is 32, 64 or 128.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay each batch shape as a captured CUDA graph (off: direct launches, for debugging).")
 @click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
 def encode(input_path, output, model_path, device, dtype, batch_tokens, max_length, pooling,
-           normalize, fmt, errors, truncate, cuda_graphs, quiet):
+           normalize, fmt, errors, truncate, layout, cuda_graphs, quiet):
     """Embed each line of INPUT (a UTF-8 text file, or '-' for stdin): one row per line, in order."""
     try:
         fmt = output_format(output, fmt)
         check_writable(output)
         lines = read_lines(input_path, errors=errors)
         encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length,
-                                          cuda_graphs=cuda_graphs)
+                                          cuda_graphs=cuda_graphs, layout=layout)
         show_bar = not quiet and sys.stderr.isatty()
         from tqdm import tqdm
         with tqdm(total=len(lines), unit="line", disable=not show_bar, file=sys.stderr) as bar:

@@ -1,13 +1,14 @@
 """Encoder benchmark: ftengine (CUDA) against HuggingFace BertModel in the same process.
 
 BERT-base with HF BertConfig defaults and HF's random initialisation (saved once, loaded by
-both), full-length padded batches, fp16 and fp32. ftengine is timed end to end per batch
-(host token ids in, pooled embeddings back on the host); HF is timed on its forward pass
-with inputs already on the GPU. Median of repeats after warm-up, synchronised timing.
+both): full-length batches and a ragged one, fp16 and fp32. ftengine is timed end to end per
+batch (host token ids in, pooled embeddings back on the host) in both token layouts; HF is
+timed on its forward pass with inputs already on the GPU. Median of repeats after warm-up,
+synchronised timing.
 
-Also: a per-op GPU time breakdown of one ftengine forward pass, and `Encoder.encode`
-throughput on a synthetic file with all-MiniLM-L6-v2-shaped weights against
-sentence-transformers on the same GPU.
+Also: the attention step alone (fused, unfused, torch SDPA), a per-op GPU time breakdown of
+one forward pass, and `Encoder.encode` throughput on a synthetic file with
+all-MiniLM-L6-v2-shaped weights against sentence-transformers on the same GPU.
 
 Usage: python bench/bench_encoder.py --out bench/results
 """
@@ -33,11 +34,19 @@ from ftengine import Encoder  # noqa: E402
 from ftengine.backends.cuda import ops as cuda_ops  # noqa: E402
 from ftengine.checkpoint import load_bert_weights  # noqa: E402
 from ftengine.config import load_bert_config  # noqa: E402
-from ftengine.models.bert import BertRunner, make_batch  # noqa: E402
+from ftengine.models.bert import Batch, BertRunner  # noqa: E402
 from weights.fixtures import WORDS, write_bert_checkpoint  # noqa: E402
 
-SHAPES = [(1, 128), (32, 128), (256, 128), (64, 512)]
-TARGETS_FP16 = {(1, 128): 0.4, (32, 128): 1.6, (256, 128): 11.0}
+FULL = [(1, 128), (32, 128), (256, 128), (64, 512)]
+TARGETS_FP16 = {"1x128 full": 0.4, "32x128 full": 1.6, "256x128 full": 10.0, "64x512 full": 11.0}
+MAX_TOKENS = 32768
+
+
+def cases(rng):
+    """(label, lengths) of each timed batch: full-length ones and 32 ragged sequences."""
+    out = [(f"{b}x{s} full", [s] * b) for b, s in FULL]
+    out.append(("32 ragged-16-128", rng.integers(16, 129, 32).tolist()))
+    return out
 
 
 def median_ms(fn, *, warmup=5, repeat=30, sync):
@@ -72,7 +81,8 @@ def hf_models(folder, dtype):
     return out
 
 
-def time_shapes(folder, rows):
+def time_batches(folder, rows):
+    """ftengine (packed and padded layouts) and HF (sdpa, eager; padded batch with its mask)."""
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
     config = load_bert_config(folder)
@@ -80,38 +90,112 @@ def time_shapes(folder, rows):
     rng = np.random.default_rng(0)
     for dtype in ("fp16", "fp32"):
         models = hf_models(folder, dtype)
-        runners = {}
-        for b, s in SHAPES:
-            key = s
-            if key not in runners:
-                runners[key] = BertRunner(config, weights, cuda_ops, dtype=dtype,
-                                          max_batch_tokens=max(bb * ss for bb, ss in SHAPES if ss == s),
-                                          max_seq_len=s)
-            runner = runners[key]
-            ids = rng.integers(1000, config.vocab_size, (b, s)).astype(np.int32)
-            batch = make_batch(ids.tolist(), np.zeros((b, s), np.int32).tolist(), pad_id=0)
-            ft = median_ms(lambda: runner.embed(batch, pooling=("mean",), normalize=True),
-                           sync=cuda_ops.synchronize)
-            t_ids = torch.from_numpy(ids.astype(np.int64)).cuda()
-            t_mask = torch.ones_like(t_ids)
+        runners = {layout: BertRunner(config, weights, cuda_ops, dtype=dtype, max_batch_tokens=MAX_TOKENS,
+                                      max_seq_len=512, layout=layout) for layout in ("packed", "padded")}
+        for label, lengths in cases(rng):
+            if dtype == "fp32" and "ragged" in label:
+                continue
+            ids = [rng.integers(1000, config.vocab_size, n).tolist() for n in lengths]
+            batch = Batch.from_lists(ids, [[0] * n for n in lengths])
+            ft = {layout: median_ms(lambda r=r: r.embed(batch, pooling=("mean",), normalize=True),
+                                    sync=cuda_ops.synchronize) for layout, r in runners.items()}
+            s = max(lengths)
+            t_ids = torch.zeros((len(lengths), s), dtype=torch.long)
+            t_mask = torch.zeros_like(t_ids)
+            for i, row in enumerate(ids):
+                t_ids[i, :len(row)] = torch.tensor(row)
+                t_mask[i, :len(row)] = 1
+            t_ids, t_mask = t_ids.cuda(), t_mask.cuda()
             hf = {}
             for impl, m in models.items():
                 def run(m=m):
                     with torch.no_grad():
                         m(input_ids=t_ids, attention_mask=t_mask)
                 hf[impl] = median_ms(run, sync=torch.cuda.synchronize, repeat=20)
-            row = {"model": "bert-base", "dtype": dtype, "batch": b, "seq": s, "lengths": "full",
-                   "ftengine_ms": round(ft, 4), "hf_sdpa_ms": round(hf["sdpa"], 4),
-                   "hf_eager_ms": round(hf["eager"], 4), "speedup_vs_sdpa": round(hf["sdpa"] / ft, 2)}
-            if dtype == "fp16" and (b, s) in TARGETS_FP16:
-                row["target_ms"] = TARGETS_FP16[(b, s)]
+            b = len(lengths)
+            row = {"model": "bert-base", "dtype": dtype, "batch": b, "seq": s,
+                   "lengths": "full" if "full" in label else "ragged-16-128", "tokens": int(sum(lengths)),
+                   "ftengine_ms": round(ft["packed"], 4), "ftengine_padded_ms": round(ft["padded"], 4),
+                   "hf_sdpa_ms": round(hf["sdpa"], 4), "hf_eager_ms": round(hf["eager"], 4),
+                   "speedup_vs_sdpa": round(hf["sdpa"] / ft["packed"], 2)}
+            if dtype == "fp16" and label in TARGETS_FP16:
+                row["target_ms"] = TARGETS_FP16[label]
+            if "ragged" in label:
+                row["packed_over_padded"] = round(ft["packed"] / ft["padded"], 3)
+                row["target"] = "packed <= 0.6 x padded, >= 3x faster than HF sdpa"
             rows.append(row)
             print(json.dumps(row), flush=True)
         del models, runners
 
 
+def graph_ms(fn, repeat=20):
+    """GPU time of fn's launches: captured `repeat` times into one graph, replayed between events."""
+    import cupy
+    stream = cuda_ops.context().stream
+    stream.begin_capture()
+    for _ in range(repeat):
+        fn()
+    graph = stream.end_capture()
+    graph.launch(stream=stream)
+    times = []
+    for _ in range(5):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        graph.launch(stream=stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / repeat)
+    return statistics.median(times)
+
+
+def attention_alone(b=64, s=512, heads=12, d=64):
+    """The attention step alone, fp16, full-length sequences: fused kernel, the unfused path
+    (split heads, QK^T GEMM, softmax, PV GEMM, merge heads) and torch SDPA."""
+    import torch
+    rng = np.random.default_rng(3)
+    h, t = heads * d, b * s
+    qkv = cuda_ops.to_device(rng.standard_normal((t, 3 * h)).astype(np.float32), np.float16)
+    bias = cuda_ops.to_device(rng.standard_normal(3 * h).astype(np.float32) * 0.1, np.float16)
+    cu_seqlens = cuda_ops.to_device(np.arange(0, t + 1, s, dtype=np.int32))
+    lengths = cuda_ops.to_device(np.full(b, s, np.int32))
+    ctx = cuda_ops.empty((t, h), np.float16)
+    q, k, v, heads_out = (cuda_ops.empty((b * heads, s, d), np.float16) for _ in range(4))
+    scores = cuda_ops.empty((b * heads, s, s), np.float16)
+    fused = graph_ms(lambda: cuda_ops.varlen_attention(ctx, qkv, bias, cu_seqlens, heads=heads, max_seqlen=s))
+
+    def unfused():
+        cuda_ops.add_qkv_bias_split_heads(q, k, v, qkv, bias, batch=b, seq=s, heads=heads)
+        cuda_ops.batched_matmul(scores, q, k, transpose_b=True, alpha=1 / np.sqrt(d))
+        cuda_ops.masked_softmax(scores, scores, lengths, heads=heads)
+        cuda_ops.batched_matmul(heads_out, scores, v, transpose_b=False)
+        cuda_ops.merge_heads(ctx, heads_out, batch=b, seq=s, heads=heads)
+    unfused_ms = graph_ms(unfused)
+    tq, tk, tv = (torch.randn(b, heads, s, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    for _ in range(3):
+        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(20):
+            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 20)
+    sdpa_ms = statistics.median(times)
+    flops = 4 * b * heads * s * s * d
+    row = {"case": f"attention alone fp16, {b} x {s}, {heads} heads, head dim {d}", "flop": flops,
+           "fused_ms": round(fused, 4), "fused_tflops": round(flops / fused / 1e9, 1),
+           "unfused_ms": round(unfused_ms, 4), "unfused_tflops": round(flops / unfused_ms / 1e9, 1),
+           "torch_sdpa_ms": round(sdpa_ms, 4), "torch_sdpa_tflops": round(flops / sdpa_ms / 1e9, 1)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 OP_NAMES = ("matmul", "batched_matmul", "embed_layernorm", "add_qkv_bias_split_heads", "masked_softmax",
-            "merge_heads", "add_bias_residual_layernorm", "add_bias_gelu", "pool", "l2_normalize")
+            "merge_heads", "add_bias_residual_layernorm", "add_bias_gelu", "pool", "l2_normalize",
+            "build_offsets", "varlen_attention", "pool_packed")
 
 
 class RecordedOps:
@@ -137,36 +221,23 @@ class RecordedOps:
         return recorded
 
 
-def breakdown(folder, b, s, dtype="fp16", repeat=20):
-    """GPU time per op of one forward pass: each recorded op call is captured `repeat` times
-    into a graph of its own and timed with CUDA events around the replay (launch cost ~0)."""
-    import cupy
+def breakdown(folder, b, s, layout="packed", dtype="fp16"):
+    """GPU time per op of one forward pass: each recorded op call replayed alone from a graph."""
     config = load_bert_config(folder)
     recorded = RecordedOps(cuda_ops)
     runner = BertRunner(config, load_bert_weights(folder, config), recorded, dtype=dtype,
-                        max_batch_tokens=b * s, max_seq_len=s, graphs=False)
+                        max_batch_tokens=b * s, max_seq_len=s, layout=layout, graphs=False)
     ids = np.random.default_rng(1).integers(1000, config.vocab_size, (b, s)).tolist()
-    batch = make_batch(ids, [[0] * s] * b, pad_id=0)
+    batch = Batch.from_lists(ids, [[0] * s] * b)
     runner.embed(batch, pooling=("mean",), normalize=True)
-    stream = cuda_ops.context().stream
     total, count = defaultdict(float), defaultdict(int)
     for label, fn, args, kwargs in recorded.calls:
-        stream.begin_capture()
-        for _ in range(repeat):
-            fn(*args, **kwargs)
-        graph = stream.end_capture()
-        graph.launch(stream=stream)
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        graph.launch(stream=stream)
-        end.record(stream)
-        end.synchronize()
-        total[label] += cupy.cuda.get_elapsed_time(start, end) / repeat
+        total[label] += graph_ms(lambda: fn(*args, **kwargs))
         count[label] += 1
     runner.graphs.enabled = True
     whole = median_ms(lambda: runner.embed(batch, pooling=("mean",), normalize=True), sync=cuda_ops.synchronize)
     rows = [{"op": k, "calls": count[k], "ms": round(v, 4)} for k, v in sorted(total.items(), key=lambda kv: -kv[1])]
-    return {"model": "bert-base", "dtype": dtype, "batch": b, "seq": s, "ops": rows,
+    return {"model": "bert-base", "dtype": dtype, "batch": b, "seq": s, "layout": layout, "ops": rows,
             "sum_ms": round(sum(total.values()), 4), "end_to_end_ms": round(whole, 4)}
 
 
@@ -176,21 +247,26 @@ def synthetic_lines(n, rng):
 
 
 def throughput(tmp: Path):
+    """`Encoder.encode` on a large synthetic file with a realistic length spread (log-normal,
+    median ~16 words, cut at 256 tokens): packed and padded ftengine, sentence-transformers."""
     import torch
     from sentence_transformers import SentenceTransformer
     folder = write_bert_checkpoint(
-        tmp / "minilm", seed=3, hidden=384, layers=6, heads=12, intermediate=1536, max_positions=512,
+        tmp / "minilm", seed=3, init="hf", hidden=384, layers=6, heads=12, intermediate=1536, max_positions=512,
         sentence_transformers={"pooling": {"word_embedding_dimension": 384, "pooling_mode_mean_tokens": True},
                                "normalize": True, "max_seq_length": 256})
     lines = synthetic_lines(50_000, np.random.default_rng(2))
     out = []
-    enc = Encoder.from_pretrained(folder, device="cuda", dtype="fp16")
-    enc.encode(lines[:2000])
-    t0 = time.perf_counter()
-    _, stats = enc.encode_with_stats(lines)
-    ft_s = time.perf_counter() - t0
-    out.append({"engine": "ftengine fp16", "lines": len(lines), "tokens": stats.tokens,
-                "seconds": round(ft_s, 3), "lines_per_s": round(len(lines) / ft_s), "tokens_per_s": round(stats.tokens / ft_s)})
+    for layout in ("packed", "padded"):
+        enc = Encoder.from_pretrained(folder, device="cuda", dtype="fp16", layout=layout)
+        enc.encode(lines[:5000])
+        t0 = time.perf_counter()
+        _, stats = enc.encode_with_stats(lines)
+        sec = time.perf_counter() - t0
+        out.append({"engine": f"ftengine fp16 {layout}", "lines": len(lines), "tokens": stats.tokens,
+                    "seconds": round(sec, 3), "lines_per_s": round(len(lines) / sec),
+                    "tokens_per_s": round(stats.tokens / sec)})
+    tokens = out[0]["tokens"]
     for label, half in (("sentence-transformers fp32", False), ("sentence-transformers fp16", True)):
         st = SentenceTransformer(str(folder), device="cuda")
         if half:
@@ -200,9 +276,9 @@ def throughput(tmp: Path):
         t0 = time.perf_counter()
         st.encode(lines, batch_size=128)
         torch.cuda.synchronize()
-        s = time.perf_counter() - t0
-        out.append({"engine": label + " (batch_size 128)", "lines": len(lines), "tokens": stats.tokens,
-                    "seconds": round(s, 3), "lines_per_s": round(len(lines) / s), "tokens_per_s": round(stats.tokens / s)})
+        sec = time.perf_counter() - t0
+        out.append({"engine": label + " (batch_size 128)", "lines": len(lines), "tokens": tokens,
+                    "seconds": round(sec, 3), "lines_per_s": round(len(lines) / sec), "tokens_per_s": round(tokens / sec)})
     for row in out:
         print(json.dumps(row), flush=True)
     return out
@@ -219,22 +295,35 @@ def versions():
 
 def markdown(result) -> str:
     lines = [f"# Encoder benchmark — {result['device']}, {result['date']}", "",
-             "BERT-base (HF BertConfig defaults, random weights), full-length padded batches. "
-             "ftengine: host ids in -> pooled embeddings on the host; HF: forward with inputs on the GPU.", "",
-             "| dtype | batch x seq | ftengine ms | HF sdpa ms | HF eager ms | speed-up vs sdpa | target |",
-             "|---|---|---|---|---|---|---|"]
+             "BERT-base (HF BertConfig defaults, HF random initialisation). ftengine: host token ids in -> "
+             "pooled embeddings on the host, packed (padding-free, fused attention; the default) and padded "
+             "layouts; HF BertModel: forward on the padded batch with its mask, inputs already on the GPU. "
+             "Median of repeats, synchronised.", "",
+             "| dtype | batch | lengths | tokens | ftengine packed ms | ftengine padded ms | HF sdpa ms | HF eager ms "
+             "| speed-up vs sdpa | target ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['dtype']} | {r['batch']} x {r['seq']} | {r['ftengine_ms']:.3f} | {r['hf_sdpa_ms']:.3f} | "
+        lines.append(f"| {r['dtype']} | {r['batch']} x {r['seq']} | {r['lengths']} | {r['tokens']} | "
+                     f"{r['ftengine_ms']:.3f} | {r['ftengine_padded_ms']:.3f} | {r['hf_sdpa_ms']:.3f} | "
                      f"{r['hf_eager_ms']:.3f} | {r['speedup_vs_sdpa']:.1f}x | {r.get('target_ms', '')} |")
+    for r in result["rows"]:
+        if "packed_over_padded" in r:
+            lines += ["", f"Ragged batch ({r['batch']} sequences, lengths uniform in [16, 128], {r['tokens']} tokens, "
+                      f"{r['dtype']}): packed / padded-to-128 = {r['packed_over_padded']:.2f} (target <= 0.6); "
+                      f"HF sdpa / packed = {r['speedup_vs_sdpa']:.1f}x (target >= 3)."]
+    a = result["attention"]
+    lines += ["", f"{a['case']}: fused {a['fused_ms']:.3f} ms ({a['fused_tflops']} TFLOP/s), unfused path "
+              f"{a['unfused_ms']:.3f} ms ({a['unfused_tflops']} TFLOP/s), torch SDPA {a['torch_sdpa_ms']:.3f} ms "
+              f"({a['torch_sdpa_tflops']} TFLOP/s)."]
     for bd in result["breakdown"]:
-        lines += ["", f"GPU time per op, one forward pass, {bd['batch']} x {bd['seq']} {bd['dtype']} (each op call "
-                  f"replayed alone from a graph): {bd['sum_ms']:.3f} ms in ops; end to end {bd['end_to_end_ms']:.3f} ms "
-                  "(graph replay + input copy + result copy back)",
+        lines += ["", f"GPU time per op, one forward pass, {bd['batch']} x {bd['seq']} {bd['dtype']} {bd['layout']} "
+                  f"(each op call replayed alone from a graph): {bd['sum_ms']:.3f} ms in ops; end to end "
+                  f"{bd['end_to_end_ms']:.3f} ms (graph replay + input copy + result copy back)",
                   "", "| op | calls | ms | share |", "|---|---|---|---|"]
         for r in bd["ops"]:
             lines.append(f"| {r['op']} | {r['calls']} | {r['ms']:.3f} | {100 * r['ms'] / bd['sum_ms']:.1f}% |")
-    lines += ["", "`Encoder.encode` on 50,000 synthetic lines (all-MiniLM-L6-v2 shape, random weights):", "",
-              "| engine | lines/s | tokens/s | seconds |", "|---|---|---|---|"]
+    lines += ["", "`Encoder.encode` on 50,000 synthetic lines (all-MiniLM-L6-v2 shape, random weights, "
+              "log-normal lengths):", "", "| engine | lines/s | tokens/s | seconds |", "|---|---|---|---|"]
     for r in result["throughput"]:
         lines.append(f"| {r['engine']} | {r['lines_per_s']} | {r['tokens_per_s']} | {r['seconds']} |")
     return "\n".join(lines) + "\n"
@@ -249,8 +338,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "bert-base"
         save_hf_bert_base(folder)
-        time_shapes(folder, result["rows"])
-        result["breakdown"] = [breakdown(folder, 1, 128), breakdown(folder, 32, 128)]
+        time_batches(folder, result["rows"])
+        result["attention"] = attention_alone()
+        result["breakdown"] = [breakdown(folder, 1, 128), breakdown(folder, 32, 128),
+                               breakdown(folder, 32, 128, layout="padded")]
         result["throughput"] = throughput(Path(tmp))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

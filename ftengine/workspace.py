@@ -21,7 +21,7 @@ class Workspace:
         self.nbytes = offset
         self.buffer = ops.empty((max(offset, ALIGN),), np.uint8)
 
-    def view(self, name: str, shape) -> "array":
+    def view(self, name: str, shape):
         """The first prod(shape) elements of entry `name`, shaped. Refuses shapes over the entry's size."""
         offset, count, dtype = self.entries[name]
         n = math.prod(shape)

@@ -46,3 +46,34 @@ __global__ void l2_normalize(T* out, const T* x, int D) {
     for (int i = threadIdx.x; i < D; i += blockDim.x)
         out[base + i] = from_float<T>(to_float(x[base + i]) * inv);
 }
+
+// Pooling over the padding-free layout: sequence b is rows cu_seqlens[b] .. cu_seqlens[b+1]
+// of hidden (T, H). Same modes and grid as `pool`. A sequence of length 0 (batch padding)
+// pools to zeros.
+template <typename T>
+__global__ void pool_packed(float* __restrict__ out,             // (B, out_stride)
+                            const T* __restrict__ hidden,        // (T, H)
+                            const int* __restrict__ cu_seqlens,  // (B + 1,)
+                            int H, int out_stride, int offset, int mode) {
+    const int b = blockIdx.x;
+    const int h = blockIdx.y * blockDim.x + threadIdx.x;
+    if (h >= H) return;
+    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
+    const T* x = hidden + (long)start * H + h;
+    float r = 0.0f;
+    if (len > 0) {
+        if (mode == 0) {
+            r = to_float(x[0]);
+        } else if (mode == 4) {
+            r = to_float(x[(long)(len - 1) * H]);
+        } else if (mode == 1) {
+            r = -FT_INFINITY;
+            for (int s = 0; s < len; ++s) r = fmaxf(r, to_float(x[(long)s * H]));
+        } else {
+            float sum = 0.0f;
+            for (int s = 0; s < len; ++s) sum += to_float(x[(long)s * H]);
+            r = (mode == 2) ? sum / len : sum / sqrtf((float)len);
+        }
+    }
+    out[(long)b * out_stride + offset + h] = r;
+}

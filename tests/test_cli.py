@@ -42,6 +42,16 @@ def test_npy_output_matches_api_in_input_order(st_model, sample, tmp_path):
     assert "6 lines" in r.stderr and "1 truncated" in r.stderr and "lines/s" in r.stderr
 
 
+def test_padded_layout_gives_the_same_embeddings(st_model, sample, tmp_path):
+    out = tmp_path / "padded.npy"
+    r = run(sample, "-o", out, "--model", st_model, "--device", "cpu", "--layout", "padded", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    ref = Encoder.from_pretrained(st_model, device="cpu").encode(LINES)  # 32-dim heads of 8: padded
+    assert np.abs(np.load(out) - ref).max() <= BATCHING_INVARIANCE_FP32
+    r = run(sample, "--model", st_model, "--device", "cpu", "--layout", "packed")
+    assert r.exit_code == 1 and "packed layout needs head_dim in (32, 64, 128), this model has 8" in r.stderr
+
+
 def test_jsonl_on_stdout(st_model, sample):
     r = run(sample, "-o", "-", "--model", st_model, "--device", "cpu", "--quiet")
     assert r.exit_code == 0, r.stderr

@@ -1,5 +1,5 @@
 """Level 3 (GPU): the CUDA encoder against HF transformers on the same GPU and against the
-NumPy backend, for every dtype; CUDA graphs on and off give identical results."""
+NumPy backend, for every dtype and both token layouts; CUDA graphs on and off give identical results."""
 
 import numpy as np
 import pytest
@@ -8,55 +8,65 @@ from ftengine import Encoder
 from ftengine.backends import numpy_ops
 from ftengine.checkpoint import load_bert_weights
 from ftengine.config import load_bert_config
-from ftengine.models.bert import BertRunner, make_batch
+from ftengine.models.bert import Batch, BertRunner, padded_arrays
 from tests.tolerances import EMBEDDING_COSINE_LOWP, GPU_FP32_REL, LOWP_ERROR_FACTOR
 from weights.fixtures import write_bert_checkpoint
 
 pytestmark = pytest.mark.gpu
 
-CONFIGS = {
-    "bert-base": dict(hidden=768, layers=12, heads=12, intermediate=3072, max_positions=512),
-    "small-odd": dict(hidden=200, layers=2, heads=4, intermediate=803, max_positions=160, hidden_act="gelu_new"),
-    "minilm-shaped": dict(hidden=384, layers=3, heads=12, intermediate=1536, max_positions=512, type_vocab=1),
+CONFIGS = {  # name -> (fixture config, layouts)
+    "bert-base": (dict(hidden=768, layers=12, heads=12, intermediate=3072, max_positions=512), ["packed", "padded"]),
+    "small-odd": (dict(hidden=200, layers=2, heads=4, intermediate=803, max_positions=160, hidden_act="gelu_new"), ["padded"]),
+    "minilm-shaped": (dict(hidden=384, layers=3, heads=12, intermediate=1536, max_positions=512, type_vocab=1), ["packed", "padded"]),
+    "head-dim-128": (dict(hidden=256, layers=2, heads=2, intermediate=700, max_positions=512), ["packed"]),
 }
+CASES = [(name, layout) for name, (_, layouts) in CONFIGS.items() for layout in layouts]
 LENGTHS = [128, 1, 77, 3, 128, 64, 31, 100]
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def model(request, tmp_path_factory):
-    name = request.param
-    return name, write_bert_checkpoint(tmp_path_factory.mktemp(name), seed=11, **CONFIGS[name])
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = write_bert_checkpoint(tmp_path_factory.mktemp(name), seed=11, **CONFIGS[name][0])
+        return made[name]
+    return get
 
 
-def _batch(config, rng):
-    ids = [rng.integers(0, config.vocab_size, n).tolist() for n in LENGTHS]
-    types = [rng.integers(0, config.type_vocab_size, n).tolist() for n in LENGTHS]
-    return make_batch(ids, types, pad_id=0)
+def _batch(config, rng, lengths=LENGTHS):
+    return Batch.from_lists([rng.integers(0, config.vocab_size, n).tolist() for n in lengths],
+                 [rng.integers(0, config.type_vocab_size, n).tolist() for n in lengths])
 
 
 def _hf_hidden(path, batch, dtype):
+    """HF hidden states, one (length, H) float32 array per sequence."""
     import torch
     from transformers import BertModel
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     m = BertModel.from_pretrained(str(path), attn_implementation="eager").eval().cuda()
     m = m.to({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype])
-    mask = (np.arange(batch.ids.shape[1])[None] < batch.lengths[:, None]).astype(np.int64)
+    lengths = batch.lengths
+    ids, types, _ = padded_arrays(batch, b=len(lengths), s=int(lengths.max()), pad_id=0)
+    mask = (np.arange(ids.shape[1])[None] < lengths[:, None]).astype(np.int64)
     with torch.no_grad():
-        out = m(input_ids=torch.from_numpy(batch.ids.astype(np.int64)).cuda(),
-                token_type_ids=torch.from_numpy(batch.token_types.astype(np.int64)).cuda(),
+        out = m(input_ids=torch.from_numpy(ids.astype(np.int64)).cuda(),
+                token_type_ids=torch.from_numpy(types.astype(np.int64)).cuda(),
                 attention_mask=torch.from_numpy(mask).cuda()).last_hidden_state
-    return out.float().cpu().numpy()
+    out = out.float().cpu().numpy()
+    return [out[i, :n] for i, n in enumerate(lengths)]
 
 
-def _runner(path, ops, dtype, graphs=True):
+def _runner(path, ops, dtype, layout, graphs=True):
     config = load_bert_config(path)
     return BertRunner(config, load_bert_weights(path, config), ops, dtype=dtype,
-                      max_batch_tokens=2048, max_seq_len=128, graphs=graphs)
+                      max_batch_tokens=4096, max_seq_len=128, layout=layout, graphs=graphs)
 
 
-def _real(batch):
-    return np.arange(batch.ids.shape[1])[None, :] < batch.lengths[:, None]
+def _max_err(a, b):
+    return max(np.abs(x - y).max() for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -65,69 +75,107 @@ def cu():
     return ops
 
 
-def test_fp32_matches_hf_and_numpy(model, cu):
-    name, path = model
+@pytest.mark.parametrize("name, layout", CASES)
+def test_fp32_matches_hf_and_numpy(checkpoints, cu, name, layout):
+    path = checkpoints(name)
     rng = np.random.default_rng(5)
-    runner = _runner(path, cu, "fp32")
+    runner = _runner(path, cu, "fp32", layout)
     batch = _batch(runner.config, rng)
     ours = runner.hidden_states(batch)
-    real = _real(batch)
     hf = _hf_hidden(path, batch, "fp32")
-    scale = max(1.0, np.abs(hf[real]).max())
-    assert np.abs(ours - hf)[real].max() / scale <= GPU_FP32_REL, name
-    reference = _runner(path, numpy_ops, "fp32").hidden_states(batch)
-    assert np.abs(ours - reference)[real].max() / scale <= GPU_FP32_REL, name
+    scale = max(1.0, max(np.abs(x).max() for x in hf))
+    assert _max_err(ours, hf) / scale <= GPU_FP32_REL, name
+    reference = _runner(path, numpy_ops, "fp32", layout).hidden_states(batch)
+    assert _max_err(ours, reference) / scale <= GPU_FP32_REL, name
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_low_precision_error_at_most_twice_hf(model, cu, dtype):
+@pytest.mark.parametrize("name, layout", CASES)
+def test_low_precision_error_at_most_twice_hf(checkpoints, cu, name, layout, dtype):
     """Stress weights (large, sharp attention): our fp16/bf16 error against HF fp32 is at most
     twice HF's own error in the same dtype."""
-    name, path = model
+    path = checkpoints(name)
     rng = np.random.default_rng(6)
-    runner = _runner(path, cu, dtype)
+    runner = _runner(path, cu, dtype, layout)
     batch = _batch(runner.config, rng)
-    real = _real(batch)
     ours = runner.hidden_states(batch)
     exact = _hf_hidden(path, batch, "fp32")
-    hf_low = _hf_hidden(path, batch, dtype)
-    ours_err = np.abs(ours - exact)[real].max()
-    hf_err = np.abs(hf_low - exact)[real].max()
-    assert ours_err <= LOWP_ERROR_FACTOR * hf_err, f"{name} {dtype}: ours {ours_err:.3g} vs HF {hf_err:.3g}"
+    ours_err = _max_err(ours, exact)
+    hf_err = _max_err(_hf_hidden(path, batch, dtype), exact)
+    assert ours_err <= LOWP_ERROR_FACTOR * hf_err, f"{name} {layout} {dtype}: ours {ours_err:.3g} vs HF {hf_err:.3g}"
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_low_precision_embeddings_cosine(tmp_path, cu, dtype):
+def test_low_precision_embeddings_cosine(tmp_path, cu, dtype, layout):
     """HF-style random weights (what a real model looks like): pooled, normalised fp16/bf16
     embeddings keep cosine >= 0.9999 with HF fp32's."""
-    path = write_bert_checkpoint(tmp_path, seed=12, init="hf", **CONFIGS["bert-base"])
+    path = write_bert_checkpoint(tmp_path, seed=12, init="hf", **CONFIGS["bert-base"][0])
     rng = np.random.default_rng(8)
-    runner = _runner(path, cu, dtype)
+    runner = _runner(path, cu, dtype, layout)
     batch = _batch(runner.config, rng)
-    exact = _hf_hidden(path, batch, "fp32")
-    mask = _real(batch)[:, :, None]
-    mean = (exact * mask).sum(1) / batch.lengths[:, None]
-    ref = mean / np.linalg.norm(mean, axis=1, keepdims=True)
-    pooled = runner.embed(batch, pooling=("mean",), normalize=True)
-    cos = (pooled * ref).sum(1)
-    hf_low = _hf_hidden(path, batch, dtype)
-    hf_mean = (hf_low * mask).sum(1) / batch.lengths[:, None]
-    hf_cos = (hf_mean / np.linalg.norm(hf_mean, axis=1, keepdims=True) * ref).sum(1)
-    assert cos.min() >= EMBEDDING_COSINE_LOWP, f"{dtype}: cosine {cos.min()} (HF {dtype}: {hf_cos.min()})"
+    means = np.stack([x.mean(0) for x in _hf_hidden(path, batch, "fp32")])
+    ref = means / np.linalg.norm(means, axis=1, keepdims=True)
+    cos = (runner.embed(batch, pooling=("mean",), normalize=True) * ref).sum(1)
+    assert cos.min() >= EMBEDDING_COSINE_LOWP, f"{dtype} {layout}: cosine {cos.min()}"
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-def test_graphs_on_and_off_identical(model, cu, dtype):
-    _, path = model
+@pytest.mark.parametrize("name, layout", CASES)
+def test_graphs_on_and_off_identical(checkpoints, cu, name, layout, dtype):
+    path = checkpoints(name)
     rng = np.random.default_rng(7)
-    on, off = _runner(path, cu, dtype, graphs=True), _runner(path, cu, dtype, graphs=False)
+    on, off = _runner(path, cu, dtype, layout, graphs=True), _runner(path, cu, dtype, layout, graphs=False)
     for _ in range(2):  # first call captures, second replays
         batch = _batch(on.config, rng)
         modes = ("cls", "mean", "max")
-        a = on.embed(batch, pooling=modes, normalize=True)
-        b = off.embed(batch, pooling=modes, normalize=True)
-        np.testing.assert_array_equal(a, b)
-        np.testing.assert_array_equal(on.hidden_states(batch), off.hidden_states(batch))
+        np.testing.assert_array_equal(on.embed(batch, pooling=modes, normalize=True),
+                                      off.embed(batch, pooling=modes, normalize=True))
+        for a, b in zip(on.hidden_states(batch), off.hidden_states(batch)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_packed_and_padded_agree(checkpoints, cu, dtype):
+    """Both layouts compute the same function; they differ by rounding only, which stays
+    within the low-precision bound against HF fp32 used above."""
+    path = checkpoints("bert-base")
+    rng = np.random.default_rng(9)
+    packed, padded = _runner(path, cu, dtype, "packed"), _runner(path, cu, dtype, "padded")
+    batch = _batch(packed.config, rng)
+    exact = _hf_hidden(path, batch, "fp32")
+    hf_err = _max_err(_hf_hidden(path, batch, dtype), exact)
+    assert _max_err(packed.hidden_states(batch), padded.hidden_states(batch)) <= 2 * LOWP_ERROR_FACTOR * hf_err
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_single_token_and_all_different_lengths(checkpoints, cu, layout):
+    path = checkpoints("minilm-shaped")
+    rng = np.random.default_rng(10)
+    runner = _runner(path, cu, "fp32", layout)
+    for lengths in ([1], list(range(1, 65))):
+        batch = _batch(runner.config, rng, lengths)
+        hf = _hf_hidden(path, batch, "fp32")
+        scale = max(1.0, max(np.abs(x).max() for x in hf))
+        assert _max_err(runner.hidden_states(batch), hf) / scale <= GPU_FP32_REL
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_long_sequences_with_a_longer_position_table(tmp_path, cu, dtype):
+    """1024 and 2048 tokens (a 2048-entry position table): packed layout against HF."""
+    path = write_bert_checkpoint(tmp_path, seed=13, hidden=128, layers=2, heads=2, intermediate=256,
+                                 max_positions=2048)
+    config = load_bert_config(path)
+    runner = BertRunner(config, load_bert_weights(path, config), cu, dtype=dtype,
+                        max_batch_tokens=4096, max_seq_len=2048, layout="packed")
+    batch = _batch(config, np.random.default_rng(14), [2048, 1024, 5])
+    ours = runner.hidden_states(batch)
+    exact = _hf_hidden(path, batch, "fp32")
+    if dtype == "fp32":
+        scale = max(1.0, max(np.abs(x).max() for x in exact))
+        assert _max_err(ours, exact) / scale <= GPU_FP32_REL
+    else:
+        assert _max_err(ours, exact) <= LOWP_ERROR_FACTOR * _max_err(_hf_hidden(path, batch, dtype), exact)
 
 
 def test_encoder_api_on_cuda_matches_cpu(tmp_path):
@@ -136,11 +184,12 @@ def test_encoder_api_on_cuda_matches_cpu(tmp_path):
         sentence_transformers={"pooling": {"pooling_mode_mean_tokens": True}, "normalize": True})
     texts = ["the quick brown fox", "", "hello world " * 20, "a", "lazy dog and the fox"] * 7
     cpu = Encoder.from_pretrained(st_model, device="cpu").encode(texts)
-    gpu32 = Encoder.from_pretrained(st_model, device="cuda", dtype="fp32").encode(texts, batch_tokens=256)
-    assert np.abs(cpu - gpu32).max() <= GPU_FP32_REL
-    for dtype in ("fp16", "bf16"):
-        low = Encoder.from_pretrained(st_model, device="cuda", dtype=dtype).encode(texts)
-        assert ((low * cpu).sum(1)).min() >= EMBEDDING_COSINE_LOWP, dtype
+    for layout in ("packed", "padded"):
+        gpu32 = Encoder.from_pretrained(st_model, device="cuda", dtype="fp32", layout=layout).encode(texts, batch_tokens=256)
+        assert np.abs(cpu - gpu32).max() <= GPU_FP32_REL, layout
+        for dtype in ("fp16", "bf16"):
+            low = Encoder.from_pretrained(st_model, device="cuda", dtype=dtype, layout=layout).encode(texts)
+            assert ((low * cpu).sum(1)).min() >= EMBEDDING_COSINE_LOWP, (dtype, layout)
 
 
 def test_cli_device_cuda(st_model, tmp_path):

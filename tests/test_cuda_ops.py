@@ -192,3 +192,67 @@ def test_l2_normalize(cu, rng, batch, d):
     expected = np.empty((batch, d), np.float32)
     ref.l2_normalize(expected, xh)
     assert_close(cu, normed, expected, "fp32")
+
+
+# ---------------------------------------------------------------- padding-free layout
+
+def _offsets(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("lengths, extra", [([1], 0), ([5, 1, 300, 17], 63), (list(range(1, 129)), 10), ([512] * 3, 0)])
+def test_build_offsets(cu, lengths, extra):
+    t = sum(lengths) + extra
+    cu_dev, pos_dev = cu.to_device(np.full(len(lengths) + 1, -7, np.int32)), cu.to_device(np.full(t, -7, np.int32))
+    cu.build_offsets(cu_dev, pos_dev, ints(cu, lengths))
+    cu_ref, pos_ref = np.empty(len(lengths) + 1, np.int32), np.empty(t, np.int32)
+    ref.build_offsets(cu_ref, pos_ref, np.array(lengths))
+    np.testing.assert_array_equal(cu.to_host(cu_dev), cu_ref)
+    np.testing.assert_array_equal(cu.to_host(pos_dev), pos_ref)
+
+
+VARLEN = [  # (lengths, heads)
+    ([1], 12),
+    ([7], 2),
+    ([64, 65, 1, 129], 3),
+    (list(range(1, 33)), 2),                      # every sequence a different length
+    ([512, 300], 4),
+    ([2048, 1024, 3], 2),                         # longer than BERT's 512 positions
+    (lambda rng: rng.integers(1, 129, 128).tolist(), 2),  # batch 128
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("case", range(len(VARLEN)))
+def test_varlen_attention(cu, rng, dtype, d, case):
+    lengths, heads = VARLEN[case]
+    lengths = lengths(rng) if callable(lengths) else lengths
+    h = heads * d
+    t = sum(lengths) + 5  # five tokens of batch padding past the last sequence
+    cu_seqlens = _offsets(lengths)
+    qkv, qkvh = quantize(cu, rng.standard_normal((t, 3 * h)), dtype)
+    bias, biash = quantize(cu, 0.5 * rng.standard_normal(3 * h), dtype)
+    out = poisoned(cu, (t, h), dtype)
+    cu.varlen_attention(out, qkv, bias, ints(cu, cu_seqlens), heads=heads, max_seqlen=max(lengths))
+    expected = np.empty((t, h), np.float32)
+    ref.varlen_attention(expected, qkvh, biash, cu_seqlens, heads=heads, max_seqlen=max(lengths))
+    assert_close(cu, out, expected, dtype)
+    first = cu.to_host(out).copy()
+    cu.varlen_attention(out, qkv, bias, ints(cu, cu_seqlens), heads=heads, max_seqlen=max(lengths))
+    np.testing.assert_array_equal(cu.to_host(out), first)  # repeated runs are identical
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lengths, h", [([1], 384), ([3, 17, 1, 40], 768), ([9] * 64, 200)])
+def test_pool_packed(cu, rng, dtype, lengths, h):
+    modes = ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")
+    lengths = list(lengths) + [0, 0]  # two empty sequences: batch padding
+    t = sum(lengths) + 3
+    cu_seqlens = _offsets(lengths)
+    hidden, hh = quantize(cu, rng.standard_normal((t, h)), dtype)
+    out = poisoned(cu, (len(lengths), len(modes) * h), "fp32")
+    cu.pool_packed(out, hidden, ints(cu, cu_seqlens), modes=modes)
+    expected = np.empty((len(lengths), len(modes) * h), np.float32)
+    ref.pool_packed(expected, hh, cu_seqlens, modes=modes)
+    assert_close(cu, out, expected, "fp32")

@@ -121,6 +121,35 @@ def masked_softmax(probs, scores, lengths, *, heads):
     probs[...] = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
 
 
+def build_offsets(cu_seqlens, positions, lengths):
+    """Padding-free layout: cu_seqlens (B+1,) = prefix sums of lengths (B,); positions (T,)
+    = 0..len-1 for each sequence's tokens, 0 for the tokens past the last sequence."""
+    lengths = np.asarray(lengths)
+    cu_seqlens[0] = 0
+    cu_seqlens[1:] = np.cumsum(lengths)
+    positions[cu_seqlens[-1]:] = 0
+    for b, n in enumerate(lengths):
+        positions[cu_seqlens[b]:cu_seqlens[b] + n] = np.arange(n)
+
+
+def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen):
+    """ctx (T, H) = softmax(Q K^T / sqrt(D)) V for each sequence and head of the padding-free
+    layout, with Q | K | V = qkv (T, 3H) + bias (3H,). Rows past cu_seqlens[B] are zeroed."""
+    hidden = qkv.shape[1] // 3
+    d = hidden // heads
+    x = (qkv + bias).reshape(-1, 3, heads, d)                       # (T, 3, heads, D)
+    ctx[int(cu_seqlens[-1]):] = 0.0
+    for b in range(len(cu_seqlens) - 1):
+        lo, hi = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+        if hi == lo:
+            continue
+        q, k, v = (x[lo:hi, i].transpose(1, 0, 2) for i in range(3))  # (heads, L, D)
+        scores = np.matmul(q, k.transpose(0, 2, 1)) / np.sqrt(d)      # (heads, L, L)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs = scores / scores.sum(axis=-1, keepdims=True)
+        ctx[lo:hi] = np.matmul(probs, v).transpose(1, 0, 2).reshape(hi - lo, hidden)
+
+
 def merge_heads(out, ctx, *, batch, seq, heads):
     """ctx (B*heads, S, D) -> out (B*S, heads*D)."""
     d = ctx.shape[-1]
@@ -160,6 +189,17 @@ def pool(out, hidden, lengths, *, seq, modes):
         else:
             raise ValueError(f"unknown pooling mode {mode!r}")
     out[...] = np.concatenate(parts, axis=1)
+
+
+def pool_packed(out, hidden, cu_seqlens, *, modes):
+    """Pooling over the padding-free layout: sequence b is rows cu_seqlens[b]..cu_seqlens[b+1]
+    of hidden (T, H); out (B, len(modes)*H). An empty sequence pools to zeros."""
+    for b in range(out.shape[0]):
+        lo, hi = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
+        if hi == lo:
+            out[b] = 0.0
+            continue
+        pool(out[b:b + 1], hidden[lo:hi], np.array([hi - lo]), seq=hi - lo, modes=modes)
 
 
 def l2_normalize(out, x):

@@ -18,6 +18,8 @@ SOFTMAX_VEC = {"float": 4, "__half": 8, "__nv_bfloat16": 8}  # 16 bytes
 # vector widths (elements) per type, widest first: at most 16 bytes
 VECS = {"float": (4, 2, 1), "__half": (8, 4, 2, 1), "__nv_bfloat16": (8, 4, 2, 1)}
 ROW_ITEMS = (1, 4)  # vectors per thread in the row (LayerNorm) kernels
+VARLEN_HEAD_DIMS = (32, 64, 128)  # fused attention (attention_varlen.cu)
+VARLEN_BLOCK_M = 64               # its query tile
 
 
 def _softmax_variants(t: str) -> list[str]:
@@ -39,12 +41,14 @@ def _vec_variants(kernel: str, t: str) -> list[str]:
 
 
 FAMILIES = {
-    "embedding.cu": lambda t: _row_variants("embed_layernorm", t),
+    "embedding.cu": lambda t: _row_variants("embed_layernorm", t) + (["build_offsets"] if t == "float" else []),
     "layernorm.cu": lambda t: _row_variants("add_bias_residual_layernorm", t),
     "activation.cu": lambda t: _vec_variants("add_bias_gelu", t),
     "attention.cu": lambda t: (_vec_variants("add_qkv_bias_split_heads", t) + _vec_variants("merge_heads", t)
                                + _softmax_variants(t)),
-    "pooling.cu": lambda t: [f"pool<{t}>"] + (["l2_normalize<float>"] if t == "float" else []),
+    "attention_varlen.cu": lambda t: [f"varlen_attention_simt<{d}>" if t == "float" else
+                                      f"varlen_attention_mma<{t}, {d}>" for d in VARLEN_HEAD_DIMS],
+    "pooling.cu": lambda t: [f"pool<{t}>", f"pool_packed<{t}>"] + (["l2_normalize<float>"] if t == "float" else []),
 }
 
 

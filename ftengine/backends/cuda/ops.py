@@ -15,7 +15,8 @@ import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
-from .kernels import CUDA_TYPES, ROW_ITEMS, SOFTMAX_PER_LANE, SOFTMAX_VEC, VECS, kernel
+from .kernels import (CUDA_TYPES, ROW_ITEMS, SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS,
+                      VECS, kernel)
 
 name = "cuda"
 STORAGE = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
@@ -131,6 +132,8 @@ def _ctype(a) -> str:
 
 def _launch(file, kname, grid, block, args, shared_mem=0):
     k = kernel(file, kname)
+    if shared_mem > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared_mem:
+        k.max_dynamic_shared_size_bytes = shared_mem  # opt in past the 48 KiB default, once
     with context().stream:
         k(grid, block, args, shared_mem=shared_mem)
 
@@ -210,6 +213,30 @@ def masked_softmax(probs, scores, lengths, *, heads):
                 (probs, scores, lengths, np.int64(rows), np.int32(s), np.int32(heads)), shared_mem=s * 4)
 
 
+def build_offsets(cu_seqlens, positions, lengths):
+    b = lengths.size
+    _launch("embedding.cu", "build_offsets", (b,), (256,),
+            (cu_seqlens, positions, lengths, np.int32(b), np.int32(positions.size)))
+
+
+def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen):
+    """Fused attention over the padding-free layout: tensor cores for fp16/bf16, SIMT for fp32."""
+    t, h = ctx.shape
+    d = h // heads
+    if d not in VARLEN_HEAD_DIMS:
+        raise DeviceError(f"fused attention supports head_dim {VARLEN_HEAD_DIMS}, not {d}")
+    b = cu_seqlens.size - 1
+    ct = _ctype(ctx)
+    if ct == "float":
+        name, smem = f"varlen_attention_simt<{d}>", 0
+    else:  # two stages of K and V tiles, 64 rows of D + 8 elements
+        name, smem = f"varlen_attention_mma<{ct}, {d}>", 2 * 2 * VARLEN_BLOCK_M * (d + 8) * 2
+    scale_log2 = np.float32(1.4426950408889634 / np.sqrt(d))
+    _launch("attention_varlen.cu", name, (-(-max_seqlen // VARLEN_BLOCK_M), b * heads + 1), (128,),
+            (ctx, qkv, bias, cu_seqlens, np.int32(b), np.int32(heads), np.int32(t), scale_log2),
+            shared_mem=smem)
+
+
 def merge_heads(out, ctx, *, batch, seq, heads):
     t, h = out.shape
     d = ctx.shape[-1]
@@ -246,6 +273,19 @@ def pool(out, hidden, lengths, *, seq, modes):
         _launch("pooling.cu", f"pool<{_ctype(hidden)}>", (b, (h + threads - 1) // threads), (threads,),
                 (out, hidden, lengths, np.int32(seq), np.int32(h), np.int32(out.shape[1]),
                  np.int32(i * h), np.int32(POOL_CODES[mode])))
+
+
+def pool_packed(out, hidden, cu_seqlens, *, modes):
+    """out (B, modes*H) float32 from the padding-free hidden states (T, H)."""
+    b = out.shape[0]
+    h = hidden.shape[1]
+    threads = 128
+    for i, mode in enumerate(modes):
+        if mode not in POOL_CODES:
+            raise ValueError(f"unknown pooling mode {mode!r}")
+        _launch("pooling.cu", f"pool_packed<{_ctype(hidden)}>", (b, (h + threads - 1) // threads), (threads,),
+                (out, hidden, cu_seqlens, np.int32(h), np.int32(out.shape[1]), np.int32(i * h),
+                 np.int32(POOL_CODES[mode])))
 
 
 def l2_normalize(out, x):

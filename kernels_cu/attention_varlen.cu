@@ -1,0 +1,315 @@
+// Fused variable-length attention over the padding-free token layout.
+// Reference: ftengine/backends/numpy_ops.py varlen_attention.
+//
+// ctx (T, H) = softmax(Q K^T * scale) V per (sequence, head), where Q, K, V are column blocks
+// of the fused QKV GEMM output qkv (T, 3H) plus their bias, and sequence b owns tokens
+// cu_seqlens[b] .. cu_seqlens[b+1]. The S x S scores never leave the chip: each block takes
+// 64 queries of one (sequence, head), streams K/V tiles through shared memory and keeps a
+// running max and sum per query row (online softmax).
+//
+// grid (ceil(max_seqlen / 64), B * heads + 1), block 128 threads (the tensor-core kernel with
+// 2 * 4 * 64 * (D + 8) bytes of dynamic shared memory). The last row of blocks zeroes
+// the ctx rows past the last sequence (batch padding), so they hold no stale values.
+
+#define VARLEN_BLOCK_M 64
+#define VARLEN_BLOCK_N 64
+
+// Blocks of the extra grid row: zero ctx rows cu_seqlens[batch] .. n_tokens. True if this block did.
+template <typename T>
+__device__ __forceinline__ bool zero_padding_rows(T* ctx, const int* cu_seqlens, int batch, int heads,
+                                                  int n_tokens, int H) {
+    if ((int)blockIdx.y != batch * heads) return false;
+    const long from = (long)cu_seqlens[batch] * H, to = (long)n_tokens * H;
+    for (long i = from + (long)blockIdx.x * blockDim.x + threadIdx.x; i < to; i += (long)gridDim.x * blockDim.x)
+        ctx[i] = from_float<T>(0.0f);
+    return true;
+}
+
+// ---------------------------------------------------------------- tensor cores (half, bf16)
+
+template <typename T> struct MmaOp;
+template <> struct MmaOp<__half> {
+    static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct MmaOp<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    T l = from_float<T>(lo), h = from_float<T>(hi);
+    unsigned short ls = *reinterpret_cast<unsigned short*>(&l), hs = *reinterpret_cast<unsigned short*>(&h);
+    return (unsigned)ls | ((unsigned)hs << 16);
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Four 8x8 b16 matrices from shared memory; lane l gives a row address of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// 16 bytes global -> shared without passing through registers; zeros when `valid` is false.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+// Copy rows [row0, row0 + 64) of one head's K or V columns into a shared tile (zeros past the
+// sequence). K's bias is left out: it adds q.b_k to every score of a query row, which the
+// softmax cancels. V's bias is added to the output instead: each row's weights sum to 1.
+template <typename T, int D, int LD>
+__device__ __forceinline__ void stage_async(T* dst, const T* src_base, int row0, int len, int row_stride) {
+    constexpr int PER_ROW = D / 8;
+    for (int i = threadIdx.x; i < VARLEN_BLOCK_N * PER_ROW; i += blockDim.x) {
+        const int r = i / PER_ROW, c = (i - r * PER_ROW) * 8;
+        const bool valid = row0 + r < len;
+        cp_async_16(dst + r * LD + c, src_base + (long)(valid ? row0 + r : 0) * row_stride + c, valid);
+    }
+}
+
+// Tensor-core path. Each of the 4 warps owns 16 query rows; K/V tiles of 64 keys are copied
+// asynchronously two stages deep (dynamic shared memory: 2 x (K, V) x 64 x (D + 8) elements).
+template <typename T, int D>
+__global__ void __launch_bounds__(128) varlen_attention_mma(
+        T* __restrict__ ctx,              // (T, H)
+        const T* __restrict__ qkv,        // (T, 3H)
+        const T* __restrict__ bias,       // (3H,)
+        const int* __restrict__ cu_seqlens,  // (B + 1,)
+        int batch, int heads, int n_tokens, float scale_log2) {
+    constexpr int LD = D + 8;  // padded smem rows: conflict-free ldmatrix
+    constexpr int TILE = VARLEN_BLOCK_N * LD;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* smem = reinterpret_cast<T*>(smem_raw);   // K stage 0 | V stage 0 | K stage 1 | V stage 1
+    if (zero_padding_rows(ctx, cu_seqlens, batch, heads, n_tokens, heads * D)) return;
+    const int bh = blockIdx.y, b = bh / heads, h = bh - b * heads;
+    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
+    const int q0 = blockIdx.x * VARLEN_BLOCK_M;
+    if (q0 >= len) return;
+    const int H = heads * D, row_stride = 3 * H;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
+    const T* base = qkv + (long)start * row_stride;
+    const int n_tiles = (len + VARLEN_BLOCK_N - 1) / VARLEN_BLOCK_N;
+
+    // K/V tile 0 in flight while Q + bias (rounded to T, as the unfused path stores it) is
+    // staged through the stage-1 buffers and read into A fragments.
+    stage_async<T, D, LD>(smem, base + H + h * D, 0, len, row_stride);
+    stage_async<T, D, LD>(smem + TILE, base + 2 * H + h * D, 0, len, row_stride);
+    cp_async_commit();
+    T* qs = smem + 2 * TILE;
+    for (int i = threadIdx.x; i < VARLEN_BLOCK_M * (D / 8); i += blockDim.x) {
+        const int r = i / (D / 8), c = (i - r * (D / 8)) * 8;
+        float v[8], bb[8];
+        if (q0 + r < len) {
+            load_floats<T, 8>(v, base + (long)(q0 + r) * row_stride + h * D + c);
+            load_floats<T, 8>(bb, bias + h * D + c);
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] += bb[j];
+        } else {
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = 0.0f;
+        }
+        store_floats<T, 8>(qs + r * LD + c, v);
+    }
+    __syncthreads();
+    unsigned qa[D / 16][4];
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        ldmatrix_x4(qa[kk], qs + (warp * 16 + (lm & 1) * 8 + lr) * LD + kk * 16 + (lm >> 1) * 8);
+
+    float o[D / 8][4];
+    #pragma unroll
+    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float m[2] = {-FT_INFINITY, -FT_INFINITY}, l[2] = {0.0f, 0.0f};
+
+    for (int it = 0; it < n_tiles; ++it) {
+        const int n0 = it * VARLEN_BLOCK_N;
+        __syncthreads();  // every warp is done with the stage the next copy overwrites (and with qs)
+        if (it + 1 < n_tiles) {
+            T* next = smem + ((it + 1) & 1) * 2 * TILE;
+            stage_async<T, D, LD>(next, base + H + h * D, n0 + VARLEN_BLOCK_N, len, row_stride);
+            stage_async<T, D, LD>(next + TILE, base + 2 * H + h * D, n0 + VARLEN_BLOCK_N, len, row_stride);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const T* Ks = smem + (it & 1) * 2 * TILE;
+        const T* Vs = Ks + TILE;
+
+        // S = Q K^T for this warp's 16 rows x 64 keys
+        float s[VARLEN_BLOCK_N / 8][4];
+        #pragma unroll
+        for (int j = 0; j < VARLEN_BLOCK_N / 8; ++j) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; kk += 2) {
+                unsigned kb[4];  // b0, b1 of k-chunk kk, then of kk + 1
+                ldmatrix_x4(kb, Ks + (j * 8 + lr) * LD + kk * 16 + lm * 8);
+                MmaOp<T>::run(s[j], qa[kk], kb[0], kb[1]);
+                MmaOp<T>::run(s[j], qa[kk + 1], kb[2], kb[3]);
+            }
+        }
+        // scale (in log2 units), mask keys past the sequence, row maxima over the 4 threads of a row
+        float mx[2] = {-FT_INFINITY, -FT_INFINITY};
+        #pragma unroll
+        for (int j = 0; j < VARLEN_BLOCK_N / 8; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + j * 8 + t4 * 2 + (e & 1);
+                s[j][e] = key < len ? s[j][e] * scale_log2 : -FT_INFINITY;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+            }
+        }
+        float alpha[2];
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m[r], mx[r]);   // finite: key n0 < len is in every tile
+            alpha[r] = exp2f(m[r] - m_new);
+            m[r] = m_new;
+            l[r] *= alpha[r];
+        }
+        #pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
+            o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+        }
+        #pragma unroll
+        for (int j = 0; j < VARLEN_BLOCK_N / 8; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[j][e] = exp2f(s[j][e] - m[e >> 1]);
+                l[e >> 1] += s[j][e];
+            }
+        }
+        // O += P V, P re-used from the score accumulators as A fragments
+        #pragma unroll
+        for (int kk = 0; kk < VARLEN_BLOCK_N / 16; ++kk) {
+            unsigned pa[4];
+            pa[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            #pragma unroll
+            for (int j = 0; j < D / 8; j += 2) {
+                unsigned vb[4];  // b0, b1 of dims j*8.., then of (j+1)*8..
+                ldmatrix_x4_trans(vb, Vs + (kk * 16 + (lm & 1) * 8 + lr) * LD + (j + (lm >> 1)) * 8);
+                MmaOp<T>::run(o[j], pa, vb[0], vb[1]);
+                MmaOp<T>::run(o[j + 1], pa, vb[2], vb[3]);
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        l[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    }
+    const int r0 = q0 + warp * 16 + g;
+    const T* bv = bias + 2 * H + h * D + t4 * 2;
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r0 + r * 8;
+        if (row < len) {
+            T* out = ctx + (long)(start + row) * H + h * D + t4 * 2;
+            #pragma unroll
+            for (int j = 0; j < D / 8; ++j)
+                *reinterpret_cast<unsigned*>(out + j * 8) = pack2<T>(o[j][r * 2] * l[r] + to_float(bv[j * 8]),
+                                                                     o[j][r * 2 + 1] * l[r] + to_float(bv[j * 8 + 1]));
+        }
+    }
+}
+
+// ---------------------------------------------------------------- fp32 (SIMT)
+
+// Two threads per query row, each owning D/2 of its dimensions; 32-key tiles in shared memory.
+#define VARLEN_SIMT_N 32
+
+template <int D>
+__global__ void __launch_bounds__(128) varlen_attention_simt(
+        float* __restrict__ ctx, const float* __restrict__ qkv, const float* __restrict__ bias,
+        const int* __restrict__ cu_seqlens, int batch, int heads, int n_tokens, float scale_log2) {
+    constexpr int HALF = D / 2;
+    __shared__ float Ks[VARLEN_SIMT_N][D];
+    __shared__ float Vs[VARLEN_SIMT_N][D];
+    if (zero_padding_rows(ctx, cu_seqlens, batch, heads, n_tokens, heads * D)) return;
+    const int bh = blockIdx.y, b = bh / heads, h = bh - b * heads;
+    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
+    const int q0 = blockIdx.x * VARLEN_BLOCK_M;
+    if (q0 >= len) return;
+    const int H = heads * D, row_stride = 3 * H;
+    const int row = q0 + (threadIdx.x >> 1), part = threadIdx.x & 1;
+    const float* base = qkv + (long)start * row_stride;
+    float q[HALF], o[HALF];
+    #pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+        const int c = part * HALF + i;
+        q[i] = row < len ? base[(long)row * row_stride + h * D + c] + bias[h * D + c] : 0.0f;
+        o[i] = 0.0f;
+    }
+    float m = -FT_INFINITY, l = 0.0f;
+    for (int n0 = 0; n0 < len; n0 += VARLEN_SIMT_N) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < VARLEN_SIMT_N * D; i += blockDim.x) {
+            const int r = i / D, c = i - r * D;
+            const bool in = n0 + r < len;
+            Ks[r][c] = in ? base[(long)(n0 + r) * row_stride + H + h * D + c] + bias[H + h * D + c] : 0.0f;
+            Vs[r][c] = in ? base[(long)(n0 + r) * row_stride + 2 * H + h * D + c] + bias[2 * H + h * D + c] : 0.0f;
+        }
+        __syncthreads();
+        float s[VARLEN_SIMT_N];
+        float mx = -FT_INFINITY;
+        #pragma unroll
+        for (int j = 0; j < VARLEN_SIMT_N; ++j) {
+            float dot = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < HALF; ++i) dot += q[i] * Ks[j][part * HALF + i];
+            dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+            s[j] = n0 + j < len ? dot * scale_log2 : -FT_INFINITY;
+            mx = fmaxf(mx, s[j]);
+        }
+        const float m_new = fmaxf(m, mx);
+        const float alpha = exp2f(m - m_new);
+        m = m_new;
+        l *= alpha;
+        #pragma unroll
+        for (int i = 0; i < HALF; ++i) o[i] *= alpha;
+        #pragma unroll
+        for (int j = 0; j < VARLEN_SIMT_N; ++j) {
+            const float p = exp2f(s[j] - m);
+            l += p;
+            #pragma unroll
+            for (int i = 0; i < HALF; ++i) o[i] += p * Vs[j][part * HALF + i];
+        }
+    }
+    if (row < len) {
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        float* out = ctx + (long)(start + row) * H + h * D + part * HALF;
+        #pragma unroll
+        for (int i = 0; i < HALF; ++i) out[i] = o[i] * inv;
+    }
+}
