@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -82,6 +83,55 @@ def encode(input_path, output, model_path, device, dtype, batch_tokens, max_leng
             f"{stats.seconds:.2f} s, {rate:.0f} lines/s -> {'stdout' if output == '-' else output}",
             err=True,
         )
+
+
+@main.command()
+@click.option("--model", "model_path", required=True, help="GPT-2 checkpoint folder (config.json, *.safetensors, tokenizer.json).")
+@click.option("--prompt", default=None, help="One prompt.")
+@click.option("--input", "input_path", default=None, help="A UTF-8 file with one prompt per line ('-' for stdin).")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--min-new-tokens", type=int, default=0, show_default=True)
+@click.option("--do-sample", is_flag=True, help="Sample (temperature, top-k, top-p) instead of greedy decoding.")
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0: off; above the vocabulary: every token.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Seed of the counter-based RNG: the same seed gives the same tokens.")
+@click.option("--eos-token-id", type=int, default=None, help="Token that ends a sequence (default: the model's).")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=None)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt, in input order.")
+@click.option("--stream", is_flag=True, help="Print the text as it is generated (one prompt only).")
+def generate(model_path, prompt, input_path, max_new_tokens, min_new_tokens, do_sample, temperature, top_k,
+             top_p, repetition_penalty, seed, eos_token_id, device, dtype, as_json, stream):
+    """Continue prompts with a GPT-2 model (greedy or sampled)."""
+    from ftengine import Generator
+    options = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
+                   temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                   seed=seed, eos_token_id=eos_token_id)
+    try:
+        if (prompt is None) == (input_path is None):
+            raise FtengineError("give exactly one of --prompt and --input")
+        prompts = [prompt] if prompt is not None else read_lines(input_path)
+        if stream and (len(prompts) != 1 or as_json):
+            raise FtengineError("--stream prints one prompt's text as it comes: give one prompt, without --json")
+        gen = Generator.from_pretrained(model_path, device=device, dtype=dtype)
+        if stream:
+            ids, shown = [], ""
+            click.echo(prompts[0], nl=False)
+            for step in gen.stream(prompts, **options):
+                ids += [token for _, token in step]
+                text = gen.decode(ids)
+                if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                    click.echo(text[len(shown):], nl=False)
+                    shown = text
+            click.echo(gen.decode(ids)[len(shown):])
+            return
+        results = gen.generate(prompts, **options)
+    except FtengineError as e:
+        _fail(str(e))
+    for r in results:
+        click.echo(json.dumps(r.to_json(), ensure_ascii=False) if as_json else r.prompt + r.text)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,19 @@
 Public API:
     Encoder.from_pretrained(path=None, device="auto", dtype=None)
     Encoder.encode(texts, *, batch_tokens=None, pooling=None, normalize=None) -> np.ndarray
+    Generator.from_pretrained(path, device="auto", dtype=None)
+    Generator.generate(prompts, *, max_new_tokens, ...) -> list[GenerationResult]
 """
 
 from .encoder import EncodeStats, Encoder
+from .generator import GenerationResult, Generator
 from .errors import CheckpointError, ConfigError, DeviceError, FtengineError, InputError
 
 __all__ = [
     "Encoder",
     "EncodeStats",
+    "Generator",
+    "GenerationResult",
     "FtengineError",
     "ConfigError",
     "CheckpointError",

@@ -197,48 +197,60 @@ def _canonical(name: str) -> str:
     return _LEGACY_LN.sub(lambda m: "LayerNorm." + {"gamma": "weight", "beta": "bias"}[m.group(1)], name)
 
 
-def load_bert_weights(model_dir: Path, config: BertConfig) -> BertWeights:
-    files = SafetensorsFiles(model_dir)
-    expected = {}  # canonical name -> (layer index or None, slot, shape)
-    for name, (slot, shape) in BERT_EMBEDDING_NAMES.items():
-        expected[name] = (None, slot, shape(config))
-    for i in range(config.num_hidden_layers):
-        for template, (slot, shape) in BERT_LAYER_NAMES.items():
-            expected[template.format(i=i)] = (i, slot, shape(config))
-
+def _collect(model_dir: Path, files: SafetensorsFiles, expected: dict, ignored: list, canonical, what: str) -> dict:
+    """Match every stored tensor to a slot of `expected` (canonical name -> (layer or None, slot,
+    shape)) or to an ignore pattern; report unexpected, missing and wrong-shape tensors, each
+    kind in one error; return {canonical name: float32 array}."""
     found = {}  # canonical name -> stored name
     unexpected = []
     for stored in files.names():
-        if any(p.fullmatch(stored) for p in BERT_IGNORED):
+        if any(p.fullmatch(stored) for p in ignored):
             continue
-        canonical = _canonical(stored)
-        if canonical not in expected:
+        name = canonical(stored)
+        if name not in expected:
             unexpected.append(stored)
-        elif canonical in found:
-            raise CheckpointError(f"{model_dir}: tensors {found[canonical]!r} and {stored!r} both fill {canonical!r}")
+        elif name in found:
+            raise CheckpointError(f"{model_dir}: tensors {found[name]!r} and {stored!r} both fill {name!r}")
         else:
-            found[canonical] = stored
+            found[name] = stored
     if unexpected:
         raise CheckpointError(
-            f"{model_dir}: {len(unexpected)} unexpected tensor(s) for a BERT with "
-            f"{config.num_hidden_layers} layers: {', '.join(sorted(unexpected)[:20])}"
+            f"{model_dir}: {len(unexpected)} unexpected tensor(s) for {what}: {', '.join(sorted(unexpected)[:20])}"
         )
     missing = [n for n in expected if n not in found]
     if missing:
         raise CheckpointError(f"{model_dir}: {len(missing)} tensor(s) missing: {', '.join(missing[:20])}")
     wrong = []
-    for canonical, stored in found.items():
+    for name, stored in found.items():
         shape, _ = files.shape_and_dtype(stored)
-        if shape != expected[canonical][2]:
-            wrong.append(f"{stored} is {list(shape)}, config says {list(expected[canonical][2])}")
+        if shape != expected[name][2]:
+            wrong.append(f"{stored} is {list(shape)}, config says {list(expected[name][2])}")
     if wrong:
         raise CheckpointError(f"{model_dir}: tensor shapes do not match config.json: " + "; ".join(wrong[:10]))
+    return {name: files.float32(stored) for name, stored in found.items()}
 
-    top = {}
-    layers = [{} for _ in range(config.num_hidden_layers)]
-    for canonical, stored in found.items():
-        layer, slot, _ = expected[canonical]
-        (top if layer is None else layers[layer])[slot] = files.float32(stored)
+
+def _expected(embedding_names: dict, layer_names: dict, layers: int, config) -> dict:
+    expected = {name: (None, slot, shape(config)) for name, (slot, shape) in embedding_names.items()}
+    for i in range(layers):
+        for template, (slot, shape) in layer_names.items():
+            expected[template.format(i=i)] = (i, slot, shape(config))
+    return expected
+
+
+def _slots(arrays: dict, expected: dict, layers: int) -> tuple[dict, list]:
+    top, per_layer = {}, [{} for _ in range(layers)]
+    for name, array in arrays.items():
+        layer, slot, _ = expected[name]
+        (top if layer is None else per_layer[layer])[slot] = array
+    return top, per_layer
+
+
+def load_bert_weights(model_dir: Path, config: BertConfig) -> BertWeights:
+    expected = _expected(BERT_EMBEDDING_NAMES, BERT_LAYER_NAMES, config.num_hidden_layers, config)
+    arrays = _collect(model_dir, SafetensorsFiles(model_dir), expected, BERT_IGNORED, _canonical,
+                      f"a BERT with {config.num_hidden_layers} layers")
+    top, layers = _slots(arrays, expected, config.num_hidden_layers)
     return BertWeights(layers=[_fuse_layer(parts) for parts in layers], **top)
 
 
@@ -248,3 +260,83 @@ def _fuse_layer(p: dict) -> BertLayerWeights:
         qkv_bias=np.concatenate([p.pop("q_bias"), p.pop("k_bias"), p.pop("v_bias")], axis=0),
         **p,
     )
+
+
+# ---------------------------------------------------------------- GPT-2 name table
+
+# HF name (after an optional "transformer." prefix) -> (slot, shape). Conv1D weights are stored
+# [in, out]; they are transposed to the (out, in) layout of ops.matmul after loading.
+GPT2_EMBEDDING_NAMES = {
+    "wte.weight": ("wte", lambda c: (c.vocab_size, c.n_embd)),
+    "wpe.weight": ("wpe", lambda c: (c.n_positions, c.n_embd)),
+    "ln_f.weight": ("ln_f_gamma", lambda c: (c.n_embd,)),
+    "ln_f.bias": ("ln_f_beta", lambda c: (c.n_embd,)),
+}
+GPT2_LM_HEAD = "lm_head.weight"
+GPT2_LAYER_NAMES = {
+    "h.{i}.ln_1.weight": ("ln1_gamma", lambda c: (c.n_embd,)),
+    "h.{i}.ln_1.bias": ("ln1_beta", lambda c: (c.n_embd,)),
+    "h.{i}.attn.c_attn.weight": ("qkv_weight", lambda c: (c.n_embd, 3 * c.n_embd)),
+    "h.{i}.attn.c_attn.bias": ("qkv_bias", lambda c: (3 * c.n_embd,)),
+    "h.{i}.attn.c_proj.weight": ("attn_out_weight", lambda c: (c.n_embd, c.n_embd)),
+    "h.{i}.attn.c_proj.bias": ("attn_out_bias", lambda c: (c.n_embd,)),
+    "h.{i}.ln_2.weight": ("ln2_gamma", lambda c: (c.n_embd,)),
+    "h.{i}.ln_2.bias": ("ln2_beta", lambda c: (c.n_embd,)),
+    "h.{i}.mlp.c_fc.weight": ("fc_weight", lambda c: (c.n_embd, c.n_inner)),
+    "h.{i}.mlp.c_fc.bias": ("fc_bias", lambda c: (c.n_inner,)),
+    "h.{i}.mlp.c_proj.weight": ("proj_weight", lambda c: (c.n_inner, c.n_embd)),
+    "h.{i}.mlp.c_proj.bias": ("proj_bias", lambda c: (c.n_embd,)),
+}
+GPT2_TRANSPOSED = ("qkv_weight", "attn_out_weight", "fc_weight", "proj_weight")
+# causal-mask buffers that old checkpoints saved with the weights
+GPT2_IGNORED = [re.compile(p) for p in (r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias",)]
+GPT2_PREFIX = "transformer."
+
+
+@dataclass
+class GPT2LayerWeights:
+    ln1_gamma: np.ndarray        # (E,)
+    ln1_beta: np.ndarray         # (E,)
+    qkv_weight: np.ndarray       # (3E, E)
+    qkv_bias: np.ndarray         # (3E,)
+    attn_out_weight: np.ndarray  # (E, E)
+    attn_out_bias: np.ndarray    # (E,)
+    ln2_gamma: np.ndarray        # (E,)
+    ln2_beta: np.ndarray         # (E,)
+    fc_weight: np.ndarray        # (I, E)
+    fc_bias: np.ndarray          # (I,)
+    proj_weight: np.ndarray      # (E, I)
+    proj_bias: np.ndarray        # (E,)
+
+
+@dataclass
+class GPT2Weights:
+    wte: np.ndarray         # (V, E)
+    wpe: np.ndarray         # (P, E)
+    ln_f_gamma: np.ndarray  # (E,)
+    ln_f_beta: np.ndarray   # (E,)
+    lm_head: np.ndarray     # (V, E): wte itself when tied
+    layers: list            # n_layer x GPT2LayerWeights
+
+
+def load_gpt2_weights(model_dir: Path, config) -> GPT2Weights:
+    files = SafetensorsFiles(model_dir)
+    has_head = GPT2_LM_HEAD in files.names()
+    names = dict(GPT2_EMBEDDING_NAMES)
+    if has_head:
+        names[GPT2_LM_HEAD] = ("lm_head", lambda c: (c.vocab_size, c.n_embd))
+    elif not config.tie_word_embeddings:
+        raise CheckpointError(f"{model_dir}: {GPT2_LM_HEAD} is missing and tie_word_embeddings is false")
+    expected = _expected(names, GPT2_LAYER_NAMES, config.n_layer, config)
+
+    def canonical(name):
+        return name[len(GPT2_PREFIX):] if name.startswith(GPT2_PREFIX) else name
+
+    arrays = _collect(model_dir, files, expected, GPT2_IGNORED, canonical, f"a GPT-2 with {config.n_layer} layers")
+    top, layers = _slots(arrays, expected, config.n_layer)
+    if not has_head:
+        top["lm_head"] = top["wte"]
+    for parts in layers:
+        for slot in GPT2_TRANSPOSED:
+            parts[slot] = np.ascontiguousarray(parts[slot].T)
+    return GPT2Weights(layers=[GPT2LayerWeights(**parts) for parts in layers], **top)

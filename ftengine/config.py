@@ -133,3 +133,80 @@ class BertConfig:
 def load_bert_config(model_dir: Path) -> BertConfig:
     path = Path(model_dir) / "config.json"
     return BertConfig.from_dict(read_json(path, "model config"), path)
+
+
+SUPPORTED_GPT2_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int                # 50257
+    n_positions: int               # 1024
+    n_embd: int                    # 768
+    n_layer: int                   # 12
+    n_head: int                    # 12
+    n_inner: int                   # 3072 (config null -> 4 * n_embd)
+    gelu: str                      # "tanh" for gelu_new
+    layer_norm_epsilon: float      # 1e-5
+    tie_word_embeddings: bool      # True: lm_head shares wte
+    bos_token_id: int | None       # 50256
+    eos_token_ids: tuple           # (50256,): any of them ends a sequence
+    pad_token_id: int | None
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_dict(cls, data: dict, path: Path, generation: dict | None = None) -> "GPT2Config":
+        keys = _Keys(data, path)
+        model_type = keys.required("model_type", str)
+        if model_type != "gpt2":
+            raise ConfigError(f"{path}: model_type {model_type!r} is not supported by the generator; supported: gpt2")
+        act = keys.optional("activation_function", str, "gelu_new")
+        if act not in SUPPORTED_GPT2_ACTIVATIONS:
+            raise ConfigError(f"{path}: activation_function {act!r} is not supported; "
+                              f"supported: {', '.join(SUPPORTED_GPT2_ACTIVATIONS)}")
+        for flag in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+            if data.get(flag):
+                raise ConfigError(f"{path}: {flag}=true is not supported")
+        if data.get("scale_attn_weights") is False:
+            raise ConfigError(f"{path}: scale_attn_weights=false is not supported")
+        n_embd, n_head = keys.positive("n_embd"), keys.positive("n_head")
+        if n_embd % n_head:
+            raise ConfigError(f"{path}: n_embd {n_embd} is not divisible by n_head {n_head}")
+        inner = data.get("n_inner")
+        if inner is not None and (not isinstance(inner, int) or isinstance(inner, bool) or inner < 1):
+            raise ConfigError(f"{path}: key 'n_inner' must be a positive int or null, found {inner!r}")
+        ids = {}
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = (generation or {}).get(name, data.get(name))
+            values = value if isinstance(value, list) else ([] if value is None else [value])
+            if name != "eos_token_id" and len(values) > 1:
+                raise ConfigError(f"{path}: {name} must be one int, found {value!r}")
+            for v in values:
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise ConfigError(f"{path}: {name} must be a non-negative int, found {value!r}")
+            ids[name] = tuple(values)
+        ids["eos_token_ids"] = ids.pop("eos_token_id")
+        ids["bos_token_id"] = ids["bos_token_id"][0] if ids["bos_token_id"] else None
+        ids["pad_token_id"] = ids["pad_token_id"][0] if ids["pad_token_id"] else None
+        return cls(
+            vocab_size=keys.positive("vocab_size"),
+            n_positions=keys.positive("n_positions"),
+            n_embd=n_embd,
+            n_layer=keys.positive("n_layer"),
+            n_head=n_head,
+            n_inner=inner or 4 * n_embd,
+            gelu=SUPPORTED_GPT2_ACTIVATIONS[act],
+            layer_norm_epsilon=keys.positive_float("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", True)),
+            **ids,
+        )
+
+
+def load_gpt2_config(model_dir: Path) -> GPT2Config:
+    path = Path(model_dir) / "config.json"
+    gen_path = Path(model_dir) / "generation_config.json"
+    generation = read_json(gen_path, "generation config") if gen_path.is_file() else None
+    return GPT2Config.from_dict(read_json(path, "model config"), path, generation)

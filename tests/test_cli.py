@@ -159,3 +159,54 @@ def test_installed_console_script(st_model, sample, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert np.load(out).shape == (len(LINES), 32)
     assert "running on the CPU" in proc.stderr and "6 lines" in proc.stderr
+
+
+# ---------------------------------------------------------------- generate
+
+@pytest.fixture(scope="module")
+def gpt2_model(tmp_path_factory):
+    from weights.fixtures import write_gpt2_checkpoint
+    return write_gpt2_checkpoint(tmp_path_factory.mktemp("gpt2cli"), seed=2)
+
+
+def gen(*args, input=None):
+    result = CliRunner().invoke(main, ["generate", *map(str, args)], input=input)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+def test_generate_json_in_input_order(gpt2_model, tmp_path):
+    from ftengine import Generator
+    src = tmp_path / "prompts.txt"
+    src.write_text("hello there\nA\nthe quick brown fox\n")
+    r = gen("--model", gpt2_model, "--input", src, "--max-new-tokens", 6, "--json", "--device", "cpu")
+    assert r.exit_code == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    expected = Generator.from_pretrained(gpt2_model, device="cpu").generate(
+        ["hello there", "A", "the quick brown fox"], max_new_tokens=6)
+    assert [row["prompt"] for row in rows] == ["hello there", "A", "the quick brown fox"]
+    for row, e in zip(rows, expected):
+        assert row["token_ids"] == e.token_ids and row["text"] == e.text and row["score"] is None
+        assert row["candidates"] == [{"text": e.text, "token_ids": e.token_ids, "score": None}]
+
+
+def test_generate_stream_prints_prompt_and_continuation(gpt2_model):
+    from ftengine import Generator
+    r = gen("--model", gpt2_model, "--prompt", "hi", "--max-new-tokens", 5, "--stream", "--device", "cpu",
+            "--do-sample", "--seed", 3, "--top-k", 20)
+    assert r.exit_code == 0, r.stderr
+    e = Generator.from_pretrained(gpt2_model, device="cpu").generate(
+        ["hi"], max_new_tokens=5, do_sample=True, seed=3, top_k=20)[0]
+    assert r.stdout == "hi" + e.text + "\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", 0, "--prompt", "x"], "max_new_tokens must be an integer >= 1"),
+    (["--do-sample", "--temperature", 0, "--prompt", "x"], "temperature must be > 0"),
+    (["--prompt", "x", "--input", "f"], "give exactly one of --prompt and --input"),
+    (["--prompt", ""], "prompt 1 is empty"),
+    (["--prompt", "x", "--max-new-tokens", 500], "beyond the model's n_positions 128"),
+])
+def test_generate_errors_are_one_line(gpt2_model, args, message):
+    r = gen("--model", gpt2_model, "--device", "cpu", *args)
+    assert r.exit_code == 1 and message in r.stderr and "Traceback" not in r.stderr

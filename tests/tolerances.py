@@ -13,6 +13,8 @@ GPU_FP32_REL = 1e-4
 LOWP_ERROR_FACTOR = 2.0
 # Pooled, normalised embeddings in fp16/bf16 vs fp32: cosine at least this.
 EMBEDDING_COSINE_LOWP = 0.9999
+# Logits processors (temperature, top-k, top-p, repetition penalty) vs HF's on the same float32 logits.
+PROCESSORS_FP32 = 1e-6
 # Op level: |ours - reference| <= atol + rtol * |reference|, by compute dtype.
 OPS = {
     "fp32": {"atol": 1e-5, "rtol": 1e-5},

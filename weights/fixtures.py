@@ -153,3 +153,87 @@ def write_sentence_transformers_files(folder: Path, *, pooling: dict, normalize:
     if max_seq_length is not None:
         (folder / "sentence_bert_config.json").write_text(
             json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}), encoding="utf-8")
+
+
+# ---------------------------------------------------------------- GPT-2
+
+GPT2_EOS = "<|endoftext|>"
+
+
+def write_byte_level_tokenizer(folder: Path) -> int:
+    """tokenizer.json: GPT-2-style byte-level BPE over the 256 byte symbols (no merges) plus
+    <|endoftext|>. Returns the vocabulary size (257; the eos token is the last id)."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab[GPT2_EOS] = len(vocab)
+    tok = Tokenizer(BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([GPT2_EOS])
+    tok.save(str(folder / "tokenizer.json"))
+    return len(vocab)
+
+
+def gpt2_config(*, n_embd=32, n_layer=2, n_head=4, n_positions=128, vocab_size=257, n_inner=None,
+                activation="gelu_new", eps=1e-5, tie=True) -> dict:
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab_size,
+        "n_positions": n_positions,
+        "n_embd": n_embd,
+        "n_layer": n_layer,
+        "n_head": n_head,
+        "n_inner": n_inner,
+        "activation_function": activation,
+        "layer_norm_epsilon": eps,
+        "bos_token_id": vocab_size - 1,
+        "eos_token_id": vocab_size - 1,
+        "tie_word_embeddings": tie,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+    }
+
+
+def random_gpt2_tensors(config: dict, *, seed: int = 0, prefix: str = "transformer.") -> dict:
+    """HF-named float32 GPT-2 tensors (Conv1D weights [in, out]); lm_head.weight only when untied."""
+    rng = np.random.default_rng(seed)
+    e, v = config["n_embd"], config["vocab_size"]
+    inner = config["n_inner"] or 4 * e
+
+    def mat(*shape, std=None):
+        std = std if std is not None else 1.0 / np.sqrt(shape[0])
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    t = {"wte.weight": mat(v, e, std=0.5), "wpe.weight": mat(config["n_positions"], e, std=0.2),
+         "ln_f.weight": (1 + 0.1 * rng.standard_normal(e)).astype(np.float32), "ln_f.bias": mat(e, std=0.1)}
+    for i in range(config["n_layer"]):
+        p = f"h.{i}."
+        t[p + "ln_1.weight"] = (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
+        t[p + "ln_1.bias"] = mat(e, std=0.1)
+        t[p + "attn.c_attn.weight"] = mat(e, 3 * e, std=2.0 / np.sqrt(e))
+        t[p + "attn.c_attn.bias"] = mat(3 * e, std=0.1)
+        t[p + "attn.c_proj.weight"] = mat(e, e)
+        t[p + "attn.c_proj.bias"] = mat(e, std=0.1)
+        t[p + "ln_2.weight"] = (1 + 0.1 * rng.standard_normal(e)).astype(np.float32)
+        t[p + "ln_2.bias"] = mat(e, std=0.1)
+        t[p + "mlp.c_fc.weight"] = mat(e, inner)
+        t[p + "mlp.c_fc.bias"] = mat(inner, std=0.1)
+        t[p + "mlp.c_proj.weight"] = mat(inner, e)
+        t[p + "mlp.c_proj.bias"] = mat(e, std=0.1)
+    out = {prefix + k: val for k, val in t.items()}
+    if not config["tie_word_embeddings"]:
+        out["lm_head.weight"] = mat(v, e, std=0.5)
+    return out
+
+
+def write_gpt2_checkpoint(folder, *, seed: int = 0, **config_args) -> Path:
+    """A random GPT-2 in `folder` (created): config.json, model.safetensors, tokenizer.json."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_byte_level_tokenizer(folder)
+    config = gpt2_config(vocab_size=vocab, **config_args)
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    save_file(random_gpt2_tensors(config, seed=seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

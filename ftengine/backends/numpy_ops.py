@@ -202,6 +202,51 @@ def pool_packed(out, hidden, cu_seqlens, *, modes):
         pool(out[b:b + 1], hidden[lo:hi], np.array([hi - lo]), seq=hi - lo, modes=modes)
 
 
+# ------------------------------------------------------------------ decoder (GPT-2)
+
+def embed_positions(out, ids, positions, wte, wpe):
+    """out (T, E) = wte[ids] + wpe[positions]."""
+    out[...] = wte[ids] + wpe[positions]
+
+
+def layernorm(out, x, gamma, beta, *, eps):
+    """out (T, E) = LayerNorm(x)."""
+    out[...] = _layernorm(x, gamma, beta, eps)
+
+
+def add_bias_residual(out, x, bias, residual):
+    """out (T, E) = x + bias + residual. out may alias residual."""
+    out[...] = x + bias + residual
+
+
+def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads):
+    """Token t's key and value (columns E..3E of qkv + bias) go to cache[seq_ids[t], :, positions[t]].
+    Caches (B, heads, L, D)."""
+    e = qkv.shape[1] // 3
+    x = (qkv + bias).reshape(-1, 3, heads, e // heads)                 # (T, 3, heads, D)
+    k_cache[seq_ids, :, positions] = x[:, 1]
+    v_cache[seq_ids, :, positions] = x[:, 2]
+
+
+def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, heads):
+    """ctx (T, E): token t's query (columns 0..E of qkv + bias) attends to positions
+    0..positions[t] of its sequence's cache (causal self-attention over the KV cache)."""
+    e = qkv.shape[1] // 3
+    d = e // heads
+    q = (qkv[:, :e] + bias[:e]).reshape(-1, heads, d)                   # (T, heads, D)
+    for t, (b, p) in enumerate(zip(seq_ids, positions)):
+        k = k_cache[b, :, :p + 1]                                       # (heads, p+1, D)
+        scores = np.einsum("hd,hld->hl", q[t], k) / np.sqrt(d)
+        w = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        w /= w.sum(axis=-1, keepdims=True)
+        ctx[t] = np.einsum("hl,hld->hd", w, v_cache[b, :, :p + 1]).reshape(e)
+
+
+def gather_rows(out, x, rows):
+    """out (N, E) = x[rows]."""
+    out[...] = x[rows]
+
+
 def l2_normalize(out, x):
     """out (B, D) = x / max(||x||, 1e-12), row by row (torch.nn.functional.normalize)."""
     norm = np.sqrt((x.astype(np.float32) ** 2).sum(axis=1, keepdims=True))

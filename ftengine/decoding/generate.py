@@ -1,0 +1,107 @@
+"""The generation loop: prefill, then one decode step per new token, token choice on the host
+(NumPy) with HF `generate` semantics."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..errors import InputError
+from . import processors as P
+from .philox import uniforms
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    eos_token_ids: tuple = ()
+
+    def checked(self, *, vocab_size: int) -> "GenerationParams":
+        """Validate; top_k above the vocabulary is clamped to it (keeps every token, as HF does);
+        a sampling run without a seed gets a random one."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise InputError(f"min_new_tokens must be within 0..max_new_tokens ({self.max_new_tokens}), "
+                             f"got {self.min_new_tokens}")
+        if not self.temperature > 0:
+            raise InputError(f"temperature must be > 0, got {self.temperature}; for deterministic output "
+                             "use greedy decoding (no --do-sample)")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if not self.repetition_penalty > 0:
+            raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for e in self.eos_token_ids:
+            if not 0 <= e < vocab_size:
+                raise InputError(f"eos token id {e} is outside the vocabulary 0..{vocab_size - 1}")
+        seed = self.seed
+        if self.do_sample and seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        if seed is not None and not 0 <= seed < 2 ** 64:
+            raise InputError(f"seed must be within 0..2^64-1, got {seed}")
+        return replace(self, top_k=min(self.top_k, vocab_size), seed=seed)
+
+
+def choose_tokens(logits: np.ndarray, histories: list, generated: int, params: GenerationParams) -> np.ndarray:
+    """Next token per row of logits (B, V): processors, then warpers and a draw, or argmax."""
+    scores = logits
+    if params.repetition_penalty != 1.0:
+        scores = P.repetition_penalty(scores, histories, params.repetition_penalty)
+    if generated < params.min_new_tokens:
+        scores = P.suppress(scores, range(len(scores)), params.eos_token_ids)
+    if not params.do_sample:
+        return np.argmax(scores, axis=-1)
+    if params.temperature != 1.0:
+        scores = P.temperature(scores, params.temperature)
+    if params.top_k:
+        scores = P.top_k(scores, params.top_k)
+    if params.top_p < 1.0:
+        scores = P.top_p(scores, params.top_p)
+    return P.sample(scores, uniforms(params.seed, np.arange(len(scores)), generated))
+
+
+def stream_tokens(runner, prompts: list, params: GenerationParams):
+    """Yield, after each step, the list of (sequence index, new token) of the sequences still
+    running at that step. A sequence stops after an eos token (which is yielded) or after
+    max_new_tokens."""
+    c = runner.config
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise InputError(f"prompt {i + 1} is empty: GPT-2 needs at least one prompt token")
+        if len(p) + params.max_new_tokens > c.n_positions:
+            raise InputError(f"prompt {i + 1} has {len(p)} tokens; with max_new_tokens {params.max_new_tokens} "
+                             f"that is beyond the model's n_positions {c.n_positions}")
+    histories = [list(p) for p in prompts]
+    lengths = np.array([len(p) for p in prompts])
+    running = np.ones(len(prompts), dtype=bool)
+    eos = set(params.eos_token_ids)
+    logits = runner.prefill(prompts)
+    for step in range(params.max_new_tokens):
+        live = np.flatnonzero(running)
+        bad = [int(b) for b in live if not np.isfinite(logits[b]).all()]
+        if bad:
+            raise InputError(f"non-finite logits (NaN or inf) for prompt {bad[0] + 1} at step {step + 1}; "
+                             "the model or its weights produce invalid values")
+        tokens = choose_tokens(logits, histories, step, params)
+        out = []
+        for b in live:
+            token = int(tokens[b])
+            histories[b].append(token)
+            out.append((int(b), token))
+            if token in eos:
+                running[b] = False
+        yield out
+        if not running.any() or step + 1 == params.max_new_tokens:
+            return
+        logits = runner.decode(tokens, lengths + step)

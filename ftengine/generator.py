@@ -1,0 +1,119 @@
+"""Generator: prompts -> generated text with GPT-2 checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .backends import get_ops, resolve_device
+from .checkpoint import load_gpt2_weights
+from .config import load_gpt2_config
+from .decoding.generate import GenerationParams, stream_tokens
+from .errors import ConfigError, DeviceError, InputError
+from .models.gpt2 import GPT2Runner
+
+
+@dataclass
+class Candidate:
+    text: str
+    token_ids: list          # new tokens only, the eos that ended the sequence included
+    score: float | None = None
+
+
+@dataclass
+class GenerationResult:
+    prompt: str
+    text: str
+    token_ids: list
+    score: float | None
+    candidates: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids, "score": self.score,
+                "candidates": [vars(c) for c in self.candidates]}
+
+
+class Generator:
+    def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None):
+        path = Path(path)
+        if not path.is_dir():
+            raise ConfigError(f"model folder not found: {path}")
+        device = resolve_device(device)
+        if device == "cuda":
+            raise DeviceError("the CUDA decoder is not built yet; generation runs on the CPU for now "
+                              "(use device 'cpu')")
+        dtype = dtype or "fp32"
+        if dtype != "fp32":
+            raise DeviceError(f"dtype {dtype} needs the CUDA backend; the CPU (NumPy) backend computes in fp32")
+        self.device, self.dtype = device, dtype
+        self.ops = get_ops(device)
+        self.path = path
+        self.config = load_gpt2_config(path)
+        self.weights = load_gpt2_weights(path, self.config)
+        self.tokenizer = _load_tokenizer(path)
+        self._runner = None
+
+    @classmethod
+    def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None) -> "Generator":
+        """Load a GPT-2 checkpoint folder (config.json, *.safetensors, tokenizer.json)."""
+        return cls(Path(path), device=device, dtype=dtype)
+
+    def _runner_for(self, batch: int) -> GPT2Runner:
+        r = self._runner
+        if r is None or r.max_batch < batch:
+            self._runner = r = GPT2Runner(self.config, self.weights, self.ops, dtype=self.dtype,
+                                          max_batch=batch, max_len=self.config.n_positions)
+        return r
+
+    def encode_prompts(self, prompts) -> list:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        encoded = []
+        for i, text in enumerate(prompts):
+            if not isinstance(text, str):
+                raise InputError(f"prompt {i + 1} is a {type(text).__name__}, not a str")
+            encoded.append(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return encoded
+
+    def params(self, max_new_tokens: int, eos_token_id=None, **options) -> GenerationParams:
+        eos = self.config.eos_token_ids if eos_token_id is None else (eos_token_id,)
+        return GenerationParams(max_new_tokens=max_new_tokens, eos_token_ids=tuple(eos), **options) \
+            .checked(vocab_size=self.config.vocab_size)
+
+    def stream(self, prompts, *, max_new_tokens: int, eos_token_id=None, **options):
+        """Yield, per step, a list of (prompt index, new token id) for the prompts still running."""
+        ids = self.encode_prompts(prompts)
+        params = self.params(max_new_tokens, eos_token_id, **options)
+        yield from stream_tokens(self._runner_for(len(ids)), ids, params)
+
+    def generate(self, prompts, *, max_new_tokens: int, min_new_tokens: int = 0, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 repetition_penalty: float = 1.0, seed: int | None = None,
+                 eos_token_id: int | None = None) -> list:
+        """Generated continuations, one GenerationResult per prompt, in input order."""
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        new = [[] for _ in texts]
+        for step in self.stream(texts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                min_new_tokens=min_new_tokens, do_sample=do_sample, temperature=temperature,
+                                top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed):
+            for b, token in step:
+                new[b].append(token)
+        results = []
+        for text, ids in zip(texts, new):
+            cand = Candidate(self.tokenizer.decode(ids, skip_special_tokens=False), ids, None)
+            results.append(GenerationResult(text, cand.text, ids, None, [cand]))
+        return results
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def _load_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise ConfigError(f"no tokenizer.json in {path}")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception for malformed files
+        raise ConfigError(f"{file}: cannot load tokenizer ({e})") from None

@@ -1,0 +1,118 @@
+"""GPT-2, written once against the ops interface: prefill and decode steps over a KV cache.
+
+Tokens are rows (T, E). Prefill packs every prompt's tokens back to back; a decode step has one
+token per sequence. Each token carries its sequence index and position, so one prompt gives
+the same logits alone or in a batch of prompts of other lengths (no padding anywhere).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..checkpoint import GPT2Weights
+from ..config import GPT2Config
+from ..errors import InputError
+from ..workspace import Workspace
+
+
+class GPT2Runner:
+    """Weights uploaded once; KV cache (n_layer x (B, heads, L, D)) and every activation in one
+    Workspace sized for max_batch sequences of up to max_len tokens."""
+
+    def __init__(self, config: GPT2Config, weights: GPT2Weights, ops, *, dtype: str, max_batch: int,
+                 max_len: int):
+        if max_len > config.n_positions:
+            raise InputError(f"max_len {max_len} exceeds the model's n_positions {config.n_positions}")
+        self.config, self.ops = config, ops
+        self.dtype = ops.storage_dtype(dtype)
+        self.max_batch, self.max_len = max_batch, max_len
+        up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
+        self.wte, self.wpe = up(weights.wte), up(weights.wpe)           # (V, E), (P, E)
+        self.lm_head = self.wte if weights.lm_head is weights.wte else up(weights.lm_head)
+        self.ln_f = (up(weights.ln_f_gamma), up(weights.ln_f_beta))
+        self.layers = [{k: up(v) for k, v in vars(layer).items()} for layer in weights.layers]
+        c = config
+        t = max_batch * max_len  # a prefill may hold every sequence's whole prompt
+        e, d = c.n_embd, c.head_dim
+        cache = max_batch * c.n_head * max_len * d
+        table = {f"{kind}{i}": (cache, self.dtype) for i in range(c.n_layer) for kind in ("k", "v")}
+        table.update({
+            "tokens": (3 * t, np.int32),          # ids, sequence index, position (T each)
+            "hidden": (t * e, self.dtype),        # (T, E)
+            "normed": (t * e, self.dtype),        # (T, E)
+            "qkv": (t * 3 * e, self.dtype),       # (T, 3E)
+            "ctx": (t * e, self.dtype),           # (T, E)
+            "proj": (t * e, self.dtype),          # (T, E)
+            "inter": (t * c.n_inner, self.dtype),  # (T, I)
+            "last": (max_batch * e, self.dtype),  # (B, E): the rows whose logits are wanted
+            "rows": (max_batch, np.int32),        # (B,)
+            "logits": (max_batch * c.vocab_size, np.float32),  # (B, V)
+        })
+        self.ws = Workspace(ops, table)
+        self.staging = ops.pinned_empty((3 * t + max_batch,), np.int32)
+
+    def _caches(self, i: int):
+        c = self.config
+        shape = (self.max_batch, c.n_head, self.max_len, c.head_dim)
+        return self.ws.view(f"k{i}", shape), self.ws.view(f"v{i}", shape)
+
+    def _forward(self, ids, seq_ids, positions, rows) -> np.ndarray:
+        """Run tokens (ids, sequence index, position per token) through the model, writing their
+        keys and values into the cache; logits (len(rows), V) float32 of the tokens at `rows`."""
+        ops, c, ws = self.ops, self.config, self.ws
+        t, n, e = len(ids), len(rows), c.n_embd
+        bad = np.flatnonzero((ids < 0) | (ids >= c.vocab_size))
+        if bad.size:
+            raise InputError(f"token id {ids[bad[0]]} is outside the vocabulary 0..{c.vocab_size - 1}")
+        st = self.staging[:3 * t + n]
+        st[:t], st[t:2 * t], st[2 * t:3 * t], st[3 * t:] = ids, seq_ids, positions, rows
+        tokens = ws.view("tokens", (3 * t,))
+        ops.copy_from_host(tokens, st[:3 * t])
+        d_rows = ws.view("rows", (n,))
+        ops.copy_from_host(d_rows, st[3 * t:])
+        d_ids, d_seq, d_pos = tokens[:t], tokens[t:2 * t], tokens[2 * t:]
+        hidden, normed = ws.view("hidden", (t, e)), ws.view("normed", (t, e))
+        qkv, ctx, proj = ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e)), ws.view("proj", (t, e))
+        inter = ws.view("inter", (t, c.n_inner))
+        ops.embed_positions(hidden, d_ids, d_pos, self.wte, self.wpe)
+        for i, w in enumerate(self.layers):
+            k_cache, v_cache = self._caches(i)
+            ops.layernorm(normed, hidden, w["ln1_gamma"], w["ln1_beta"], eps=c.layer_norm_epsilon)
+            ops.matmul(qkv, normed, w["qkv_weight"])
+            ops.write_kv_cache(k_cache, v_cache, qkv, w["qkv_bias"], d_seq, d_pos, heads=c.n_head)
+            ops.cached_attention(ctx, qkv, w["qkv_bias"], k_cache, v_cache, d_seq, d_pos, heads=c.n_head)
+            ops.matmul(proj, ctx, w["attn_out_weight"])
+            ops.add_bias_residual(hidden, proj, w["attn_out_bias"], hidden)
+            ops.layernorm(normed, hidden, w["ln2_gamma"], w["ln2_beta"], eps=c.layer_norm_epsilon)
+            ops.matmul(inter, normed, w["fc_weight"])
+            ops.add_bias_gelu(inter, inter, w["fc_bias"], form=c.gelu)
+            ops.matmul(proj, inter, w["proj_weight"])
+            ops.add_bias_residual(hidden, proj, w["proj_bias"], hidden)
+        last = ws.view("last", (n, e))
+        ops.gather_rows(last, hidden, d_rows)
+        ops.layernorm(last, last, *self.ln_f, eps=c.layer_norm_epsilon)
+        logits = ws.view("logits", (n, c.vocab_size))
+        ops.matmul(logits, last, self.lm_head)
+        return ops.to_host(logits).astype(np.float32)
+
+    def prefill(self, prompts: list) -> np.ndarray:
+        """All prompt tokens through the layers (cache rows 0..len-1 of sequence b for prompt b);
+        logits (B, V) of each prompt's last token."""
+        if not 1 <= len(prompts) <= self.max_batch:
+            raise InputError(f"{len(prompts)} prompts; this runner takes 1..{self.max_batch}")
+        lengths = np.array([len(p) for p in prompts])
+        if lengths.min() < 1:
+            raise InputError("every prompt needs at least one token")
+        if lengths.max() > self.max_len:
+            raise InputError(f"a prompt of {lengths.max()} tokens exceeds this runner's max_len {self.max_len}")
+        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
+        seq_ids = np.repeat(np.arange(len(prompts)), lengths)
+        positions = np.concatenate([np.arange(n) for n in lengths])
+        return self._forward(ids, seq_ids, positions, np.cumsum(lengths) - 1)
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One new token per sequence b (tokens[b] at positions[b]); logits (B, V)."""
+        if np.asarray(positions).max() >= self.max_len:
+            raise InputError(f"position {int(np.max(positions))} is past this runner's max_len {self.max_len}")
+        b = len(tokens)
+        return self._forward(np.asarray(tokens, np.int64), np.arange(b), np.asarray(positions), np.arange(b))

@@ -1,0 +1,162 @@
+"""GPT-2 on the NumPy backend against HF transformers GPT2LMHeadModel (float32, CPU)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ftengine.backends import numpy_ops
+from ftengine.checkpoint import load_gpt2_weights
+from ftengine.config import load_gpt2_config
+from ftengine.decoding.generate import GenerationParams, stream_tokens
+from ftengine.errors import CheckpointError, InputError
+from ftengine.generator import Generator
+from ftengine.models.gpt2 import GPT2Runner
+from tests.tolerances import HF_FP32_MAX_ABS
+from weights.fixtures import gpt2_config, random_gpt2_tensors, write_gpt2_checkpoint
+
+PROMPT_LENGTHS = [1, 5, 17, 3, 40, 9, 2, 28]
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    return write_gpt2_checkpoint(tmp_path_factory.mktemp("gpt2"), seed=4, n_embd=48, n_layer=3, n_head=4)
+
+
+@pytest.fixture(scope="module")
+def hf(gpt2):
+    from transformers import GPT2LMHeadModel
+    return GPT2LMHeadModel.from_pretrained(str(gpt2), attn_implementation="eager").eval()
+
+
+def _prompts(seed, vocab, lengths=PROMPT_LENGTHS):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def _runner(path, max_batch=8):
+    config = load_gpt2_config(path)
+    return GPT2Runner(config, load_gpt2_weights(path, config), numpy_ops, dtype="fp32",
+                      max_batch=max_batch, max_len=config.n_positions)
+
+
+def _hf_generate(hf, prompt, **kwargs):
+    import torch
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          pad_token_id=hf.config.eos_token_id, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def _ours(path, prompts, **kwargs):
+    runner = _runner(path)
+    params = GenerationParams(**kwargs).checked(vocab_size=runner.config.vocab_size)
+    new = [[] for _ in prompts]
+    for step in stream_tokens(runner, prompts, params):
+        for b, t in step:
+            new[b].append(t)
+    return new
+
+
+def test_prompt_logits_match_hf(gpt2, hf):
+    import torch
+    runner = _runner(gpt2)
+    prompts = _prompts(1, runner.config.vocab_size)
+    ours = runner.prefill(prompts)
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1].numpy()
+        assert np.abs(ref).max() > 1.0
+        assert np.abs(ours[b] - ref).max() <= HF_FP32_MAX_ABS, f"prompt {b}"
+
+
+def test_decode_step_logits_match_hf(gpt2, hf):
+    """Feed three more tokens one step at a time; each step's logits equal HF's full forward."""
+    import torch
+    runner = _runner(gpt2)
+    prompts = _prompts(2, runner.config.vocab_size, [4, 11])
+    runner.prefill(prompts)
+    rng = np.random.default_rng(3)
+    seqs = [list(p) for p in prompts]
+    for step in range(3):
+        tokens = rng.integers(0, runner.config.vocab_size, 2)
+        logits = runner.decode(tokens, np.array([len(p) + step for p in prompts]))
+        for b in range(2):
+            seqs[b].append(int(tokens[b]))
+            with torch.no_grad():
+                ref = hf(torch.tensor([seqs[b]])).logits[0, -1].numpy()
+            assert np.abs(logits[b] - ref).max() <= HF_FP32_MAX_ABS
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_greedy_token_exact_for_a_batch_of_prompts(gpt2, hf, penalty):
+    """8 prompts of different lengths in one batch: each gives exactly what HF gives it alone."""
+    prompts = _prompts(5, hf.config.vocab_size)
+    ours = _ours(gpt2, prompts, max_new_tokens=32, repetition_penalty=penalty, eos_token_ids=(256,))
+    for b, p in enumerate(prompts):
+        assert ours[b] == _hf_generate(hf, p, max_new_tokens=32, do_sample=False, repetition_penalty=penalty), b
+
+
+def test_eos_and_min_new_tokens(gpt2, hf):
+    """An eos id the model actually produces: sequences stop there (eos included), and
+    min_new_tokens keeps it out until then, as in HF."""
+    prompts = _prompts(6, hf.config.vocab_size, [3, 8])
+    free = _ours(gpt2, prompts, max_new_tokens=12)
+    eos = free[0][4]
+    for min_new in (0, 6):
+        ours = _ours(gpt2, prompts, max_new_tokens=12, min_new_tokens=min_new, eos_token_ids=(eos,))
+        for b, p in enumerate(prompts):
+            ref = _hf_generate(hf, p, max_new_tokens=12, min_new_tokens=min_new, eos_token_id=eos, do_sample=False)
+            assert ours[b] == ref, (min_new, b)
+    stopped = _ours(gpt2, prompts, max_new_tokens=12, eos_token_ids=(eos,))[0]
+    assert stopped[-1] == eos and len(stopped) <= 5
+
+
+def test_seeded_sampling_is_reproducible(gpt2):
+    prompts = _prompts(7, 257, [4, 9, 1])
+    kwargs = dict(max_new_tokens=16, do_sample=True, temperature=0.8, top_k=50, top_p=0.9)
+    a = _ours(gpt2, prompts, seed=123, **kwargs)
+    b = _ours(gpt2, prompts, seed=123, **kwargs)
+    c = _ours(gpt2, prompts, seed=124, **kwargs)
+    assert a == b and a != c
+
+
+def test_lm_head_tied_untied_and_missing(tmp_path):
+    from safetensors.numpy import save_file
+    untied = gpt2_config(tie=False)
+    tensors = random_gpt2_tensors(untied, seed=1)
+    (tmp_path / "config.json").write_text(json.dumps(untied))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    w = load_gpt2_weights(tmp_path, load_gpt2_config(tmp_path))
+    np.testing.assert_array_equal(w.lm_head, tensors["lm_head.weight"])
+    np.testing.assert_array_equal(w.layers[0].qkv_weight, tensors["transformer.h.0.attn.c_attn.weight"].T)
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="lm_head.weight is missing and tie_word_embeddings is false"):
+        load_gpt2_weights(tmp_path, load_gpt2_config(tmp_path))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(do_sample=True, temperature=0.0), "temperature must be > 0, got 0.0; for deterministic output use greedy"),
+    (dict(do_sample=True, top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(do_sample=True, top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(top_k=-1), "top_k must be >= 0"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (dict(max_new_tokens=200), "beyond the model's n_positions 128"),
+    (dict(min_new_tokens=9), r"min_new_tokens must be within 0..max_new_tokens \(8\)"),
+    (dict(eos_token_id=999), r"eos token id 999 is outside the vocabulary 0..256"),
+])
+def test_generation_options_are_validated(gpt2, kwargs, message):
+    gen = Generator.from_pretrained(gpt2, device="cpu")
+    kwargs = {"max_new_tokens": 8, **kwargs}
+    with pytest.raises(InputError, match=message):
+        gen.generate(["hello"], **kwargs)
+
+
+def test_empty_prompt_and_clamped_top_k(gpt2):
+    gen = Generator.from_pretrained(gpt2, device="cpu")
+    with pytest.raises(InputError, match="prompt 2 is empty"):
+        gen.generate(["ok", ""], max_new_tokens=2)
+    huge = gen.generate(["hi"], max_new_tokens=4, do_sample=True, top_k=10_000, seed=1)[0].token_ids
+    off = gen.generate(["hi"], max_new_tokens=4, do_sample=True, top_k=0, seed=1)[0].token_ids
+    assert huge == off  # top_k beyond the vocabulary keeps every token, like top_k=0
