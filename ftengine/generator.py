@@ -9,6 +9,7 @@ from .backends import get_ops, resolve_device
 from .checkpoint import load_gpt2_weights
 from .config import load_gpt2_config
 from .decoding.generate import GenerationParams, stream_tokens
+from .encoder import DTYPES
 from .errors import ConfigError, DeviceError, InputError
 from .models.gpt2 import GPT2Runner
 
@@ -34,18 +35,17 @@ class GenerationResult:
 
 
 class Generator:
-    def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None):
+    def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None, cuda_graphs: bool = True):
         path = Path(path)
         if not path.is_dir():
             raise ConfigError(f"model folder not found: {path}")
         device = resolve_device(device)
-        if device == "cuda":
-            raise DeviceError("the CUDA decoder is not built yet; generation runs on the CPU for now "
-                              "(use device 'cpu')")
-        dtype = dtype or "fp32"
-        if dtype != "fp32":
+        dtype = dtype or ("fp16" if device == "cuda" else "fp32")
+        if dtype not in DTYPES:
+            raise DeviceError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if device == "cpu" and dtype != "fp32":
             raise DeviceError(f"dtype {dtype} needs the CUDA backend; the CPU (NumPy) backend computes in fp32")
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.cuda_graphs = device, dtype, cuda_graphs
         self.ops = get_ops(device)
         self.path = path
         self.config = load_gpt2_config(path)
@@ -54,15 +54,19 @@ class Generator:
         self._runner = None
 
     @classmethod
-    def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None) -> "Generator":
-        """Load a GPT-2 checkpoint folder (config.json, *.safetensors, tokenizer.json)."""
-        return cls(Path(path), device=device, dtype=dtype)
+    def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *,
+                        cuda_graphs: bool = True) -> "Generator":
+        """Load a GPT-2 checkpoint folder (config.json, *.safetensors, tokenizer.json).
+        dtype: fp32, fp16 or bf16 (default fp16 on the GPU, fp32 on the CPU); cuda_graphs=False
+        runs each decode step's launches directly."""
+        return cls(Path(path), device=device, dtype=dtype, cuda_graphs=cuda_graphs)
 
     def _runner_for(self, batch: int) -> GPT2Runner:
         r = self._runner
         if r is None or r.max_batch < batch:
             self._runner = r = GPT2Runner(self.config, self.weights, self.ops, dtype=self.dtype,
-                                          max_batch=batch, max_len=self.config.n_positions)
+                                          max_batch=batch, max_len=self.config.n_positions,
+                                          graphs=self.cuda_graphs)
         return r
 
     def encode_prompts(self, prompts) -> list:

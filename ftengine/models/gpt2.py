@@ -20,12 +20,13 @@ class GPT2Runner:
     Workspace sized for max_batch sequences of up to max_len tokens."""
 
     def __init__(self, config: GPT2Config, weights: GPT2Weights, ops, *, dtype: str, max_batch: int,
-                 max_len: int):
+                 max_len: int, graphs: bool = True):
         if max_len > config.n_positions:
             raise InputError(f"max_len {max_len} exceeds the model's n_positions {config.n_positions}")
         self.config, self.ops = config, ops
         self.dtype = ops.storage_dtype(dtype)
         self.max_batch, self.max_len = max_batch, max_len
+        self.graphs = ops.GraphCache(enabled=graphs)  # decode steps, one graph per batch size
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.wte, self.wpe = up(weights.wte), up(weights.wpe)           # (V, E), (P, E)
         self.lm_head = self.wte if weights.lm_head is weights.wte else up(weights.lm_head)
@@ -56,20 +57,30 @@ class GPT2Runner:
         shape = (self.max_batch, c.n_head, self.max_len, c.head_dim)
         return self.ws.view(f"k{i}", shape), self.ws.view(f"v{i}", shape)
 
-    def _forward(self, ids, seq_ids, positions, rows) -> np.ndarray:
+    def _forward(self, ids, seq_ids, positions, rows, *, graph_key=None) -> np.ndarray:
         """Run tokens (ids, sequence index, position per token) through the model, writing their
-        keys and values into the cache; logits (len(rows), V) float32 of the tokens at `rows`."""
-        ops, c, ws = self.ops, self.config, self.ws
-        t, n, e = len(ids), len(rows), c.n_embd
+        keys and values into the cache; logits (len(rows), V) float32 of the tokens at `rows`.
+        With a graph_key the launches are captured once and replayed (the inputs live in
+        device buffers, so a replay reads each step's tokens and positions)."""
+        c = self.config
+        t, n = len(ids), len(rows)
         bad = np.flatnonzero((ids < 0) | (ids >= c.vocab_size))
         if bad.size:
             raise InputError(f"token id {ids[bad[0]]} is outside the vocabulary 0..{c.vocab_size - 1}")
         st = self.staging[:3 * t + n]
         st[:t], st[t:2 * t], st[2 * t:3 * t], st[3 * t:] = ids, seq_ids, positions, rows
+        self.ops.copy_from_host(self.ws.view("tokens", (3 * t,)), st[:3 * t])
+        self.ops.copy_from_host(self.ws.view("rows", (n,)), st[3 * t:])
+        if graph_key is None:
+            self._launches(t, n)
+        else:
+            self.graphs.run(graph_key, lambda: self._launches(t, n))
+        return self.ops.to_host(self.ws.view("logits", (n, c.vocab_size))).astype(np.float32)
+
+    def _launches(self, t: int, n: int):
+        ops, c, ws = self.ops, self.config, self.ws
+        e = c.n_embd
         tokens = ws.view("tokens", (3 * t,))
-        ops.copy_from_host(tokens, st[:3 * t])
-        d_rows = ws.view("rows", (n,))
-        ops.copy_from_host(d_rows, st[3 * t:])
         d_ids, d_seq, d_pos = tokens[:t], tokens[t:2 * t], tokens[2 * t:]
         hidden, normed = ws.view("hidden", (t, e)), ws.view("normed", (t, e))
         qkv, ctx, proj = ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e)), ws.view("proj", (t, e))
@@ -89,11 +100,9 @@ class GPT2Runner:
             ops.matmul(proj, inter, w["proj_weight"])
             ops.add_bias_residual(hidden, proj, w["proj_bias"], hidden)
         last = ws.view("last", (n, e))
-        ops.gather_rows(last, hidden, d_rows)
+        ops.gather_rows(last, hidden, ws.view("rows", (n,)))
         ops.layernorm(last, last, *self.ln_f, eps=c.layer_norm_epsilon)
-        logits = ws.view("logits", (n, c.vocab_size))
-        ops.matmul(logits, last, self.lm_head)
-        return ops.to_host(logits).astype(np.float32)
+        ops.matmul(ws.view("logits", (n, c.vocab_size)), last, self.lm_head)
 
     def prefill(self, prompts: list) -> np.ndarray:
         """All prompt tokens through the layers (cache rows 0..len-1 of sequence b for prompt b);
@@ -115,4 +124,5 @@ class GPT2Runner:
         if np.asarray(positions).max() >= self.max_len:
             raise InputError(f"position {int(np.max(positions))} is past this runner's max_len {self.max_len}")
         b = len(tokens)
-        return self._forward(np.asarray(tokens, np.int64), np.arange(b), np.asarray(positions), np.arange(b))
+        return self._forward(np.asarray(tokens, np.int64), np.arange(b), np.asarray(positions), np.arange(b),
+                             graph_key=("decode", b))

@@ -49,6 +49,9 @@ FAMILIES = {
     "attention_varlen.cu": lambda t: [f"varlen_attention_simt<{d}>" if t == "float" else
                                       f"varlen_attention_mma<{t}, {d}>" for d in VARLEN_HEAD_DIMS],
     "pooling.cu": lambda t: [f"pool<{t}>", f"pool_packed<{t}>"] + (["l2_normalize<float>"] if t == "float" else []),
+    "decoder.cu": lambda t: (_vec_variants("embed_positions", t) + _row_variants("layernorm", t)
+                             + _vec_variants("add_bias_residual", t) + _vec_variants("write_kv_cache", t)
+                             + [f"cached_attention<{t}>"] + _vec_variants("gather_rows", t)),
 }
 
 

@@ -168,13 +168,14 @@ def embed_layernorm(out, ids, token_types, positions, word_emb, pos_emb, type_em
 
 
 def matmul(out, x, weight):
-    """out (M, N) = x (M, K) @ weight (N, K)^T. Column-major: out^T = op_T(W^T) @ x^T."""
+    """out (M, N) = x (M, K) @ weight (N, K)^T. Column-major: out^T = op_T(W^T) @ x^T.
+    out may be float32 while x and weight are 16-bit (the LM head's logits)."""
     m, k = x.shape
     n = weight.shape[0]
-    dt = cb.DATA_TYPES[out.dtype.name]
+    types = [cb.DATA_TYPES[a.dtype.name] for a in (weight, x, out)]
     with context().stream:
-        context().blas.gemm(cb.OP_T, cb.OP_N, n, m, k, weight.data.ptr, dt, k, x.data.ptr, dt, k,
-                            out.data.ptr, dt, n)
+        context().blas.gemm(cb.OP_T, cb.OP_N, n, m, k, weight.data.ptr, types[0], k, x.data.ptr, types[1], k,
+                            out.data.ptr, types[2], n)
 
 
 def add_qkv_bias_split_heads(q, k, v, qkv, bias, *, batch, seq, heads):
@@ -286,6 +287,54 @@ def pool_packed(out, hidden, cu_seqlens, *, modes):
         _launch("pooling.cu", f"pool_packed<{_ctype(hidden)}>", (b, (h + threads - 1) // threads), (threads,),
                 (out, hidden, cu_seqlens, np.int32(h), np.int32(out.shape[1]), np.int32(i * h),
                  np.int32(POOL_CODES[mode])))
+
+
+# ------------------------------------------------------------------ decoder (GPT-2)
+
+def embed_positions(out, ids, positions, wte, wpe):
+    t, e = out.shape
+    vec = _vec(out, e)
+    _launch("decoder.cu", f"embed_positions<{_ctype(out)}, {vec}>", (t,), (_threads(e // vec),),
+            (out, ids, positions, wte, wpe, np.int32(e)))
+
+
+def layernorm(out, x, gamma, beta, *, eps):
+    t, h = out.shape
+    vec, items, threads = _row_kernel_shape(out, h)
+    _launch("decoder.cu", f"layernorm<{_ctype(out)}, {vec}, {items}>", (t,), (threads,),
+            (out, x, gamma, beta, np.int32(h), np.float32(eps)))
+
+
+def add_bias_residual(out, x, bias, residual):
+    t, e = out.shape
+    vec = _vec(out, e)
+    _launch("decoder.cu", f"add_bias_residual<{_ctype(out)}, {vec}>", (t,), (_threads(e // vec),),
+            (out, x, bias, residual, np.int32(e)))
+
+
+def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads):
+    t = qkv.shape[0]
+    _, _, length, d = k_cache.shape
+    vec = _vec(qkv, d)
+    _launch("decoder.cu", f"write_kv_cache<{_ctype(qkv)}, {vec}>", (t,), (_threads(2 * heads * d // vec),),
+            (k_cache, v_cache, qkv, bias, seq_ids, positions, np.int32(heads), np.int32(d), np.int32(length)))
+
+
+def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, heads):
+    t = qkv.shape[0]
+    _, _, length, d = k_cache.shape
+    threads = max(128, _threads(d))
+    smem = (d + threads + length) * 4
+    _launch("decoder.cu", f"cached_attention<{_ctype(qkv)}>", (t, heads), (threads,),
+            (ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, np.int32(heads), np.int32(d),
+             np.int32(length), np.float32(1.0 / np.sqrt(d))), shared_mem=smem)
+
+
+def gather_rows(out, x, rows):
+    n, e = out.shape
+    vec = _vec(out, e)
+    _launch("decoder.cu", f"gather_rows<{_ctype(out)}, {vec}>", (n,), (_threads(e // vec),),
+            (out, x, rows, np.int32(e)))
 
 
 def l2_normalize(out, x):

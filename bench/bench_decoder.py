@@ -1,0 +1,129 @@
+"""Decoder benchmark: ftengine GPT-2 generation (CUDA) against HuggingFace `generate` in the
+same process, GPT-2 small (HF GPT2Config defaults, HF random initialisation), fp16.
+
+Per case: prompt 32 tokens, 128 new tokens (min_new_tokens = max_new_tokens on both sides so
+both do the same number of steps). ms per step = (generation time - prefill time) / steps for
+ftengine; HF's = its whole `generate` time / new tokens. Also prefill times and the greedy
+batch-1 step against the weight-read floor.
+
+Usage: python bench/bench_decoder.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ftengine.backends.cuda import ops as cuda_ops  # noqa: E402
+from ftengine.checkpoint import load_gpt2_weights  # noqa: E402
+from ftengine.config import load_gpt2_config  # noqa: E402
+from ftengine.decoding.generate import GenerationParams, stream_tokens  # noqa: E402
+from ftengine.models.gpt2 import GPT2Runner  # noqa: E402
+
+CASES = [("greedy", 1, {}), ("topk", 32, {"do_sample": True, "top_k": 40}),
+         ("topp", 32, {"do_sample": True, "top_p": 0.9})]
+TARGETS = {("greedy", 1): 0.3, ("topk", 32): 0.6, ("topp", 32): 0.8}
+PROMPT, NEW = 32, 128
+
+
+def save_gpt2_small(folder: Path):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config()).save_pretrained(str(folder), safe_serialization=True)
+
+
+def timed(fn, repeat=3):
+    times = []
+    for _ in range(repeat):
+        cuda_ops.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        cuda_ops.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    import torch
+    from transformers import GPT2LMHeadModel
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "gpt2"
+        save_gpt2_small(folder)
+        config = load_gpt2_config(folder)
+        weights = load_gpt2_weights(folder, config)
+        hf = GPT2LMHeadModel.from_pretrained(str(folder)).half().cuda().eval()
+        rng = np.random.default_rng(0)
+        for mode, batch, options in CASES:
+            runner = GPT2Runner(config, weights, cuda_ops, dtype="fp16", max_batch=batch, max_len=PROMPT + NEW)
+            prompts = rng.integers(0, config.vocab_size - 1, (batch, PROMPT)).tolist()
+            params = GenerationParams(max_new_tokens=NEW, min_new_tokens=NEW, seed=1, **options) \
+                .checked(vocab_size=config.vocab_size)
+            total = timed(lambda: list(stream_tokens(runner, prompts, params)))
+            prefill = timed(lambda: runner.prefill(prompts))
+            ft_step = (total - prefill) / (NEW - 1)
+            ids = torch.tensor(prompts).cuda()
+            hf_kwargs = dict(max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=50256,
+                             attention_mask=torch.ones_like(ids), **options)
+
+            def run_hf():
+                with torch.no_grad():
+                    hf.generate(ids, **hf_kwargs)
+            run_hf()
+            hf_total = timed(run_hf, repeat=2)
+            row = {"model": "gpt2", "dtype": "fp16", "mode": mode, "batch": batch, "beams": 1, "prompt": PROMPT,
+                   "new_tokens": NEW, "ftengine_ms_per_step": round(ft_step, 4), "ftengine_prefill_ms": round(prefill, 3),
+                   "hf_ms_per_step": round(hf_total / NEW, 4), "speedup": round(hf_total / NEW / ft_step, 1),
+                   "target_ms_per_step": TARGETS[(mode, batch)]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        prefill_rows = []
+        for b, s in ((1, 512), (32, 128)):
+            runner = GPT2Runner(config, weights, cuda_ops, dtype="fp16", max_batch=b, max_len=s)
+            prompts = rng.integers(0, config.vocab_size - 1, (b, s)).tolist()
+            runner.prefill(prompts)
+            prefill_rows.append({"batch": b, "prompt": s, "ftengine_prefill_ms": round(timed(lambda: runner.prefill(prompts)), 3)})
+            print(json.dumps(prefill_rows[-1]), flush=True)
+    weight_bytes = sum(a.nbytes for a in [weights.wte, weights.wpe] + [x for l in weights.layers for x in vars(l).values()]) // 2
+    floor_ms = weight_bytes / 3.0e12 * 1e3
+    import cupy
+    import transformers
+    result = {"device": cuda_ops.context().device_name, "date": date.today().isoformat(),
+              "versions": {"python": platform.python_version(), "cupy": cupy.__version__, "torch": torch.__version__,
+                           "transformers": transformers.__version__, "numpy": np.__version__},
+              "rows": rows, "prefill": prefill_rows,
+              "weight_read_floor": {"fp16_weight_bytes": int(weight_bytes), "ms_at_3TBps": round(floor_ms, 4)}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decoder.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [f"# Decoder benchmark — {result['device']}, {result['date']}", "",
+             f"GPT-2 small (HF defaults, random weights), fp16, prompt {PROMPT}, {NEW} new tokens. "
+             "Token choice on the host (NumPy) after each step's logits come back; decode steps replayed as CUDA graphs.", "",
+             "| mode | batch | ftengine ms/step | HF ms/step | speed-up | target ms/step |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['batch']} | {r['ftengine_ms_per_step']:.3f} | {r['hf_ms_per_step']:.2f} | "
+                     f"{r['speedup']}x | {r['target_ms_per_step']} |")
+    lines += ["", "| prefill | ms |", "|---|---|"] + [f"| {r['batch']} x {r['prompt']} | {r['ftengine_prefill_ms']} |" for r in prefill_rows]
+    lines += ["", f"Weight-read floor of a greedy batch-1 step: {weight_bytes / 1e6:.0f} MB of fp16 weights, "
+              f"{floor_ms:.3f} ms at 3 TB/s."]
+    (out / "decoder.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
