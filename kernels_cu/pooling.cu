@@ -3,7 +3,24 @@
 // Pooled vectors are float32 whatever the hidden states' type: they leave the GPU as float32,
 // and rounding them to 16 bits would only add error.
 
-// mode: 0 cls, 1 max, 2 mean, 3 mean_sqrt_len, 4 lasttoken.
+// One column of one sequence's hidden states (`len` rows, stride H) pooled with `mode`:
+// 0 cls, 1 max, 2 mean, 3 mean_sqrt_len, 4 lasttoken. An empty sequence pools to 0.
+template <typename T>
+__device__ __forceinline__ float pool_column(const T* x, int len, int H, int mode) {
+    if (len <= 0) return 0.0f;
+    if (mode == 0) return to_float(x[0]);
+    if (mode == 4) return to_float(x[(long)(len - 1) * H]);
+    if (mode == 1) {
+        float r = -FT_INFINITY;
+        for (int s = 0; s < len; ++s) r = fmaxf(r, to_float(x[(long)s * H]));
+        return r;
+    }
+    float sum = 0.0f;
+    for (int s = 0; s < len; ++s) sum += to_float(x[(long)s * H]);
+    return mode == 2 ? sum / len : sum / sqrtf((float)len);
+}
+
+// Padded layout.
 // grid (B, ceil(H / blockDim.x)); writes out[b, offset + h] for one mode.
 template <typename T>
 __global__ void pool(float* __restrict__ out,          // (B, out_stride)
@@ -13,23 +30,7 @@ __global__ void pool(float* __restrict__ out,          // (B, out_stride)
     const int b = blockIdx.x;
     const int h = blockIdx.y * blockDim.x + threadIdx.x;
     if (h >= H) return;
-    const int len = lengths[b];
-    const T* x = hidden + (long)b * S * H + h;
-    float r;
-    if (mode == 0) {
-        r = to_float(x[0]);
-    } else if (mode == 4) {
-        r = to_float(x[(long)max(len - 1, 0) * H]);
-    } else if (mode == 1) {
-        r = -FT_INFINITY;
-        for (int s = 0; s < len; ++s) r = fmaxf(r, to_float(x[(long)s * H]));
-    } else {
-        float sum = 0.0f;
-        for (int s = 0; s < len; ++s) sum += to_float(x[(long)s * H]);
-        const float count = (float)max(len, 1);
-        r = (mode == 2) ? sum / count : sum / sqrtf(count);
-    }
-    out[(long)b * out_stride + offset + h] = r;
+    out[(long)b * out_stride + offset + h] = pool_column(hidden + (long)b * S * H + h, lengths[b], H, mode);
 }
 
 // One block per row: out = x / max(||x||, 1e-12). `out` may alias `x`.
@@ -58,22 +59,6 @@ __global__ void pool_packed(float* __restrict__ out,             // (B, out_stri
     const int b = blockIdx.x;
     const int h = blockIdx.y * blockDim.x + threadIdx.x;
     if (h >= H) return;
-    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
-    const T* x = hidden + (long)start * H + h;
-    float r = 0.0f;
-    if (len > 0) {
-        if (mode == 0) {
-            r = to_float(x[0]);
-        } else if (mode == 4) {
-            r = to_float(x[(long)(len - 1) * H]);
-        } else if (mode == 1) {
-            r = -FT_INFINITY;
-            for (int s = 0; s < len; ++s) r = fmaxf(r, to_float(x[(long)s * H]));
-        } else {
-            float sum = 0.0f;
-            for (int s = 0; s < len; ++s) sum += to_float(x[(long)s * H]);
-            r = (mode == 2) ? sum / len : sum / sqrtf((float)len);
-        }
-    }
-    out[(long)b * out_stride + offset + h] = r;
+    const int start = cu_seqlens[b];
+    out[(long)b * out_stride + offset + h] = pool_column(hidden + (long)start * H + h, cu_seqlens[b + 1] - start, H, mode);
 }

@@ -263,30 +263,26 @@ def add_bias_gelu(out, x, bias, *, form):
             (out, x, bias, np.int32(i), np.int32(codes[form])))
 
 
-def pool(out, hidden, lengths, *, seq, modes):
-    """out (B, modes*H) float32 from hidden states (B*S, H) of any storage type."""
-    b = out.shape[0]
-    h = hidden.shape[1]
+def _pool_modes(kernel: str, out, hidden, modes, extra_args):
+    """One launch per pooling mode, each writing its H columns of out (B, modes*H)."""
+    b, h = out.shape[0], hidden.shape[1]
     threads = 128
     for i, mode in enumerate(modes):
         if mode not in POOL_CODES:
             raise ValueError(f"unknown pooling mode {mode!r}")
-        _launch("pooling.cu", f"pool<{_ctype(hidden)}>", (b, (h + threads - 1) // threads), (threads,),
-                (out, hidden, lengths, np.int32(seq), np.int32(h), np.int32(out.shape[1]),
-                 np.int32(i * h), np.int32(POOL_CODES[mode])))
+        _launch("pooling.cu", f"{kernel}<{_ctype(hidden)}>", (b, (h + threads - 1) // threads), (threads,),
+                (out, hidden, *extra_args, np.int32(h), np.int32(out.shape[1]), np.int32(i * h),
+                 np.int32(POOL_CODES[mode])))
+
+
+def pool(out, hidden, lengths, *, seq, modes):
+    """out (B, modes*H) float32 from padded hidden states (B*S, H) of any storage type."""
+    _pool_modes("pool", out, hidden, modes, (lengths, np.int32(seq)))
 
 
 def pool_packed(out, hidden, cu_seqlens, *, modes):
     """out (B, modes*H) float32 from the padding-free hidden states (T, H)."""
-    b = out.shape[0]
-    h = hidden.shape[1]
-    threads = 128
-    for i, mode in enumerate(modes):
-        if mode not in POOL_CODES:
-            raise ValueError(f"unknown pooling mode {mode!r}")
-        _launch("pooling.cu", f"pool_packed<{_ctype(hidden)}>", (b, (h + threads - 1) // threads), (threads,),
-                (out, hidden, cu_seqlens, np.int32(h), np.int32(out.shape[1]), np.int32(i * h),
-                 np.int32(POOL_CODES[mode])))
+    _pool_modes("pool_packed", out, hidden, modes, (cu_seqlens,))
 
 
 # ------------------------------------------------------------------ decoder (GPT-2)
