@@ -6,6 +6,9 @@
 
 // NVRTC has no <math.h>: spell infinity out.
 #define FT_INFINITY __int_as_float(0x7f800000)
+#ifndef INT_MIN
+#define INT_MIN (-2147483647 - 1)
+#endif
 
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
@@ -52,6 +55,19 @@ __device__ __forceinline__ int block_sum_int(int v, int* scratch) {
     v = (lane < (int)(blockDim.x >> 5)) ? scratch[lane] : 0;
     #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+__device__ __forceinline__ int block_max_int(int v, int* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = (lane < (int)(blockDim.x >> 5)) ? scratch[lane] : INT_MIN;
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
     return v;
 }
 

@@ -62,7 +62,8 @@ def test_prompt_logits_match_hf(gpt2, hf):
     import torch
     runner = _runner(gpt2)
     prompts = _prompts(1, runner.config.vocab_size)
-    ours = runner.prefill(prompts)
+    runner.prefill(prompts)
+    ours = runner.logits(len(prompts))
     for b, p in enumerate(prompts):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0, -1].numpy()
@@ -80,7 +81,8 @@ def test_decode_step_logits_match_hf(gpt2, hf):
     seqs = [list(p) for p in prompts]
     for step in range(3):
         tokens = rng.integers(0, runner.config.vocab_size, 2)
-        logits = runner.decode(tokens, np.array([len(p) + step for p in prompts]))
+        runner.decode(tokens, np.array([len(p) + step for p in prompts]))
+        logits = runner.logits(2)
         for b in range(2):
             seqs[b].append(int(tokens[b]))
             with torch.no_grad():

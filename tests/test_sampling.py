@@ -83,7 +83,10 @@ def test_repetition_penalty_matches_hf(logits, penalty):
     for row, h in zip(logits, histories):  # HF takes a rectangular id tensor: one row at a time
         ids = torch.tensor([h + [h[-1]] * (width - len(h))])
         ref.append(RepetitionPenaltyLogitsProcessor(penalty)(ids, _torch(row[None].copy()))[0])
-    _same(P.repetition_penalty(logits, histories, penalty), torch.stack(ref))
+    seen = np.zeros(logits.shape, np.uint8)
+    for b, h in enumerate(histories):
+        seen[b, h] = 1
+    _same(P.repetition_penalty(logits, seen, penalty), torch.stack(ref))
 
 
 def test_sampled_frequencies_match_the_distribution():

@@ -242,6 +242,23 @@ def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, he
         ctx[t] = np.einsum("hl,hld->hd", w, v_cache[b, :, :p + 1]).reshape(e)
 
 
+def zero(array):
+    array[...] = 0
+
+
+def mark_seen(seen, tokens, rows):
+    """seen (B, V): seen[rows[i], tokens[i]] = 1."""
+    seen[rows, tokens] = 1
+
+
+def choose_tokens(out, logits, seen, eos, *, scratch, step, params):
+    """out (B,) int32: the next token of each row of logits (B, V) float32, HF `generate`
+    processors and order (see decoding/processors.py), eos ids `eos` masked before
+    params.min_new_tokens; -1 for a row with a non-finite logit. scratch: unused here."""
+    from ..decoding.processors import choose
+    out[...] = choose(logits, seen, eos, step, params)
+
+
 def gather_rows(out, x, rows):
     """out (N, E) = x[rows]."""
     out[...] = x[rows]

@@ -1,5 +1,5 @@
-"""The generation loop: prefill, then one decode step per new token, token choice on the host
-(NumPy) with HF `generate` semantics."""
+"""The generation loop: prefill, then one decode step per new token; the runner chooses each
+token on its device with HF `generate` semantics (decoding/processors.py is the reference)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import InputError
-from . import processors as P
-from .philox import uniforms
 
 
 @dataclass(frozen=True)
@@ -42,6 +40,8 @@ class GenerationParams:
             raise InputError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
         if not self.repetition_penalty > 0:
             raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if len(self.eos_token_ids) > 16:
+            raise InputError(f"at most 16 eos token ids, got {len(self.eos_token_ids)}")
         for e in self.eos_token_ids:
             if not 0 <= e < vocab_size:
                 raise InputError(f"eos token id {e} is outside the vocabulary 0..{vocab_size - 1}")
@@ -51,24 +51,6 @@ class GenerationParams:
         if seed is not None and not 0 <= seed < 2 ** 64:
             raise InputError(f"seed must be within 0..2^64-1, got {seed}")
         return replace(self, top_k=min(self.top_k, vocab_size), seed=seed)
-
-
-def choose_tokens(logits: np.ndarray, histories: list, generated: int, params: GenerationParams) -> np.ndarray:
-    """Next token per row of logits (B, V): processors, then warpers and a draw, or argmax."""
-    scores = logits
-    if params.repetition_penalty != 1.0:
-        scores = P.repetition_penalty(scores, histories, params.repetition_penalty)
-    if generated < params.min_new_tokens:
-        scores = P.suppress(scores, range(len(scores)), params.eos_token_ids)
-    if not params.do_sample:
-        return np.argmax(scores, axis=-1)
-    if params.temperature != 1.0:
-        scores = P.temperature(scores, params.temperature)
-    if params.top_k:
-        scores = P.top_k(scores, params.top_k)
-    if params.top_p < 1.0:
-        scores = P.top_p(scores, params.top_p)
-    return P.sample(scores, uniforms(params.seed, np.arange(len(scores)), generated))
 
 
 def stream_tokens(runner, prompts: list, params: GenerationParams):
@@ -82,26 +64,24 @@ def stream_tokens(runner, prompts: list, params: GenerationParams):
         if len(p) + params.max_new_tokens > c.n_positions:
             raise InputError(f"prompt {i + 1} has {len(p)} tokens; with max_new_tokens {params.max_new_tokens} "
                              f"that is beyond the model's n_positions {c.n_positions}")
-    histories = [list(p) for p in prompts]
     lengths = np.array([len(p) for p in prompts])
     running = np.ones(len(prompts), dtype=bool)
     eos = set(params.eos_token_ids)
-    logits = runner.prefill(prompts)
+    runner.prefill(prompts)
     for step in range(params.max_new_tokens):
+        tokens = runner.choose(len(prompts), step, params)
         live = np.flatnonzero(running)
-        bad = [int(b) for b in live if not np.isfinite(logits[b]).all()]
+        bad = [int(b) for b in live if tokens[b] < 0]
         if bad:
             raise InputError(f"non-finite logits (NaN or inf) for prompt {bad[0] + 1} at step {step + 1}; "
                              "the model or its weights produce invalid values")
-        tokens = choose_tokens(logits, histories, step, params)
         out = []
         for b in live:
             token = int(tokens[b])
-            histories[b].append(token)
             out.append((int(b), token))
             if token in eos:
                 running[b] = False
         yield out
         if not running.any() or step + 1 == params.max_new_tokens:
             return
-        logits = runner.decode(tokens, lengths + step)
+        runner.decode(np.maximum(tokens, 0), lengths + step)  # finished rows feed any valid token

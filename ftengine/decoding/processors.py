@@ -11,15 +11,11 @@ import numpy as np
 NEG_INF = np.float32(-np.inf)
 
 
-def repetition_penalty(scores: np.ndarray, histories: list, penalty: float) -> np.ndarray:
-    """Each token seen in a sequence's history (prompt included) once: score / penalty when
-    positive, score * penalty when negative (HF RepetitionPenaltyLogitsProcessor)."""
-    out = scores.copy()
-    for b, seen in enumerate(histories):
-        idx = np.unique(np.asarray(seen, dtype=np.int64))
-        s = out[b, idx]
-        out[b, idx] = np.where(s < 0, s * np.float32(penalty), s / np.float32(penalty))
-    return out
+def repetition_penalty(scores: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    """Tokens seen in a sequence so far (prompt included; seen (B, V) nonzero): score / penalty
+    when positive, score * penalty when negative (HF RepetitionPenaltyLogitsProcessor)."""
+    penalised = np.where(scores < 0, scores * np.float32(penalty), scores / np.float32(penalty))
+    return np.where(seen.astype(bool), penalised, scores)
 
 
 def suppress(scores: np.ndarray, rows, token_ids) -> np.ndarray:
@@ -41,19 +37,20 @@ def top_k(scores: np.ndarray, k: int) -> np.ndarray:
     return np.where(scores < kth, NEG_INF, scores)
 
 
-def softmax(scores: np.ndarray) -> np.ndarray:
-    m = scores.max(axis=-1, keepdims=True)
-    e = np.exp(scores - m)
-    return e / e.sum(axis=-1, keepdims=True)
+def _exp_shifted(scores: np.ndarray) -> np.ndarray:
+    """exp(score - row max) in float32 (as the GPU computes it), widened to float64: masses are
+    summed in float64, since float32 rounding of a 50,000-term sum is as large as one token's
+    probability and would move top-p cut-offs and draws."""
+    return np.exp(scores - scores.max(axis=-1, keepdims=True)).astype(np.float64)
 
 
 def top_p(scores: np.ndarray, p: float) -> np.ndarray:
     """Drop the least likely tokens whose cumulative probability (ascending) is <= 1 - p, always
     keeping the most likely one (HF TopPLogitsWarper)."""
     order = np.argsort(scores, axis=-1, kind="stable")                  # ascending
-    sorted_scores = np.take_along_axis(scores, order, axis=-1)
-    cumulative = np.cumsum(softmax(sorted_scores), axis=-1)
-    remove_sorted = cumulative <= np.float32(1 - p)
+    e = _exp_shifted(np.take_along_axis(scores, order, axis=-1))
+    cumulative = np.cumsum(e, axis=-1) / e.sum(axis=-1, keepdims=True)
+    remove_sorted = cumulative <= 1 - p
     remove_sorted[:, -1] = False
     remove = np.zeros_like(remove_sorted)
     np.put_along_axis(remove, order, remove_sorted, axis=-1)
@@ -61,9 +58,33 @@ def top_p(scores: np.ndarray, p: float) -> np.ndarray:
 
 
 def sample(scores: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """Inverse-CDF draw per row: the first token whose cumulative probability exceeds u * total."""
-    probs = softmax(scores)
-    cdf = np.cumsum(probs, axis=-1)
-    picks = np.array([np.searchsorted(c, ui * c[-1], side="right") for c, ui in zip(cdf, u)])
-    last = probs.shape[-1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=-1)   # never past the last possible token
+    """Inverse-CDF draw per row, in token order: the first token whose cumulative probability
+    exceeds u * total."""
+    e = _exp_shifted(scores)
+    cdf = np.cumsum(e, axis=-1)
+    picks = np.array([np.searchsorted(c, float(ui) * c[-1], side="right") for c, ui in zip(cdf, u)])
+    last = e.shape[-1] - 1 - np.argmax(e[:, ::-1] > 0, axis=-1)   # never past the last possible token
     return np.minimum(picks, last)
+
+
+def choose(logits: np.ndarray, seen: np.ndarray, eos, step: int, params) -> np.ndarray:
+    """Next token per row of logits (B, V) float32 after `step` generated tokens: processors,
+    then argmax, or warpers and a seeded draw. -1 for a row with a non-finite logit."""
+    from .philox import uniforms
+    bad = ~np.isfinite(logits).all(axis=-1)
+    scores = np.where(bad[:, None], np.float32(0), logits)
+    if params.repetition_penalty != 1.0:
+        scores = repetition_penalty(scores, seen, params.repetition_penalty)
+    if step < params.min_new_tokens:
+        scores = suppress(scores, range(len(scores)), np.asarray(eos))
+    if not params.do_sample:
+        tokens = np.argmax(scores, axis=-1)
+    else:
+        if params.temperature != 1.0:
+            scores = temperature(scores, params.temperature)
+        if params.top_k:
+            scores = top_k(scores, params.top_k)
+        if params.top_p < 1.0:
+            scores = top_p(scores, params.top_p)
+        tokens = sample(scores, uniforms(params.seed, np.arange(len(scores)), step))
+    return np.where(bad, -1, tokens).astype(np.int32)

@@ -15,6 +15,9 @@ from ..errors import InputError
 from ..workspace import Workspace
 
 
+MAX_EOS = 16  # eos ids a generation may name
+
+
 class GPT2Runner:
     """Weights uploaded once; KV cache (n_layer x (B, heads, L, D)) and every activation in one
     Workspace sized for max_batch sequences of up to max_len tokens."""
@@ -48,20 +51,24 @@ class GPT2Runner:
             "last": (max_batch * e, self.dtype),  # (B, E): the rows whose logits are wanted
             "rows": (max_batch, np.int32),        # (B,)
             "logits": (max_batch * c.vocab_size, np.float32),  # (B, V)
+            "scores": (max_batch * c.vocab_size, np.float32),  # (B, V): token choice scratch
+            "seen": (max_batch * c.vocab_size, np.uint8),     # (B, V): tokens fed so far (repetition penalty)
+            "chosen": (max_batch, np.int32),                  # (B,)
+            "eos": (MAX_EOS, np.int32),
         })
         self.ws = Workspace(ops, table)
-        self.staging = ops.pinned_empty((3 * t + max_batch,), np.int32)
+        self.staging = ops.pinned_empty((3 * t + max_batch + MAX_EOS,), np.int32)
 
     def _caches(self, i: int):
         c = self.config
         shape = (self.max_batch, c.n_head, self.max_len, c.head_dim)
         return self.ws.view(f"k{i}", shape), self.ws.view(f"v{i}", shape)
 
-    def _forward(self, ids, seq_ids, positions, rows, *, graph_key=None) -> np.ndarray:
+    def _forward(self, ids, seq_ids, positions, rows, *, graph_key=None):
         """Run tokens (ids, sequence index, position per token) through the model, writing their
-        keys and values into the cache; logits (len(rows), V) float32 of the tokens at `rows`.
-        With a graph_key the launches are captured once and replayed (the inputs live in
-        device buffers, so a replay reads each step's tokens and positions)."""
+        keys and values into the cache and marking them seen; the logits of the tokens at `rows`
+        stay on the device (ws "logits"). With a graph_key the launches are captured once and
+        replayed (the inputs live in device buffers, so a replay reads each step's tokens)."""
         c = self.config
         t, n = len(ids), len(rows)
         bad = np.flatnonzero((ids < 0) | (ids >= c.vocab_size))
@@ -75,13 +82,13 @@ class GPT2Runner:
             self._launches(t, n)
         else:
             self.graphs.run(graph_key, lambda: self._launches(t, n))
-        return self.ops.to_host(self.ws.view("logits", (n, c.vocab_size))).astype(np.float32)
 
     def _launches(self, t: int, n: int):
         ops, c, ws = self.ops, self.config, self.ws
         e = c.n_embd
         tokens = ws.view("tokens", (3 * t,))
         d_ids, d_seq, d_pos = tokens[:t], tokens[t:2 * t], tokens[2 * t:]
+        ops.mark_seen(ws.view("seen", (self.max_batch, c.vocab_size)), d_ids, d_seq)
         hidden, normed = ws.view("hidden", (t, e)), ws.view("normed", (t, e))
         qkv, ctx, proj = ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e)), ws.view("proj", (t, e))
         inter = ws.view("inter", (t, c.n_inner))
@@ -104,9 +111,9 @@ class GPT2Runner:
         ops.layernorm(last, last, *self.ln_f, eps=c.layer_norm_epsilon)
         ops.matmul(ws.view("logits", (n, c.vocab_size)), last, self.lm_head)
 
-    def prefill(self, prompts: list) -> np.ndarray:
+    def prefill(self, prompts: list):
         """All prompt tokens through the layers (cache rows 0..len-1 of sequence b for prompt b);
-        logits (B, V) of each prompt's last token."""
+        leaves the logits of each prompt's last token on the device (see logits, choose)."""
         if not 1 <= len(prompts) <= self.max_batch:
             raise InputError(f"{len(prompts)} prompts; this runner takes 1..{self.max_batch}")
         lengths = np.array([len(p) for p in prompts])
@@ -117,12 +124,35 @@ class GPT2Runner:
         ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
         seq_ids = np.repeat(np.arange(len(prompts)), lengths)
         positions = np.concatenate([np.arange(n) for n in lengths])
-        return self._forward(ids, seq_ids, positions, np.cumsum(lengths) - 1)
+        self.ops.zero(self.ws.view("seen", (self.max_batch * self.config.vocab_size,)))
+        self._forward(ids, seq_ids, positions, np.cumsum(lengths) - 1)
 
-    def decode(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """One new token per sequence b (tokens[b] at positions[b]); logits (B, V)."""
+    def logits(self, n: int) -> np.ndarray:
+        """The last step's logits of the first n sequences, (n, V) float32 on the host."""
+        return self.ops.to_host(self.ws.view("logits", (n, self.config.vocab_size))).astype(np.float32)
+
+    def choose(self, n: int, step: int, params) -> np.ndarray:
+        """The next token of each of the first n sequences from the last step's logits, chosen on
+        the backend's device (HF processors; -1 where a logit is not finite), as host int32 (n,)."""
+        c = self.config
+        eos = np.asarray(params.eos_token_ids, dtype=np.int32)
+        if len(eos) > MAX_EOS:
+            raise InputError(f"at most {MAX_EOS} eos token ids, got {len(eos)}")
+        d_eos = self.ws.view("eos", (len(eos),))
+        if len(eos):
+            st = self.staging[-MAX_EOS:][:len(eos)]
+            st[:] = eos
+            self.ops.copy_from_host(d_eos, st)
+        chosen = self.ws.view("chosen", (n,))
+        self.ops.choose_tokens(chosen, self.ws.view("logits", (n, c.vocab_size)),
+                               self.ws.view("seen", (self.max_batch, c.vocab_size))[:n], d_eos,
+                               scratch=self.ws.view("scores", (n, c.vocab_size)), step=step, params=params)
+        return self.ops.to_host(chosen).astype(np.int64)
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray):
+        """One new token per sequence b (tokens[b] at positions[b]); logits stay on the device."""
         if np.asarray(positions).max() >= self.max_len:
             raise InputError(f"position {int(np.max(positions))} is past this runner's max_len {self.max_len}")
         b = len(tokens)
-        return self._forward(np.asarray(tokens, np.int64), np.arange(b), np.asarray(positions), np.arange(b),
-                             graph_key=("decode", b))
+        self._forward(np.asarray(tokens, np.int64), np.arange(b), np.asarray(positions), np.arange(b),
+                      graph_key=("decode", b))

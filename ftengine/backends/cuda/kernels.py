@@ -52,6 +52,7 @@ FAMILIES = {
     "decoder.cu": lambda t: (_vec_variants("embed_positions", t) + _row_variants("layernorm", t)
                              + _vec_variants("add_bias_residual", t) + _vec_variants("write_kv_cache", t)
                              + [f"cached_attention<{t}>"] + _vec_variants("gather_rows", t)),
+    "sampling.cu": lambda t: ["choose_tokens", "mark_seen"] if t == "float" else [],
 }
 
 

@@ -326,6 +326,29 @@ def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, he
              np.int32(length), np.float32(1.0 / np.sqrt(d))), shared_mem=smem)
 
 
+def zero(array):
+    with context().stream:
+        array.fill(0)
+
+
+def mark_seen(seen, tokens, rows):
+    n = tokens.size
+    _launch("sampling.cu", "mark_seen", (max(1, -(-n // 256)),), (256,),
+            (seen, tokens, rows, np.int32(n), np.int32(seen.shape[1])))
+
+
+def choose_tokens(out, logits, seen, eos, *, scratch, step, params):
+    """out (B,) int32: the next token of each row of logits (B, V) float32, one block per row;
+    HF processors and order (reference: decoding/processors.py choose); -1 for a non-finite row."""
+    b, v = logits.shape
+    seed = params.seed or 0
+    _launch("sampling.cu", "choose_tokens", (b,), (1024,),
+            (out, scratch, logits, seen, eos, np.int32(eos.size), np.int32(v), np.int32(step),
+             np.int32(params.min_new_tokens), np.int32(bool(params.do_sample)), np.float32(params.temperature),
+             np.int32(params.top_k), np.float32(params.top_p), np.float32(params.repetition_penalty),
+             np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)))
+
+
 def gather_rows(out, x, rows):
     n, e = out.shape
     vec = _vec(out, e)
