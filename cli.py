@@ -98,17 +98,29 @@ def encode(input_path, output, model_path, device, dtype, batch_tokens, max_leng
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Seed of the counter-based RNG: the same seed gives the same tokens.")
 @click.option("--eos-token-id", type=int, default=None, help="Token that ends a sequence (default: the model's).")
+@click.option("--no-repeat-ngram-size", type=int, default=0, show_default=True, help="Ban repeating n-grams (0: off).")
+@click.option("--num-beams", type=int, default=1, show_default=True, help="Beam search with this many beams (1: off).")
+@click.option("--length-penalty", type=float, default=1.0, show_default=True,
+              help="Beam score = sum of log-probs / length ** length_penalty.")
+@click.option("--early-stopping", type=click.Choice(["true", "false", "never"]), default="false", show_default=True,
+              help="Beam search stopping rule, as HF generate.")
+@click.option("--num-return-sequences", type=int, default=1, show_default=True,
+              help="Hypotheses per prompt in --json candidates (at most --num-beams).")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default=None)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt, in input order.")
 @click.option("--stream", is_flag=True, help="Print the text as it is generated (one prompt only).")
 def generate(model_path, prompt, input_path, max_new_tokens, min_new_tokens, do_sample, temperature, top_k,
-             top_p, repetition_penalty, seed, eos_token_id, device, dtype, as_json, stream):
-    """Continue prompts with a GPT-2 model (greedy or sampled)."""
+             top_p, repetition_penalty, seed, eos_token_id, no_repeat_ngram_size, num_beams, length_penalty,
+             early_stopping, num_return_sequences, device, dtype, as_json, stream):
+    """Continue prompts with a GPT-2 model (greedy, sampled, or beam search)."""
     from ftengine import Generator
     options = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
                    temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                   seed=seed, eos_token_id=eos_token_id)
+                   seed=seed, eos_token_id=eos_token_id, no_repeat_ngram_size=no_repeat_ngram_size)
+    if num_beams > 1 or num_return_sequences > 1:
+        options.update(num_beams=num_beams, length_penalty=length_penalty, num_return_sequences=num_return_sequences,
+                       early_stopping={"true": True, "false": False, "never": "never"}[early_stopping])
     try:
         if (prompt is None) == (input_path is None):
             raise FtengineError("give exactly one of --prompt and --input")

@@ -8,6 +8,7 @@ from pathlib import Path
 from .backends import get_ops, resolve_device
 from .checkpoint import load_gpt2_weights
 from .config import load_gpt2_config
+from .decoding.beam import beam_search
 from .decoding.generate import GenerationParams, stream_tokens
 from .encoder import DTYPES
 from .errors import ConfigError, DeviceError, InputError
@@ -85,27 +86,36 @@ class Generator:
             .checked(vocab_size=self.config.vocab_size)
 
     def stream(self, prompts, *, max_new_tokens: int, eos_token_id=None, **options):
-        """Yield, per step, a list of (prompt index, new token id) for the prompts still running."""
+        """Yield, per step, a list of (prompt index, new token id) for the prompts still running
+        (greedy or sampling; beam search has no per-step stream)."""
         ids = self.encode_prompts(prompts)
         params = self.params(max_new_tokens, eos_token_id, **options)
+        if params.num_beams > 1:
+            raise InputError("streaming is for greedy and sampled generation; beam search returns its hypotheses at the end")
         yield from stream_tokens(self._runner_for(len(ids)), ids, params)
 
-    def generate(self, prompts, *, max_new_tokens: int, min_new_tokens: int = 0, do_sample: bool = False,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 repetition_penalty: float = 1.0, seed: int | None = None,
-                 eos_token_id: int | None = None) -> list:
-        """Generated continuations, one GenerationResult per prompt, in input order."""
+    def generate(self, prompts, *, max_new_tokens: int, eos_token_id: int | None = None, **options) -> list:
+        """Generated continuations, one GenerationResult per prompt, in input order.
+        options: min_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed,
+        no_repeat_ngram_size, num_beams, length_penalty, early_stopping, num_return_sequences."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
-        new = [[] for _ in texts]
-        for step in self.stream(texts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                                min_new_tokens=min_new_tokens, do_sample=do_sample, temperature=temperature,
-                                top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed):
-            for b, token in step:
-                new[b].append(token)
+        params = self.params(max_new_tokens, eos_token_id, **options)
+        if params.num_beams > 1:
+            if self.device == "cuda":
+                raise DeviceError("beam search runs on the CPU backend for now (use device 'cpu')")
+            ids = self.encode_prompts(texts)
+            runner = self._runner_for(params.num_beams)
+            found = [beam_search(runner, p, params) for p in ids]
+        else:
+            new = [[] for _ in texts]
+            for step in self.stream(texts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **options):
+                for b, token in step:
+                    new[b].append(token)
+            found = [[(tokens, None)] for tokens in new]
         results = []
-        for text, ids in zip(texts, new):
-            cand = Candidate(self.tokenizer.decode(ids, skip_special_tokens=False), ids, None)
-            results.append(GenerationResult(text, cand.text, ids, None, [cand]))
+        for text, hypotheses in zip(texts, found):
+            cands = [Candidate(self.decode(t), t, s) for t, s in hypotheses]
+            results.append(GenerationResult(text, cands[0].text, cands[0].token_ids, cands[0].score, cands))
         return results
 
     def decode(self, ids) -> str:

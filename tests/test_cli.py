@@ -200,8 +200,23 @@ def test_generate_stream_prints_prompt_and_continuation(gpt2_model):
     assert r.stdout == "hi" + e.text + "\n"
 
 
+def test_generate_beam_json_candidates(gpt2_model):
+    from ftengine import Generator
+    r = gen("--model", gpt2_model, "--prompt", "hello", "--max-new-tokens", 5, "--num-beams", 3,
+            "--num-return-sequences", 2, "--early-stopping", "never", "--length-penalty", 0.5, "--json",
+            "--device", "cpu")
+    assert r.exit_code == 0, r.stderr
+    row = json.loads(r.stdout)
+    e = Generator.from_pretrained(gpt2_model, device="cpu").generate(
+        ["hello"], max_new_tokens=5, num_beams=3, num_return_sequences=2, early_stopping="never", length_penalty=0.5)[0]
+    assert [c["token_ids"] for c in row["candidates"]] == [c.token_ids for c in e.candidates]
+    assert row["score"] == e.score == row["candidates"][0]["score"] and len(row["candidates"]) == 2
+    assert row["candidates"][0]["score"] >= row["candidates"][1]["score"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-new-tokens", 0, "--prompt", "x"], "max_new_tokens must be an integer >= 1"),
+    (["--prompt", "x", "--num-beams", 2, "--num-return-sequences", 3], "num_return_sequences must be within 1..num_beams"),
     (["--do-sample", "--temperature", 0, "--prompt", "x"], "temperature must be > 0"),
     (["--prompt", "x", "--input", "f"], "give exactly one of --prompt and --input"),
     (["--prompt", ""], "prompt 1 is empty"),

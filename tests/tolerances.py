@@ -15,6 +15,8 @@ LOWP_ERROR_FACTOR = 2.0
 EMBEDDING_COSINE_LOWP = 0.9999
 # Logits processors (temperature, top-k, top-p, repetition penalty) vs HF's on the same float32 logits.
 PROCESSORS_FP32 = 1e-6
+# Beam search hypothesis scores vs HF generate's sequences_scores (fp32): absolute.
+BEAM_SCORE_FP32 = 1e-4
 # Op level: |ours - reference| <= atol + rtol * |reference|, by compute dtype.
 OPS = {
     "fp32": {"atol": 1e-5, "rtol": 1e-5},

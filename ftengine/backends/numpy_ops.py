@@ -251,12 +251,18 @@ def mark_seen(seen, tokens, rows):
     seen[rows, tokens] = 1
 
 
-def choose_tokens(out, logits, seen, eos, *, scratch, step, params):
+def choose_tokens(out, logits, seen, eos, *, scratch, step, params, histories=None):
     """out (B,) int32: the next token of each row of logits (B, V) float32, HF `generate`
     processors and order (see decoding/processors.py), eos ids `eos` masked before
     params.min_new_tokens; -1 for a row with a non-finite logit. scratch: unused here."""
     from ..decoding.processors import choose
-    out[...] = choose(logits, seen, eos, step, params)
+    out[...] = choose(logits, seen, eos, step, params, histories)
+
+
+def reorder_cache(k_cache, v_cache, parents):
+    """Beam search: row i of both caches (B, heads, L, D) becomes row parents[i]."""
+    k_cache[:len(parents)] = k_cache[parents]
+    v_cache[:len(parents)] = v_cache[parents]
 
 
 def gather_rows(out, x, rows):

@@ -22,6 +22,11 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     eos_token_ids: tuple = ()
+    no_repeat_ngram_size: int = 0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
 
     def checked(self, *, vocab_size: int) -> "GenerationParams":
         """Validate; top_k above the vocabulary is clamped to it (keeps every token, as HF does);
@@ -40,6 +45,17 @@ class GenerationParams:
             raise InputError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
         if not self.repetition_penalty > 0:
             raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.no_repeat_ngram_size < 0:
+            raise InputError(f"no_repeat_ngram_size must be >= 0 (0 turns it off), got {self.no_repeat_ngram_size}")
+        if not 1 <= self.num_beams <= vocab_size:
+            raise InputError(f"num_beams must be within 1..{vocab_size} (the vocabulary), got {self.num_beams}")
+        if not 1 <= self.num_return_sequences <= self.num_beams:
+            raise InputError(f"num_return_sequences must be within 1..num_beams ({self.num_beams}), "
+                             f"got {self.num_return_sequences}")
+        if self.num_beams > 1 and self.do_sample:
+            raise InputError("beam sampling is not supported: use num_beams=1 with do_sample, or beams without it")
+        if self.early_stopping not in (True, False, "never"):
+            raise InputError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
         if len(self.eos_token_ids) > 16:
             raise InputError(f"at most 16 eos token ids, got {len(self.eos_token_ids)}")
         for e in self.eos_token_ids:
@@ -53,23 +69,27 @@ class GenerationParams:
         return replace(self, top_k=min(self.top_k, vocab_size), seed=seed)
 
 
+def check_prompts(prompts: list, params: GenerationParams, n_positions: int):
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise InputError(f"prompt {i + 1} is empty: GPT-2 needs at least one prompt token")
+        if len(p) + params.max_new_tokens > n_positions:
+            raise InputError(f"prompt {i + 1} has {len(p)} tokens; with max_new_tokens {params.max_new_tokens} "
+                             f"that is beyond the model's n_positions {n_positions}")
+
+
 def stream_tokens(runner, prompts: list, params: GenerationParams):
     """Yield, after each step, the list of (sequence index, new token) of the sequences still
     running at that step. A sequence stops after an eos token (which is yielded) or after
     max_new_tokens."""
-    c = runner.config
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise InputError(f"prompt {i + 1} is empty: GPT-2 needs at least one prompt token")
-        if len(p) + params.max_new_tokens > c.n_positions:
-            raise InputError(f"prompt {i + 1} has {len(p)} tokens; with max_new_tokens {params.max_new_tokens} "
-                             f"that is beyond the model's n_positions {c.n_positions}")
+    check_prompts(prompts, params, runner.config.n_positions)
     lengths = np.array([len(p) for p in prompts])
     running = np.ones(len(prompts), dtype=bool)
     eos = set(params.eos_token_ids)
+    histories = [list(p) for p in prompts] if params.no_repeat_ngram_size else None
     runner.prefill(prompts)
     for step in range(params.max_new_tokens):
-        tokens = runner.choose(len(prompts), step, params)
+        tokens = runner.choose(len(prompts), step, params, histories)
         live = np.flatnonzero(running)
         bad = [int(b) for b in live if tokens[b] < 0]
         if bad:
@@ -79,6 +99,8 @@ def stream_tokens(runner, prompts: list, params: GenerationParams):
         for b in live:
             token = int(tokens[b])
             out.append((int(b), token))
+            if histories is not None:
+                histories[b].append(token)
             if token in eos:
                 running[b] = False
         yield out

@@ -18,6 +18,19 @@ def repetition_penalty(scores: np.ndarray, seen: np.ndarray, penalty: float) -> 
     return np.where(seen.astype(bool), penalised, scores)
 
 
+def no_repeat_ngram(scores: np.ndarray, histories: list, n: int) -> np.ndarray:
+    """-inf for every token that would complete an n-gram already present in a row's history
+    (prompt included), as HF NoRepeatNGramLogitsProcessor."""
+    out = scores.copy()
+    for row, seq in enumerate(histories):
+        if len(seq) < n:
+            continue
+        prefix = tuple(seq[len(seq) - n + 1:])
+        banned = [seq[i + n - 1] for i in range(len(seq) - n + 1) if tuple(seq[i:i + n - 1]) == prefix]
+        out[row, banned] = NEG_INF
+    return out
+
+
 def suppress(scores: np.ndarray, rows, token_ids) -> np.ndarray:
     """-inf for token_ids in the given rows (min_new_tokens: no eos yet)."""
     out = scores.copy()
@@ -67,16 +80,24 @@ def sample(scores: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.minimum(picks, last)
 
 
-def choose(logits: np.ndarray, seen: np.ndarray, eos, step: int, params) -> np.ndarray:
-    """Next token per row of logits (B, V) float32 after `step` generated tokens: processors,
-    then argmax, or warpers and a seeded draw. -1 for a row with a non-finite logit."""
-    from .philox import uniforms
-    bad = ~np.isfinite(logits).all(axis=-1)
-    scores = np.where(bad[:, None], np.float32(0), logits)
+def process(scores: np.ndarray, seen: np.ndarray, eos, step: int, params, histories=None) -> np.ndarray:
+    """HF's processors in HF's order: repetition penalty, no-repeat n-grams, min new tokens."""
     if params.repetition_penalty != 1.0:
         scores = repetition_penalty(scores, seen, params.repetition_penalty)
+    if params.no_repeat_ngram_size:
+        scores = no_repeat_ngram(scores, histories, params.no_repeat_ngram_size)
     if step < params.min_new_tokens:
         scores = suppress(scores, range(len(scores)), np.asarray(eos))
+    return scores
+
+
+def choose(logits: np.ndarray, seen: np.ndarray, eos, step: int, params, histories=None) -> np.ndarray:
+    """Next token per row of logits (B, V) float32 after `step` generated tokens: processors,
+    then argmax, or warpers and a seeded draw. -1 for a row with a non-finite logit.
+    histories (token lists, prompt included) are needed for no_repeat_ngram_size only."""
+    from .philox import uniforms
+    bad = ~np.isfinite(logits).all(axis=-1)
+    scores = process(np.where(bad[:, None], np.float32(0), logits), seen, eos, step, params, histories)
     if not params.do_sample:
         tokens = np.argmax(scores, axis=-1)
     else:

@@ -131,7 +131,7 @@ class GPT2Runner:
         """The last step's logits of the first n sequences, (n, V) float32 on the host."""
         return self.ops.to_host(self.ws.view("logits", (n, self.config.vocab_size))).astype(np.float32)
 
-    def choose(self, n: int, step: int, params) -> np.ndarray:
+    def choose(self, n: int, step: int, params, histories=None) -> np.ndarray:
         """The next token of each of the first n sequences from the last step's logits, chosen on
         the backend's device (HF processors; -1 where a logit is not finite), as host int32 (n,)."""
         c = self.config
@@ -146,8 +146,14 @@ class GPT2Runner:
         chosen = self.ws.view("chosen", (n,))
         self.ops.choose_tokens(chosen, self.ws.view("logits", (n, c.vocab_size)),
                                self.ws.view("seen", (self.max_batch, c.vocab_size))[:n], d_eos,
-                               scratch=self.ws.view("scores", (n, c.vocab_size)), step=step, params=params)
+                               scratch=self.ws.view("scores", (n, c.vocab_size)), step=step, params=params,
+                               histories=histories)
         return self.ops.to_host(chosen).astype(np.int64)
+
+    def reorder(self, parents):
+        """Beam search: sequence i continues from sequence parents[i]: reorder every layer's cache."""
+        for i in range(self.config.n_layer):
+            self.ops.reorder_cache(*self._caches(i), np.asarray(parents))
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray):
         """One new token per sequence b (tokens[b] at positions[b]); logits stay on the device."""

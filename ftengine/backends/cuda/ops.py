@@ -337,9 +337,11 @@ def mark_seen(seen, tokens, rows):
             (seen, tokens, rows, np.int32(n), np.int32(seen.shape[1])))
 
 
-def choose_tokens(out, logits, seen, eos, *, scratch, step, params):
+def choose_tokens(out, logits, seen, eos, *, scratch, step, params, histories=None):
     """out (B,) int32: the next token of each row of logits (B, V) float32, one block per row;
     HF processors and order (reference: decoding/processors.py choose); -1 for a non-finite row."""
+    if params.no_repeat_ngram_size:
+        raise DeviceError("no_repeat_ngram_size runs on the CPU backend for now (use device 'cpu')")
     b, v = logits.shape
     seed = params.seed or 0
     _launch("sampling.cu", "choose_tokens", (b,), (1024,),

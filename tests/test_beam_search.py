@@ -1,0 +1,118 @@
+"""Beam search on the NumPy backend against HF `generate(num_beams=4, num_return_sequences=2)`:
+token-exact hypotheses and scores, for every early_stopping x length_penalty, with an eos id the
+model actually produces, prompts of different lengths."""
+
+import numpy as np
+import pytest
+
+from ftengine.checkpoint import load_gpt2_weights
+from ftengine.config import load_gpt2_config
+from ftengine.backends import numpy_ops
+from ftengine.decoding.beam import beam_search
+from ftengine.decoding.generate import GenerationParams
+from ftengine.errors import InputError
+from ftengine.generator import Generator
+from ftengine.models.gpt2 import GPT2Runner
+from tests.tolerances import BEAM_SCORE_FP32
+from weights.fixtures import write_gpt2_checkpoint
+
+PAD = 255
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    return write_gpt2_checkpoint(tmp_path_factory.mktemp("beam"), seed=9, n_embd=48, n_layer=2, n_head=4)
+
+
+@pytest.fixture(scope="module")
+def hf(gpt2):
+    from transformers import GPT2LMHeadModel
+    return GPT2LMHeadModel.from_pretrained(str(gpt2), attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def runner(gpt2):
+    config = load_gpt2_config(gpt2)
+    return GPT2Runner(config, load_gpt2_weights(gpt2, config), numpy_ops, dtype="fp32", max_batch=4,
+                      max_len=config.n_positions)
+
+
+@pytest.fixture(scope="module")
+def cases(runner):
+    """Prompts of three lengths, each with an eos id its own greedy continuation produces early."""
+    rng = np.random.default_rng(21)
+    out = []
+    for n in (2, 7, 13):
+        prompt = rng.integers(0, 250, n).tolist()
+        runner.prefill([prompt])
+        first = int(np.argmax(runner.logits(1)[0]))
+        runner.decode(np.array([first]), np.array([n]))
+        out.append((prompt, int(np.argmax(runner.logits(1)[0]))))  # the second greedy token
+    return out
+
+
+def _hf_beams(hf, prompt, eos, **kwargs):
+    import torch
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=4, num_return_sequences=2,
+                          output_scores=True, return_dict_in_generate=True, max_new_tokens=NEW,
+                          eos_token_id=eos, pad_token_id=PAD, do_sample=False, **kwargs)
+    return out.sequences[:, len(prompt):].tolist(), out.sequences_scores.numpy()
+
+
+@pytest.mark.parametrize("early_stopping", [True, False, "never"])
+@pytest.mark.parametrize("length_penalty", [0.0, 0.5, 1.0, 2.0])
+def test_beams_match_hf(runner, hf, cases, early_stopping, length_penalty):
+    for prompt, eos in cases:
+        params = GenerationParams(max_new_tokens=NEW, num_beams=4, num_return_sequences=2, eos_token_ids=(eos,),
+                                  early_stopping=early_stopping, length_penalty=length_penalty
+                                  ).checked(vocab_size=runner.config.vocab_size)
+        ours = beam_search(runner, prompt, params)
+        rows, scores = _hf_beams(hf, prompt, eos, early_stopping=early_stopping, length_penalty=length_penalty)
+        for (tokens, score), row, ref_score in zip(ours, rows, scores):
+            assert row[:len(tokens)] == tokens and all(t == PAD for t in row[len(tokens):]), (prompt, row, tokens)
+            assert abs(score - ref_score) <= BEAM_SCORE_FP32
+
+
+def test_the_eos_ids_end_hypotheses_early(runner, cases):
+    """The comparison above is meaningful: with these eos ids, hypotheses do finish before max length."""
+    for prompt, eos in cases:
+        params = GenerationParams(max_new_tokens=NEW, num_beams=4, num_return_sequences=2,
+                                  eos_token_ids=(eos,)).checked(vocab_size=runner.config.vocab_size)
+        assert any(t[-1] == eos and len(t) < NEW for t, _ in beam_search(runner, prompt, params)), prompt
+
+
+@pytest.mark.parametrize("ngram", [1, 2, 3])
+def test_no_repeat_ngram_matches_hf_in_greedy_and_beams(gpt2, hf, ngram):
+    import torch
+    gen = Generator.from_pretrained(gpt2, device="cpu")
+    text = "the cat sat on the mat"
+    prompt = gen.encode_prompts([text])[0]
+    ours = gen.generate([text], max_new_tokens=NEW, no_repeat_ngram_size=ngram, eos_token_id=PAD + 1)[0]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                          no_repeat_ngram_size=ngram, pad_token_id=PAD, eos_token_id=PAD + 1)
+    assert ours.token_ids == ref[0, len(prompt):].tolist()
+    if ngram == 1:  # the ban is in effect: no token of prompt or output repeats
+        assert not set(ours.token_ids) & set(prompt) and len(set(ours.token_ids)) == len(ours.token_ids)
+        assert ours.token_ids != gen.generate([text], max_new_tokens=NEW, eos_token_id=PAD + 1)[0].token_ids
+    beams = gen.generate([text], max_new_tokens=NEW, no_repeat_ngram_size=ngram, num_beams=4,
+                         num_return_sequences=2, eos_token_id=PAD + 1)[0]
+    rows, scores = _hf_beams(hf, prompt, PAD + 1, no_repeat_ngram_size=ngram)
+    assert [c.token_ids for c in beams.candidates] == [r[:len(c.token_ids)] for r, c in zip(rows, beams.candidates)]
+    assert np.abs(np.array([c.score for c in beams.candidates]) - scores).max() <= BEAM_SCORE_FP32
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_beams=0), "num_beams must be within 1..257"),
+    (dict(num_beams=2, num_return_sequences=3), r"num_return_sequences must be within 1..num_beams \(2\)"),
+    (dict(num_beams=2, do_sample=True), "beam sampling is not supported"),
+    (dict(num_beams=2, early_stopping="sometimes"), "early_stopping must be true, false or 'never'"),
+    (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size must be >= 0"),
+])
+def test_beam_options_are_validated(gpt2, kwargs, message):
+    with pytest.raises(InputError, match=message):
+        Generator.from_pretrained(gpt2, device="cpu").generate(["hi"], max_new_tokens=4, **kwargs)
