@@ -10,6 +10,8 @@ import numpy as np
 
 from ..errors import InputError
 
+MAX_EOS_IDS = 16  # eos ids one generation may name (the runner's device buffer holds this many)
+
 
 @dataclass(frozen=True)
 class GenerationParams:
@@ -56,8 +58,8 @@ class GenerationParams:
             raise InputError("beam sampling is not supported: use num_beams=1 with do_sample, or beams without it")
         if self.early_stopping not in (True, False, "never"):
             raise InputError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
-        if len(self.eos_token_ids) > 16:
-            raise InputError(f"at most 16 eos token ids, got {len(self.eos_token_ids)}")
+        if len(self.eos_token_ids) > MAX_EOS_IDS:
+            raise InputError(f"at most {MAX_EOS_IDS} eos token ids, got {len(self.eos_token_ids)}")
         for e in self.eos_token_ids:
             if not 0 <= e < vocab_size:
                 raise InputError(f"eos token id {e} is outside the vocabulary 0..{vocab_size - 1}")

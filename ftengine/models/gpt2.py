@@ -11,11 +11,9 @@ import numpy as np
 
 from ..checkpoint import GPT2Weights
 from ..config import GPT2Config
+from ..decoding.generate import MAX_EOS_IDS
 from ..errors import InputError
 from ..workspace import Workspace
-
-
-MAX_EOS = 16  # eos ids a generation may name
 
 
 class GPT2Runner:
@@ -54,10 +52,10 @@ class GPT2Runner:
             "scores": (max_batch * c.vocab_size, np.float32),  # (B, V): token choice scratch
             "seen": (max_batch * c.vocab_size, np.uint8),     # (B, V): tokens fed so far (repetition penalty)
             "chosen": (max_batch, np.int32),                  # (B,)
-            "eos": (MAX_EOS, np.int32),
+            "eos": (MAX_EOS_IDS, np.int32),
         })
         self.ws = Workspace(ops, table)
-        self.staging = ops.pinned_empty((3 * t + max_batch + MAX_EOS,), np.int32)
+        self.staging = ops.pinned_empty((3 * t + max_batch + MAX_EOS_IDS,), np.int32)
 
     def _caches(self, i: int):
         c = self.config
@@ -133,14 +131,13 @@ class GPT2Runner:
 
     def choose(self, n: int, step: int, params, histories=None) -> np.ndarray:
         """The next token of each of the first n sequences from the last step's logits, chosen on
-        the backend's device (HF processors; -1 where a logit is not finite), as host int32 (n,)."""
+        the backend's device (HF processors; -1 where a logit is not finite), as host int32 (n,).
+        params: a GenerationParams from .checked() (which bounds the eos ids to MAX_EOS_IDS)."""
         c = self.config
         eos = np.asarray(params.eos_token_ids, dtype=np.int32)
-        if len(eos) > MAX_EOS:
-            raise InputError(f"at most {MAX_EOS} eos token ids, got {len(eos)}")
         d_eos = self.ws.view("eos", (len(eos),))
         if len(eos):
-            st = self.staging[-MAX_EOS:][:len(eos)]
+            st = self.staging[-MAX_EOS_IDS:][:len(eos)]
             st[:] = eos
             self.ops.copy_from_host(d_eos, st)
         chosen = self.ws.view("chosen", (n,))
