@@ -101,11 +101,8 @@ class Generator:
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = self.params(max_new_tokens, eos_token_id, **options)
         if params.num_beams > 1:
-            if self.device == "cuda":
-                raise DeviceError("beam search runs on the CPU backend for now (use device 'cpu')")
             ids = self.encode_prompts(texts)
-            runner = self._runner_for(params.num_beams)
-            found = [beam_search(runner, p, params) for p in ids]
+            found = beam_search(self._runner_for(len(ids) * params.num_beams), ids, params)
         else:
             new = [[] for _ in texts]
             for step in self.stream(texts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **options):

@@ -1,7 +1,8 @@
 // Fused variable-length attention over the padding-free token layout.
 // Reference: ftengine/backends/numpy_ops.py varlen_attention.
 //
-// ctx (T, H) = softmax(Q K^T * scale) V per (sequence, head), where Q, K, V are column blocks
+// ctx (T, H) = softmax(Q K^T * scale) V per (sequence, head) (causal: query i sees keys 0..i only,
+// as a decoder's prefill), where Q, K, V are column blocks
 // of the fused QKV GEMM output qkv (T, 3H) plus their bias, and sequence b owns tokens
 // cu_seqlens[b] .. cu_seqlens[b+1]. The S x S scores never leave the chip: each block takes
 // 64 queries of one (sequence, head), streams K/V tiles through shared memory and keeps a
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
         const T* __restrict__ qkv,        // (T, 3H)
         const T* __restrict__ bias,       // (3H,)
         const int* __restrict__ cu_seqlens,  // (B + 1,)
-        int batch, int heads, int n_tokens, float scale_log2) {
+        int batch, int heads, int n_tokens, float scale_log2, int causal) {
     constexpr int LD = D + 8;  // padded smem rows: conflict-free ldmatrix
     constexpr int TILE = VARLEN_BLOCK_N * LD;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -110,7 +111,9 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
     const T* base = qkv + (long)start * row_stride;
-    const int n_tiles = (len + VARLEN_BLOCK_N - 1) / VARLEN_BLOCK_N;
+    // causal: query i sees keys 0..i, so the tiles past this block's last query are skipped
+    const int n_tiles = min((len + VARLEN_BLOCK_N - 1) / VARLEN_BLOCK_N,
+                            causal ? (q0 + VARLEN_BLOCK_M + VARLEN_BLOCK_N - 1) / VARLEN_BLOCK_N : len);
 
     // K/V tile 0 in flight while Q + bias (rounded to T, as the unfused path stores it) is
     // staged through the stage-1 buffers and read into A fragments.
@@ -172,14 +175,17 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
                 MmaOp<T>::run(s[j], qa[kk + 1], kb[2], kb[3]);
             }
         }
-        // scale (in log2 units), mask keys past the sequence, row maxima over the 4 threads of a row
+        // scale (in log2 units), mask keys past the sequence (and, causal, past the query), row
+        // maxima over the 4 threads of a row
         float mx[2] = {-FT_INFINITY, -FT_INFINITY};
+        const int row_lo = q0 + warp * 16 + g;  // this thread's rows: row_lo (e < 2), row_lo + 8
         #pragma unroll
         for (int j = 0; j < VARLEN_BLOCK_N / 8; ++j) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = n0 + j * 8 + t4 * 2 + (e & 1);
-                s[j][e] = key < len ? s[j][e] * scale_log2 : -FT_INFINITY;
+                const bool visible = key < len && (!causal || key <= row_lo + (e >> 1) * 8);
+                s[j][e] = visible ? s[j][e] * scale_log2 : -FT_INFINITY;
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
             }
         }
@@ -188,7 +194,7 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
         for (int r = 0; r < 2; ++r) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m[r], mx[r]);   // finite: key n0 < len is in every tile
+            const float m_new = fmaxf(m[r], mx[r]);   // finite: key n0 <= q0 is visible to every row
             alpha[r] = exp2f(m[r] - m_new);
             m[r] = m_new;
             l[r] *= alpha[r];
@@ -252,7 +258,7 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
 template <int D>
 __global__ void __launch_bounds__(128) varlen_attention_simt(
         float* __restrict__ ctx, const float* __restrict__ qkv, const float* __restrict__ bias,
-        const int* __restrict__ cu_seqlens, int batch, int heads, int n_tokens, float scale_log2) {
+        const int* __restrict__ cu_seqlens, int batch, int heads, int n_tokens, float scale_log2, int causal) {
     constexpr int HALF = D / 2;
     __shared__ float Ks[VARLEN_SIMT_N][D];
     __shared__ float Vs[VARLEN_SIMT_N][D];
@@ -272,7 +278,8 @@ __global__ void __launch_bounds__(128) varlen_attention_simt(
         o[i] = 0.0f;
     }
     float m = -FT_INFINITY, l = 0.0f;
-    for (int n0 = 0; n0 < len; n0 += VARLEN_SIMT_N) {
+    const int kv_end = causal ? min(len, q0 + VARLEN_BLOCK_M) : len;
+    for (int n0 = 0; n0 < kv_end; n0 += VARLEN_SIMT_N) {
         __syncthreads();
         for (int i = threadIdx.x; i < VARLEN_SIMT_N * D; i += blockDim.x) {
             const int r = i / D, c = i - r * D;
@@ -289,7 +296,7 @@ __global__ void __launch_bounds__(128) varlen_attention_simt(
             #pragma unroll
             for (int i = 0; i < HALF; ++i) dot += q[i] * Ks[j][part * HALF + i];
             dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-            s[j] = n0 + j < len ? dot * scale_log2 : -FT_INFINITY;
+            s[j] = n0 + j < len && (!causal || n0 + j <= row) ? dot * scale_log2 : -FT_INFINITY;
             mx = fmaxf(mx, s[j]);
         }
         const float m_new = fmaxf(m, mx);

@@ -20,66 +20,59 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Reductions over a warp and over a block, for any value type with an associative operator.
+struct SumOp {
+    template <typename V> __device__ __forceinline__ V operator()(V a, V b) const { return a + b; }
+};
+struct MaxOp {  // floats: fmaxf (a NaN operand loses); integers: the larger
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+    template <typename V> __device__ __forceinline__ V operator()(V a, V b) const { return a > b ? a : b; }
+};
+
+template <typename V, typename Op>
+__device__ __forceinline__ V warp_reduce(V v, Op op) {
     #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    for (int off = 16; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
     return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-    return v;
-}
-
-// Sum over a block whose size is a multiple of 32 (at most 1024); every thread gets the result.
-// `scratch` holds 32 floats in shared memory.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// Over a block whose size is a multiple of 32 (at most 1024); every thread gets the result.
+// `scratch` holds 32 values in shared memory; `identity` fills the lanes past the last warp.
+template <typename V, typename Op>
+__device__ __forceinline__ V block_reduce(V v, V* scratch, V identity, Op op) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = warp_reduce(v, op);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    const int warps = blockDim.x >> 5;
-    v = (lane < warps) ? scratch[lane] : 0.0f;
-    return warp_sum(v);
+    v = (lane < (int)(blockDim.x >> 5)) ? scratch[lane] : identity;
+    return warp_reduce(v, op);
 }
 
-__device__ __forceinline__ int block_sum_int(int v, int* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = (lane < (int)(blockDim.x >> 5)) ? scratch[lane] : 0;
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
-
-__device__ __forceinline__ int block_max_int(int v, int* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = (lane < (int)(blockDim.x >> 5)) ? scratch[lane] : INT_MIN;
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-    return v;
-}
-
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, SumOp()); }
+__device__ __forceinline__ float warp_max(float v) { return warp_reduce(v, MaxOp()); }
+__device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce(v, scratch, 0.0f, SumOp()); }
+__device__ __forceinline__ int block_sum_int(int v, int* scratch) { return block_reduce(v, scratch, 0, SumOp()); }
+__device__ __forceinline__ int block_max_int(int v, int* scratch) { return block_reduce(v, scratch, INT_MIN, MaxOp()); }
 __device__ __forceinline__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    const int warps = blockDim.x >> 5;
-    v = (lane < warps) ? scratch[lane] : -FT_INFINITY;
-    return warp_max(v);
+    return block_reduce(v, scratch, -FT_INFINITY, MaxOp());
+}
+
+// Monotone float -> unsigned: a < b (floats, no NaN) iff order_key(a) < order_key(b).
+__device__ __forceinline__ unsigned order_key(float f) {
+    const unsigned u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float from_order_key(unsigned k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// GELU, `form` 0: erf (BERT "gelu"), 1: tanh approximation ("gelu_new", "gelu_pytorch_tanh").
+__device__ __forceinline__ float gelu(float v, int form) {
+    if (form == 0) return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    const float inner = 0.79788456080286536f * (v + 0.044715f * v * v * v);
+    return 0.5f * v * (1.0f + tanhf(inner));
 }
 
 // VEC consecutive elements of T, moved as one 16-byte (or smaller) access.
@@ -99,6 +92,29 @@ __device__ __forceinline__ void store_floats(T* dst, const float* src) {
     #pragma unroll
     for (int j = 0; j < VEC; ++j) p.v[j] = from_float<T>(src[j]);
     *reinterpret_cast<Pack<T, VEC>*>(dst) = p;
+}
+
+// A row into registers, laid out as layernorm_row_store expects: thread vector k is columns
+// (threadIdx.x + k * blockDim.x) * VEC ..., holding the elementwise sum of the N terms (row
+// pointers) there; valid[k] says whether it is inside the row of H columns.
+template <typename T, int VEC, int ITEMS, int N>
+__device__ __forceinline__ void load_row_sum(float (&v)[ITEMS][VEC], bool (&valid)[ITEMS], const T* const (&terms)[N],
+                                             int H) {
+    #pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+        const int col = (threadIdx.x + k * blockDim.x) * VEC;
+        valid[k] = col < H;
+        if (valid[k]) {
+            load_floats<T, VEC>(v[k], terms[0] + col);
+            #pragma unroll
+            for (int n = 1; n < N; ++n) {
+                float a[VEC];
+                load_floats<T, VEC>(a, terms[n] + col);
+                #pragma unroll
+                for (int j = 0; j < VEC; ++j) v[k][j] += a[j];
+            }
+        }
+    }
 }
 
 // LayerNorm of one row held in registers: each thread owns up to ITEMS vectors of VEC values

@@ -15,24 +15,11 @@ __global__ void embed_layernorm(T* __restrict__ out,              // (T, H)
                                 int H, float eps) {
     __shared__ float scratch[32];
     const long t = blockIdx.x;
-    const T* w = word_emb + (long)ids[t] * H;
-    const T* p = pos_emb + (long)positions[t] * H;
-    const T* y = type_emb + (long)types[t] * H;
     float v[ITEMS][VEC];
     bool valid[ITEMS];
-    #pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-        const int col = (threadIdx.x + k * blockDim.x) * VEC;
-        valid[k] = col < H;
-        if (valid[k]) {
-            float a[VEC], b[VEC], c[VEC];
-            load_floats<T, VEC>(a, w + col);
-            load_floats<T, VEC>(b, p + col);
-            load_floats<T, VEC>(c, y + col);
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) v[k][j] = a[j] + b[j] + c[j];
-        }
-    }
+    const T* const terms[3] = {word_emb + (long)ids[t] * H, pos_emb + (long)positions[t] * H,
+                               type_emb + (long)types[t] * H};
+    load_row_sum<T, VEC, ITEMS>(v, valid, terms, H);
     layernorm_row_store<T, VEC, ITEMS>(out + t * H, v, valid, gamma, beta, H, eps, scratch);
 }
 

@@ -15,18 +15,7 @@ __global__ void add_bias_residual_layernorm(T* out,                         // (
     const long base = (long)blockIdx.x * H;
     float v[ITEMS][VEC];
     bool valid[ITEMS];
-    #pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-        const int col = (threadIdx.x + k * blockDim.x) * VEC;
-        valid[k] = col < H;
-        if (valid[k]) {
-            float a[VEC], b[VEC], r[VEC];
-            load_floats<T, VEC>(a, x + base + col);
-            load_floats<T, VEC>(b, bias + col);
-            load_floats<T, VEC>(r, residual + base + col);
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) v[k][j] = a[j] + b[j] + r[j];
-        }
-    }
+    const T* const terms[3] = {x + base, bias, residual + base};
+    load_row_sum<T, VEC, ITEMS>(v, valid, terms, H);
     layernorm_row_store<T, VEC, ITEMS>(out + base, v, valid, gamma, beta, H, eps, scratch);
 }

@@ -1,15 +1,16 @@
-// Token choice on the GPU, one block (1024 threads) per sequence, with HF `generate` semantics
-// and order: repetition penalty, min-new-tokens (eos masked), then greedy argmax, or
-// temperature, top-k, top-p and a seeded inverse-CDF draw (Philox4x32-10 uniform for
-// (seed, sequence, step)). A row with a non-finite logit gets token -1 (the host reports it).
-// Reference: ftengine/decoding/processors.py choose, ftengine/decoding/philox.py.
+// Token choice on the GPU with HF `generate` semantics and order.
+// choose_tokens, one block (1024 threads) per sequence: repetition penalty, no-repeat n-grams,
+// min-new-tokens (eos masked), then greedy argmax, or temperature, top-k, top-p and a seeded
+// inverse-CDF draw (Philox4x32-10 uniform for (seed, sequence, step)). A row with a non-finite
+// logit gets token -1 (the host reports it). append_tokens then records the choice and feeds it
+// to the next step: the step counter, sequences and finished flags live in device memory.
+// Beam search (beam_logsumexp, beam_candidates, beam_select): log-softmax, the processors, and
+// FasterTransformer's two-stage top-k (per beam over vocabulary slices, then per batch item over
+// beams), then HF's finished-hypothesis bookkeeping, one block per batch item.
+// Reference: ftengine/decoding/processors.py choose, ftengine/decoding/philox.py,
+// ftengine/decoding/beam.py reference_step.
 
 #define CHOOSE_THREADS 1024
-
-__device__ __forceinline__ unsigned order_key(float f) {  // monotone float -> unsigned
-    const unsigned u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
 
 __device__ __forceinline__ float philox_uniform(unsigned step, unsigned seq, unsigned key0, unsigned key1) {
     unsigned c0 = step, c1 = seq, c2 = 0u, c3 = 0u;
@@ -24,19 +25,86 @@ __device__ __forceinline__ float philox_uniform(unsigned step, unsigned seq, uns
     return (float)(c0 >> 8) * 5.9604644775390625e-08f;  // 2^-24
 }
 
-// Probability masses are summed in double: the float32 rounding of a 50,000-term sum is as large
-// as one token's probability and would move the draw (the NumPy reference sums in float64 too).
-__device__ __forceinline__ double block_sum_double(double v, double* scratch) {
+// The largest key threshold Y whose weight, summed over the scores with order_key(score) >= Y,
+// reaches `goal` (weight / total >= goal): with MASS false the weight is a count and Y is the
+// goal-th largest key (top-k); with MASS true it is the probability mass exp(score - mx) (top-p).
+// Four bits at a time from the top: the weight of each digit among the keys that match the bits
+// chosen so far, per thread, then summed over the block in a fixed order (no atomics: the same
+// inputs give the same Y every run); then the largest digit whose weight from the top reaches
+// the goal. Block-wide; sums (32 x 16), bins (16), key and weight are shared scratch.
+#define SWEEP_UNROLL 8
+
+// f(i, src[i]) for i = threadIdx.x, + blockDim.x, ... < n, with SWEEP_UNROLL loads in flight per
+// thread (a loop that waited for each load in turn would be bound by memory latency).
+template <typename F>
+__device__ __forceinline__ void sweep(const float* src, int n, F f) {
+    for (int base = threadIdx.x; base < n; base += SWEEP_UNROLL * blockDim.x) {
+        float v[SWEEP_UNROLL];
+        #pragma unroll
+        for (int u = 0; u < SWEEP_UNROLL; ++u) {
+            const int i = base + u * blockDim.x;
+            v[u] = i < n ? src[i] : 0.0f;
+        }
+        #pragma unroll
+        for (int u = 0; u < SWEEP_UNROLL; ++u) {
+            const int i = base + u * blockDim.x;
+            if (i < n) f(i, v[u]);
+        }
+    }
+}
+
+
+template <bool MASS>
+__device__ unsigned threshold_key(const float* s, int V, float mx, double goal, double total,
+                                  double (*sums)[16], double* bins, unsigned* key, double* weight) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = (lane < (int)(blockDim.x >> 5)) ? scratch[lane] : 0.0;
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
+    unsigned prefix = 0u;
+    double above = 0.0;  // weight of the keys above the prefix's range
+    for (int shift = 28; shift >= 0; shift -= 4) {
+        const unsigned high = shift == 28 ? 0u : ~0u << (shift + 4);
+        double acc[16];
+        #pragma unroll
+        for (int d = 0; d < 16; ++d) acc[d] = 0.0;
+        sweep(s, V, [&](int, float x) {
+            const unsigned k = order_key(x);
+            if ((k & high) == prefix) acc[(k >> shift) & 15] += MASS ? (double)expf(x - mx) : 1.0;
+        });
+        #pragma unroll
+        for (int d = 0; d < 16; ++d) {
+            const double v = warp_reduce(acc[d], SumOp());
+            if (lane == 0) sums[warp][d] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < 16) {
+            double t = 0.0;
+            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += sums[w][threadIdx.x];
+            bins[threadIdx.x] = t;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {  // digit 0 always reaches the goal: the bits chosen so far do
+            double run = above;
+            int d = 15;
+            for (; d > 0 && (run + bins[d]) / total < goal; --d) run += bins[d];
+            *key = prefix | ((unsigned)d << shift);
+            *weight = run;
+        }
+        __syncthreads();
+        prefix = *key;
+        above = *weight;
+    }
+    return prefix;
+}
+
+// -inf for every token of s (tokens lo..hi-1) that would complete an n-gram already in
+// seq[0..len) (HF NoRepeatNGramLogitsProcessor): for each i whose n-1 tokens equal the last n-1,
+// seq[i + n - 1] is banned. Block-wide; the caller synchronises after it.
+__device__ __forceinline__ void ban_repeated_ngrams(float* s, int lo, int hi, const int* seq, int len, int n) {
+    for (int i = threadIdx.x; i + n <= len; i += blockDim.x) {
+        bool match = true;
+        for (int k = 0; k < n - 1 && match; ++k) match = seq[i + k] == seq[len - n + 1 + k];
+        const int token = seq[i + n - 1];
+        if (match && token >= lo && token < hi) s[token - lo] = -FT_INFINITY;
+    }
 }
 
 __global__ void __launch_bounds__(CHOOSE_THREADS) choose_tokens(
@@ -45,84 +113,76 @@ __global__ void __launch_bounds__(CHOOSE_THREADS) choose_tokens(
         const float* __restrict__ logits_all,     // (B, V)
         const unsigned char* __restrict__ seen_all,  // (B, V): tokens of the prompt and generated so far
         const int* __restrict__ eos, int n_eos,
-        int V, int step, int min_new, int do_sample, float temperature, int top_k, float top_p,
+        const int* __restrict__ step_counter,     // (1,): tokens chosen so far
+        const int* __restrict__ seq_all,          // (B, L): prompt + generated tokens (no-repeat n-grams)
+        const int* __restrict__ lengths,          // (B,)
+        int L, int ngram,
+        int V, int min_new, int do_sample, float temperature, int top_k, float top_p,
         float penalty, unsigned seed_lo, unsigned seed_hi) {
     __shared__ float fscratch[32];
     __shared__ double dscratch[32];
     __shared__ int iscratch[32];
-    __shared__ unsigned long long best;  // (order key << 32) | ~index: max picks the first largest
+    __shared__ unsigned long long uscratch[32];
+    __shared__ double dsums[CHOOSE_THREADS / 32][16], dbins[16], shared_weight;
+    __shared__ unsigned shared_key;
     const int b = blockIdx.x;
     const float* logits = logits_all + (long)b * V;
     const unsigned char* seen = seen_all + (long)b * V;
     float* s = scores_all + (long)b * V;
 
     int bad = 0;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) {
-        float x = logits[i];
+    sweep(logits, V, [&](int i, float x) {
         bad |= !isfinite(x);
         if (penalty != 1.0f && seen[i]) x = x < 0.0f ? x * penalty : x / penalty;
         s[i] = x;
-    }
+    });
     if (__syncthreads_or(bad)) {
         if (threadIdx.x == 0) out[b] = -1;
         return;
     }
+    const int step = *step_counter;
+    if (ngram > 0) {
+        ban_repeated_ngrams(s, 0, V, seq_all + (long)b * L, lengths[b], ngram);
+        __syncthreads();
+    }
     if (step < min_new && threadIdx.x < n_eos) s[eos[threadIdx.x]] = -FT_INFINITY;
     __syncthreads();
 
-    if (!do_sample) {
-        if (threadIdx.x == 0) best = 0ull;
-        __syncthreads();
+    if (!do_sample) {  // the largest (order key << 32) | ~index: the first of the largest scores
         unsigned long long mine = 0ull;
-        for (int i = threadIdx.x; i < V; i += blockDim.x) {
-            const unsigned long long k = ((unsigned long long)order_key(s[i]) << 32) | (unsigned)(~i);
+        sweep(s, V, [&](int i, float x) {
+            const unsigned long long k = ((unsigned long long)order_key(x) << 32) | (unsigned)(~i);
             mine = k > mine ? k : mine;
-        }
-        atomicMax(&best, mine);
-        __syncthreads();
-        if (threadIdx.x == 0) out[b] = (int)(~(unsigned)(best & 0xffffffffull));
+        });
+        mine = block_reduce(mine, uscratch, 0ull, MaxOp());
+        if (threadIdx.x == 0) out[b] = (int)(~(unsigned)(mine & 0xffffffffull));
         return;
     }
 
-    if (temperature != 1.0f)
-        for (int i = threadIdx.x; i < V; i += blockDim.x) s[i] = s[i] / temperature;
+    if (temperature != 1.0f) sweep(s, V, [&](int i, float x) { s[i] = x / temperature; });
     __syncthreads();
-    if (top_k > 0 && top_k < V) {
-        // the k-th largest score's key, bit by bit from the top: the largest K with #(key >= K) >= k
-        unsigned K = 0u;
-        for (int bit = 31; bit >= 0; --bit) {
-            const unsigned cand = K | (1u << bit);
-            int count = 0;
-            for (int i = threadIdx.x; i < V; i += blockDim.x) count += order_key(s[i]) >= cand;
-            if (block_sum_int(count, iscratch) >= top_k) K = cand;
-        }
-        for (int i = threadIdx.x; i < V; i += blockDim.x)
-            if (order_key(s[i]) < K) s[i] = -FT_INFINITY;
+    if (top_k > 0 && top_k < V) {  // the k-th largest score's key: #(key >= K) >= k
+        const unsigned K = threshold_key<false>(s, V, 0.0f, (double)top_k, 1.0, dsums, dbins, &shared_key,
+                                                &shared_weight);
+        sweep(s, V, [&](int i, float x) { if (order_key(x) < K) s[i] = -FT_INFINITY; });
         __syncthreads();
     }
     float mx = -FT_INFINITY;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, s[i]);
+    sweep(s, V, [&](int, float x) { mx = fmaxf(mx, x); });
     mx = block_max(mx, fscratch);
     double total = 0.0;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) total += (double)expf(s[i] - mx);
-    total = block_sum_double(total, dscratch);
+    sweep(s, V, [&](int, float x) { total += (double)expf(x - mx); });
+    total = block_reduce(total, dscratch, 0.0, SumOp());
     if (top_p < 1.0f) {
-        // keep a token iff the probability mass strictly above it is < top_p: the largest K0 with
-        // mass(key > K0) >= top_p bounds the removed tokens (key <= K0)
-        unsigned K0 = 0u;
-        for (int bit = 31; bit >= 0; --bit) {
-            const unsigned cand = K0 | (1u << bit);
-            double mass = 0.0;
-            for (int i = threadIdx.x; i < V; i += blockDim.x)
-                if (order_key(s[i]) > cand) mass += (double)expf(s[i] - mx);
-            if (block_sum_double(mass, dscratch) / total >= (double)top_p) K0 = cand;
-        }
-        for (int i = threadIdx.x; i < V; i += blockDim.x)
-            if (order_key(s[i]) <= K0) s[i] = -FT_INFINITY;
+        // keep a token iff the probability mass strictly above it is < top_p: the largest Y with
+        // mass(key >= Y) >= top_p bounds the removed tokens (key < Y)
+        const unsigned Y = threshold_key<true>(s, V, mx, (double)top_p, total, dsums, dbins, &shared_key,
+                                               &shared_weight);
+        sweep(s, V, [&](int i, float x) { if (order_key(x) < Y) s[i] = -FT_INFINITY; });
         __syncthreads();
         total = 0.0;
-        for (int i = threadIdx.x; i < V; i += blockDim.x) total += (double)expf(s[i] - mx);
-        total = block_sum_double(total, dscratch);
+        sweep(s, V, [&](int, float x) { total += (double)expf(x - mx); });
+        total = block_reduce(total, dscratch, 0.0, SumOp());
     }
     // inverse CDF in token order: each thread scans a contiguous chunk after a block scan of chunk sums
     const double target = (double)philox_uniform((unsigned)step, (unsigned)b, seed_lo, seed_hi) * total;
@@ -130,10 +190,16 @@ __global__ void __launch_bounds__(CHOOSE_THREADS) choose_tokens(
     const int lo = min(V, threadIdx.x * chunk), hi = min(V, lo + chunk);
     double mine = 0.0;
     int last_nonzero = -1;
-    for (int i = lo; i < hi; ++i) {
-        const float p = expf(s[i] - mx);
-        mine += (double)p;
-        if (p > 0.0f) last_nonzero = i;
+    for (int base = lo; base < hi; base += SWEEP_UNROLL) {  // loads of a stretch in flight together
+        float v[SWEEP_UNROLL];
+        #pragma unroll
+        for (int u = 0; u < SWEEP_UNROLL; ++u) v[u] = base + u < hi ? s[base + u] : -FT_INFINITY;
+        #pragma unroll
+        for (int u = 0; u < SWEEP_UNROLL; ++u) {
+            const float p = expf(v[u] - mx);
+            mine += (double)p;
+            if (p > 0.0f) last_nonzero = base + u;
+        }
     }
     __shared__ double prefix[CHOOSE_THREADS];
     prefix[threadIdx.x] = mine;
@@ -146,9 +212,17 @@ __global__ void __launch_bounds__(CHOOSE_THREADS) choose_tokens(
     }
     double cum = prefix[threadIdx.x] - mine;
     int found = V;
-    for (int i = lo; i < hi; ++i) {
-        cum += (double)expf(s[i] - mx);
-        if (cum > target) { found = i; break; }
+    for (int base = lo; base < hi && found == V; base += SWEEP_UNROLL) {
+        float v[SWEEP_UNROLL];
+        #pragma unroll
+        for (int u = 0; u < SWEEP_UNROLL; ++u) v[u] = base + u < hi ? s[base + u] : -FT_INFINITY;
+        #pragma unroll
+        for (int u = 0; u < SWEEP_UNROLL; ++u) {
+            if (found == V && base + u < hi) {
+                cum += (double)expf(v[u] - mx);
+                if (cum > target) found = base + u;
+            }
+        }
     }
     const int pick = -block_max_int(-found, iscratch);
     const int last = block_max_int(last_nonzero, iscratch);
@@ -160,4 +234,261 @@ __global__ void mark_seen(unsigned char* __restrict__ seen, const int* __restric
                           const int* __restrict__ rows, int n, int V) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         seen[(long)rows[i] * V + tokens[i]] = 1;
+}
+
+// After choose_tokens, one block: history[step, b] = chosen[b] (-2 for a row finished earlier);
+// a live row appends its token to seq, feeds it to the next step (ids, positions), marks it
+// seen, and finishes on an eos id or on -1 (non-finite logits). Then step += 1.
+__global__ void append_tokens(int* __restrict__ history,      // (steps, B)
+                              int* __restrict__ seq,          // (B, L)
+                              int* __restrict__ lengths,      // (B,)
+                              int* __restrict__ next_ids,     // (B,)
+                              int* __restrict__ next_pos,     // (B,)
+                              int* __restrict__ finished,     // (B,)
+                              unsigned char* __restrict__ seen,  // (B, V)
+                              int* __restrict__ step_counter, const int* __restrict__ chosen,
+                              const int* __restrict__ eos, int n_eos, int B, int L, int V) {
+    const int step = *step_counter;
+    for (int b = threadIdx.x; b < B; b += blockDim.x) {
+        if (finished[b]) {
+            history[(long)step * B + b] = -2;
+            continue;
+        }
+        const int token = chosen[b];
+        history[(long)step * B + b] = token;
+        if (token < 0) {
+            finished[b] = 1;
+            continue;
+        }
+        const int n = lengths[b];
+        seq[(long)b * L + n] = token;
+        next_ids[b] = token;
+        next_pos[b] = n;
+        lengths[b] = n + 1;
+        seen[(long)b * V + token] = 1;
+        bool end = false;
+        for (int e = 0; e < n_eos; ++e) end |= token == eos[e];
+        if (end) finished[b] = 1;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) *step_counter = step + 1;
+}
+
+__global__ void increment(int* counter) { *counter += 1; }
+
+// ---------------------------------------------------------------- beam search
+// Rows r = b * nb + j (batch item b, beam j). flags (B, 3): improvable, done, non-finite logits.
+#define BEAM_KEEP_MAX 64
+#define BEAM_NEG (-1.0e9f)  // HF's "impossible" score, added in float32
+
+// stats (R, 2) = row max and log(sum(exp(x - max))) of the logits; a non-finite logit flags its item.
+__global__ void __launch_bounds__(1024) beam_logsumexp(float* __restrict__ stats, int* __restrict__ flags,
+                                                       const float* __restrict__ logits, int V, int nb) {
+    __shared__ float scratch[32];
+    const int r = blockIdx.x;
+    const float* x = logits + (long)r * V;
+    float mx = -FT_INFINITY;
+    int bad = 0;
+    sweep(x, V, [&](int, float v) {
+        bad |= !isfinite(v);
+        mx = fmaxf(mx, v);
+    });
+    mx = block_max(mx, scratch);
+    bad = __syncthreads_or(bad);
+    float sum = 0.0f;
+    sweep(x, V, [&](int, float v) { sum += expf(v - mx); });
+    sum = block_sum(sum, scratch);
+    if (threadIdx.x == 0) {
+        stats[2 * r] = mx;
+        stats[2 * r + 1] = logf(sum);
+        if (bad) flags[3 * (r / nb) + 2] = 1;
+    }
+}
+
+// Stage 1, grid (R, slices), block 256: the log-probabilities of one vocabulary slice of row r
+// (dynamic shared memory: `chunk` floats), the processors in HF's order, + the beam's score; the
+// slice's `keep` best as keys (order_key(score) << 32) | ~(j * V + token): larger is better,
+// ties go to the lower flat index (HF's topk over beams x vocabulary).
+__global__ void __launch_bounds__(256) beam_candidates(
+        unsigned long long* __restrict__ keys,     // (R, slices, keep)
+        const float* __restrict__ stats, const float* __restrict__ logits, const int* __restrict__ seq,
+        const float* __restrict__ run_scores, const int* __restrict__ starts, const int* __restrict__ flags,
+        const int* __restrict__ step_counter, const int* __restrict__ eos, int n_eos,
+        int V, int L, int nb, int keep, int chunk, float penalty, int min_new, int ngram) {
+    extern __shared__ float s[];
+    __shared__ unsigned long long scratch[32];
+    const int r = blockIdx.x, b = r / nb, j = r - b * nb;
+    if (flags[3 * b + 1] || flags[3 * b + 2]) return;
+    const int step = *step_counter, cur = starts[b] + step;
+    const int lo = blockIdx.y * chunk, hi = min(V, lo + chunk);
+    const float* x = logits + (long)r * V;
+    const float mx = stats[2 * r], log_sum = stats[2 * r + 1];
+    sweep(x + lo, hi - lo, [&](int i, float v) { s[i] = (v - mx) - log_sum; });
+    __syncthreads();
+    const int* row = seq + (long)r * L;
+    if (penalty != 1.0f) {  // tokens of the hypothesis (prompt included); repeats write the same value
+        for (int p = threadIdx.x; p < cur; p += blockDim.x) {
+            const int token = row[p];
+            if (token >= lo && token < hi) {
+                const float v = (x[token] - mx) - log_sum;
+                s[token - lo] = v < 0.0f ? v * penalty : v / penalty;
+            }
+        }
+        __syncthreads();
+    }
+    if (ngram > 0) {
+        ban_repeated_ngrams(s, lo, hi, row, cur, ngram);
+        __syncthreads();
+    }
+    if (step < min_new && threadIdx.x < n_eos && eos[threadIdx.x] >= lo && eos[threadIdx.x] < hi)
+        s[eos[threadIdx.x] - lo] = -FT_INFINITY;
+    __syncthreads();
+    const float base = run_scores[r];
+    unsigned long long* out = keys + ((long)r * gridDim.y + blockIdx.y) * keep;
+    unsigned long long prev = ~0ull;
+    for (int k = 0; k < keep; ++k) {  // the k-th best: the largest key below the (k-1)-th
+        unsigned long long best = 0ull;
+        for (int i = threadIdx.x; i < hi - lo; i += blockDim.x) {
+            const unsigned long long key = ((unsigned long long)order_key(s[i] + base) << 32)
+                                           | (unsigned)~(unsigned)(j * V + lo + i);
+            if (key < prev && key > best) best = key;
+        }
+        best = block_reduce(best, scratch, 0ull, MaxOp());
+        if (threadIdx.x == 0) out[k] = best;
+        prev = best;
+    }
+}
+
+// The top `count` of n values, larger first, ties to the lower index (a stable sort's order).
+// n <= BEAM_KEEP_MAX * 3 / 2; one thread.
+__device__ __forceinline__ void top_indices(int* out, const float* v, int n, int count) {
+    bool taken[BEAM_KEEP_MAX + BEAM_KEEP_MAX / 2];
+    for (int i = 0; i < n; ++i) taken[i] = false;
+    for (int c = 0; c < count; ++c) {
+        int best = -1;
+        for (int i = 0; i < n; ++i)
+            if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+        taken[best] = true;
+        out[c] = best;
+    }
+}
+
+// Stage 2 and the bookkeeping, one block (256 threads) per batch item, HF semantics: the best
+// `keep` candidates; the best nb that did not stop continue (their sequences, scores and cache
+// indirection gathered from the parents); candidates among the top nb that stopped (eos or max
+// length) enter the finished set scored sum(log p) / generated_length ** length_penalty; the
+// item is done when no running beam can beat the worst finished one (early_stopping 0 false,
+// 1 true, 2 never), or every candidate stopped. A done item is left as it is.
+// scratch: (B, 3 nb, L) ints, the gathered rows before they are written back.
+__global__ void __launch_bounds__(256) beam_select(
+        const unsigned long long* __restrict__ keys, int slices, int V, int L, int nb, int keep,
+        int* seq, int* fin_seq, int* indir, int* __restrict__ scratch_all,
+        float* __restrict__ run_scores, float* __restrict__ fin_scores, int* __restrict__ fin_len,
+        int* __restrict__ fin_flag, int* __restrict__ flags, const int* __restrict__ starts,
+        int* __restrict__ next_ids, int* __restrict__ next_pos, const int* __restrict__ step_counter,
+        const int* __restrict__ eos, int n_eos, int max_new, float length_penalty, int early) {
+    __shared__ unsigned long long scratch[32];
+    __shared__ float c_score[BEAM_KEEP_MAX], pool[BEAM_KEEP_MAX + BEAM_KEEP_MAX / 2];
+    __shared__ int c_parent[BEAM_KEEP_MAX], c_token[BEAM_KEEP_MAX], c_hit[BEAM_KEEP_MAX];
+    __shared__ int run_src[BEAM_KEEP_MAX / 2], fin_src[BEAM_KEEP_MAX / 2];
+    const int b = blockIdx.x;
+    int* fl = flags + 3 * b;
+    if (fl[1]) return;
+    if (fl[2]) {  // non-finite logits: the host reports it
+        if (threadIdx.x == 0) fl[1] = 1;
+        return;
+    }
+    const int step = *step_counter, start = starts[b], cur = start + step, max_length = start + max_new;
+    const long r0 = (long)b * nb;
+    const unsigned long long* k = keys + r0 * slices * keep;
+    const int n = nb * slices * keep;
+    unsigned long long prev = ~0ull;
+    for (int c = 0; c < keep; ++c) {
+        unsigned long long best = 0ull;
+        for (int i = threadIdx.x; i < n; i += blockDim.x)
+            if (k[i] < prev && k[i] > best) best = k[i];
+        best = block_reduce(best, scratch, 0ull, MaxOp());
+        if (threadIdx.x == 0) {
+            const unsigned flat = ~(unsigned)(best & 0xffffffffull);
+            c_score[c] = from_order_key((unsigned)(best >> 32));
+            c_parent[c] = flat / V;
+            c_token[c] = flat % V;
+        }
+        prev = best;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float cont[BEAM_KEEP_MAX];
+        bool all_hit = true, all_finished = true;
+        for (int c = 0; c < keep; ++c) {
+            bool hit = cur + 1 >= max_length;
+            for (int e = 0; e < n_eos; ++e) hit |= c_token[c] == eos[e];
+            c_hit[c] = hit;
+            all_hit &= hit;
+            cont[c] = hit ? c_score[c] + BEAM_NEG : c_score[c];
+        }
+        top_indices(run_src, cont, keep, nb);
+        for (int j = 0; j < nb; ++j) all_finished &= fin_flag[r0 + j] != 0;
+        const bool improvable = fl[0] != 0;
+        const float denom = (float)pow((double)(cur + 1 - start), (double)length_penalty);
+        for (int j = 0; j < nb; ++j) pool[j] = fin_scores[r0 + j];
+        for (int c = 0; c < keep; ++c) {
+            float sc = c_score[c] / denom;
+            if (all_finished && early == 1) sc += BEAM_NEG;
+            if (!improvable) sc += BEAM_NEG;
+            if (!(c_hit[c] && c < nb)) sc += BEAM_NEG;
+            pool[nb + c] = sc;
+        }
+        top_indices(fin_src, pool, nb + keep, nb);
+        int new_len[BEAM_KEEP_MAX / 2], new_flag[BEAM_KEEP_MAX / 2];
+        for (int j = 0; j < nb; ++j) {
+            const int m = fin_src[j];
+            new_len[j] = m < nb ? fin_len[r0 + m] : cur + 1 - start;
+            new_flag[j] = m < nb ? fin_flag[r0 + m] : (c_hit[m - nb] && m - nb < nb);
+        }
+        float worst = pool[fin_src[0]];
+        bool new_all_finished = true;
+        for (int j = 0; j < nb; ++j) {
+            fin_scores[r0 + j] = pool[fin_src[j]];
+            worst = fminf(worst, pool[fin_src[j]]);
+            fin_len[r0 + j] = new_len[j];
+            fin_flag[r0 + j] = new_flag[j];
+            new_all_finished &= new_flag[j] != 0;
+            run_scores[r0 + j] = cont[run_src[j]];
+        }
+        const int best_length = (early == 2 && length_penalty > 0.0f) ? max_length - start : cur + 1 - start;
+        const float best_possible = cont[run_src[0]] / (float)pow((double)best_length, (double)length_penalty);
+        bool beatable = false;
+        for (int j = 0; j < nb; ++j) beatable |= best_possible > (new_flag[j] ? worst : BEAM_NEG);
+        const bool still = improvable && beatable;
+        fl[0] = still;
+        fl[1] = !still || (new_all_finished && early == 1) || all_hit;
+    }
+    __syncthreads();
+    // running rows from their parents (+ the new token), finished rows from the merge, cache
+    // indirection from the parents (the new position in the row's own cache), via scratch
+    int* sc = scratch_all + (long)b * 3 * nb * L;
+    const int width = cur + 1;
+    for (int i = threadIdx.x; i < nb * width; i += blockDim.x) {
+        const int j = i / width, p = i - j * width;
+        const int c = run_src[j], parent = c_parent[c];
+        sc[j * L + p] = p < cur ? seq[(r0 + parent) * L + p] : c_token[c];
+        sc[(2 * nb + j) * L + p] = p < cur ? indir[(r0 + parent) * L + p] : (int)(r0 + j);
+        const int m = fin_src[j];
+        int v;
+        if (m < nb) v = fin_seq[(r0 + m) * L + p];
+        else v = p < cur ? seq[(r0 + c_parent[m - nb]) * L + p] : c_token[m - nb];
+        sc[(nb + j) * L + p] = v;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < nb * width; i += blockDim.x) {
+        const int j = i / width, p = i - j * width;
+        seq[(r0 + j) * L + p] = sc[j * L + p];
+        fin_seq[(r0 + j) * L + p] = sc[(nb + j) * L + p];
+        indir[(r0 + j) * L + p] = sc[(2 * nb + j) * L + p];
+    }
+    if (threadIdx.x < nb) {
+        next_ids[r0 + threadIdx.x] = c_token[run_src[threadIdx.x]];
+        next_pos[r0 + threadIdx.x] = cur;
+    }
 }

@@ -62,32 +62,48 @@ def _hf_beams(hf, prompt, eos, **kwargs):
     return out.sequences[:, len(prompt):].tolist(), out.sequences_scores.numpy()
 
 
-@pytest.mark.parametrize("early_stopping", [True, False, "never"])
-@pytest.mark.parametrize("length_penalty", [0.0, 0.5, 1.0, 2.0])
-def test_beams_match_hf(runner, hf, cases, early_stopping, length_penalty):
-    for prompt, eos in cases:
-        params = GenerationParams(max_new_tokens=NEW, num_beams=4, num_return_sequences=2, eos_token_ids=(eos,),
-                                  early_stopping=early_stopping, length_penalty=length_penalty
-                                  ).checked(vocab_size=runner.config.vocab_size)
-        ours = beam_search(runner, prompt, params)
-        rows, scores = _hf_beams(hf, prompt, eos, early_stopping=early_stopping, length_penalty=length_penalty)
-        for (tokens, score), row, ref_score in zip(ours, rows, scores):
+def assert_beams_match_hf(hf, ops, path, cases, **options):
+    """All prompts in one batch, the eos ids of every case shared, against HF on each prompt alone:
+    token-exact hypotheses, scores within BEAM_SCORE_FP32."""
+    config = load_gpt2_config(path)
+    runner = GPT2Runner(config, load_gpt2_weights(path, config), ops, dtype="fp32", max_batch=4 * len(cases),
+                        max_len=config.n_positions)
+    eos = tuple(sorted({e for _, e in cases}))
+    params = GenerationParams(max_new_tokens=NEW, num_beams=4, num_return_sequences=2, eos_token_ids=eos,
+                              **options).checked(vocab_size=config.vocab_size)
+    ours = beam_search(runner, [p for p, _ in cases], params)
+    for (prompt, _), hypotheses in zip(cases, ours):
+        rows, scores = _hf_beams(hf, prompt, list(eos), **options)
+        for (tokens, score), row, ref_score in zip(hypotheses, rows, scores):
             assert row[:len(tokens)] == tokens and all(t == PAD for t in row[len(tokens):]), (prompt, row, tokens)
             assert abs(score - ref_score) <= BEAM_SCORE_FP32
+    return ours
 
 
-def test_the_eos_ids_end_hypotheses_early(runner, cases):
+@pytest.mark.parametrize("early_stopping", [True, False, "never"])
+@pytest.mark.parametrize("length_penalty", [0.0, 0.5, 1.0, 2.0])
+def test_beams_match_hf(gpt2, hf, cases, early_stopping, length_penalty):
+    assert_beams_match_hf(hf, numpy_ops, gpt2, cases, early_stopping=early_stopping, length_penalty=length_penalty)
+
+
+def test_the_eos_ids_end_hypotheses_early(gpt2, hf, cases):
     """The comparison above is meaningful: with these eos ids, hypotheses do finish before max length."""
-    for prompt, eos in cases:
-        params = GenerationParams(max_new_tokens=NEW, num_beams=4, num_return_sequences=2,
-                                  eos_token_ids=(eos,)).checked(vocab_size=runner.config.vocab_size)
-        assert any(t[-1] == eos and len(t) < NEW for t, _ in beam_search(runner, prompt, params)), prompt
+    ours = assert_beams_match_hf(hf, numpy_ops, gpt2, cases)
+    eos = {e for _, e in cases}
+    for (prompt, _), hypotheses in zip(cases, ours):
+        assert any(t[-1] in eos and len(t) < NEW for t, _ in hypotheses), prompt
 
 
-@pytest.mark.parametrize("ngram", [1, 2, 3])
-def test_no_repeat_ngram_matches_hf_in_greedy_and_beams(gpt2, hf, ngram):
+@pytest.mark.parametrize("options", [dict(no_repeat_ngram_size=2), dict(repetition_penalty=1.5),
+                                     dict(min_new_tokens=5)])
+def test_beams_with_processors_match_hf(gpt2, hf, cases, options):
+    assert_beams_match_hf(hf, numpy_ops, gpt2, cases, **options)
+
+
+def check_no_repeat_ngram(path, hf, ngram, device):
+    """Greedy and beam search with no_repeat_ngram_size against HF on the same prompt."""
     import torch
-    gen = Generator.from_pretrained(gpt2, device="cpu")
+    gen = Generator.from_pretrained(path, device=device, dtype="fp32")
     text = "the cat sat on the mat"
     prompt = gen.encode_prompts([text])[0]
     ours = gen.generate([text], max_new_tokens=NEW, no_repeat_ngram_size=ngram, eos_token_id=PAD + 1)[0]
@@ -104,6 +120,11 @@ def test_no_repeat_ngram_matches_hf_in_greedy_and_beams(gpt2, hf, ngram):
     rows, scores = _hf_beams(hf, prompt, PAD + 1, no_repeat_ngram_size=ngram)
     assert [c.token_ids for c in beams.candidates] == [r[:len(c.token_ids)] for r, c in zip(rows, beams.candidates)]
     assert np.abs(np.array([c.score for c in beams.candidates]) - scores).max() <= BEAM_SCORE_FP32
+
+
+@pytest.mark.parametrize("ngram", [1, 2, 3])
+def test_no_repeat_ngram_matches_hf_in_greedy_and_beams(gpt2, hf, ngram):
+    check_no_repeat_ngram(gpt2, hf, ngram, "cpu")
 
 
 @pytest.mark.parametrize("kwargs, message", [

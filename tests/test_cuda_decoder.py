@@ -43,6 +43,13 @@ def test_embed_layernorm_residual_gather(cu, rng, dtype, e):
     gathered = poisoned(cu, (4, e), dtype)
     cu.gather_rows(gathered, x, ints(cu, rows))
     assert_close(cu, gathered, xh[rows], dtype)
+    (x, xh), (h, hh) = (quantize(cu, rng.standard_normal((t, e)), dtype) for _ in range(2))
+    bias, biash = quantize(cu, rng.standard_normal(e), dtype)
+    normed, expected_normed = poisoned(cu, (t, e), dtype), np.empty((t, e), np.float32)
+    cu.residual_layernorm(h, normed, x, bias, g, b, eps=1e-5)
+    ref.residual_layernorm(hh, expected_normed, xh, biash, gh, bh, eps=1e-5)
+    assert_close(cu, h, hh, dtype)
+    assert_close(cu, normed, expected_normed, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -70,6 +77,36 @@ def test_kv_cache_and_attention_every_cache_length(cu, rng, dtype, heads, d):
         cu.cached_attention(out, qkv, bias, k, v, ints(cu, seq), ints(cu, pos), heads=heads)
         ref.cached_attention(expected, qkvh, biash, k_ref, v_ref, seq, pos, heads=heads)
         assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, d", [(12, 64), (4, 32), (2, 128), (3, 80)])
+def test_decode_attention_through_a_cache_indirection(cu, rng, dtype, heads, d):
+    """A decode step of 6 rows at positions up to 1023, keys read through a random indirection
+    table (beams sharing their parents' cache rows): the new keys and values land in each row's
+    own cache, and the output equals the reference attention over the caches as stored."""
+    e, length, rows = heads * d, 1024, 6
+    shape = (rows, heads, length, d)
+    (k, k_ref), (v, v_ref) = (quantize(cu, rng.standard_normal(shape), dtype) for _ in range(2))
+    pos = np.array([0, 1, 5, 300, 1023, 777])
+    indir = rng.integers(0, rows, (rows, length))
+    indir[np.arange(rows), pos] = np.arange(rows)  # the new position is in the row's own cache
+    qkv, qkvh = quantize(cu, rng.standard_normal((rows, 3 * e)), dtype)
+    bias, biash = quantize(cu, 0.3 * rng.standard_normal(3 * e), dtype)
+    out = poisoned(cu, (rows, e), dtype)
+    cu.decode_attention(out, qkv, bias, k, v, ints(cu, pos), ints(cu, indir), heads=heads)
+    written_k, written_v = k_ref.copy(), v_ref.copy()
+    ref.write_kv_cache(written_k, written_v, qkvh, biash, np.arange(rows), pos, heads=heads)
+    untouched = np.ones(shape, bool)
+    untouched[np.arange(rows), :, pos] = False
+    for stored, expected_cache, before in ((cu.to_host(k), written_k, k_ref), (cu.to_host(v), written_v, v_ref)):
+        stored = stored.astype(np.float32)
+        assert_close_host(stored[np.arange(rows), :, pos], expected_cache[np.arange(rows), :, pos], dtype)
+        np.testing.assert_array_equal(stored[untouched], before[untouched])  # nothing else written
+        before[np.arange(rows), :, pos] = stored[np.arange(rows), :, pos]
+    expected = np.empty((rows, e), np.float32)
+    ref.cached_attention(expected, qkvh, biash, k_ref, v_ref, np.arange(rows), pos, heads=heads, indir=indir)
+    assert_close(cu, out, expected, dtype)
 
 
 def _hf(path, dtype="fp32"):
@@ -147,7 +184,28 @@ def test_cuda_and_numpy_sample_the_same_tokens_fp32(cu, gpt2):
     assert _generate(gpt2, cu, "fp32", prompts, **kwargs) == _generate(gpt2, ref, "fp32", prompts, **kwargs)
 
 
+def _stream(path, ops, prompts, **kwargs):
+    config = load_gpt2_config(path)
+    runner = GPT2Runner(config, load_gpt2_weights(path, config), ops, dtype="fp32", max_batch=len(prompts),
+                        max_len=config.n_positions)
+    return list(stream_tokens(runner, prompts, GenerationParams(**kwargs).checked(vocab_size=config.vocab_size)))
+
+
+def test_cuda_and_numpy_streams_agree_when_sequences_finish_early(cu, gpt2):
+    """Greedy fp32 with eos ids that the prompts produce at different steps: the per-step streams
+    (which prompts still run, and their tokens) are the same on both backends, so the finished
+    flags kept on the device stop each sequence where the host-side reference does."""
+    prompts = _prompts(257, seed=4)[:6]
+    eos = tuple({tokens[2] for tokens in _generate(gpt2, ref, "fp32", prompts[:2], max_new_tokens=3,
+                                                   repetition_penalty=1.1)})
+    kwargs = dict(max_new_tokens=30, repetition_penalty=1.1, eos_token_ids=eos)
+    ours = _stream(gpt2, cu, prompts, **kwargs)
+    assert ours == _stream(gpt2, ref, prompts, **kwargs)
+    assert len(ours[3]) < len(prompts) and len(ours) > 4  # prompts 0 and 1 stopped at step 3, others ran on
+
+
 CHOICES = [dict(), dict(repetition_penalty=1.3), dict(min_new_tokens=5), dict(do_sample=True),
+           dict(no_repeat_ngram_size=1), dict(no_repeat_ngram_size=3, do_sample=True, top_k=5),
            dict(do_sample=True, temperature=0.7), dict(do_sample=True, top_k=1), dict(do_sample=True, top_k=40),
            dict(do_sample=True, top_k=1024), dict(do_sample=True, top_p=0.9), dict(do_sample=True, top_p=0.3),
            dict(do_sample=True, top_k=50, top_p=0.8, temperature=1.3, repetition_penalty=1.2, min_new_tokens=3)]
@@ -162,14 +220,20 @@ def test_choose_tokens_matches_numpy(cu, rng, opts):
     logits[0, 3] = logits[1, 50256] = 50.0   # eos ids that win unless min_new_tokens masks them
     logits[2, 7] = np.nan                    # reported as -1, never sampled
     seen = (rng.random((b, v)) < 0.01).astype(np.uint8)
+    # histories with repeats (a short alphabet): n-gram bans hit the likeliest tokens too
+    seq = rng.integers(0, 6, (b, 64)).astype(np.int32)
+    seq[:, ::3] = np.argsort(-logits, axis=1)[:, :22]
+    lengths = rng.integers(1, 65, b).astype(np.int32)
     params = GenerationParams(max_new_tokens=8, seed=11, eos_token_ids=(3, 50256), **opts).checked(vocab_size=v)
     eos = np.array(params.eos_token_ids, np.int32)
     for step in (0, 6):
         out = cu.to_device(np.full(b, -7, np.int32))
-        cu.choose_tokens(out, cu.to_device(logits), cu.to_device(seen), cu.to_device(eos),
-                         scratch=cu.empty((b, v), np.float32), step=step, params=params)
+        cu.choose_tokens(out, cu.to_device(logits), cu.to_device(seen), cu.to_device(eos), ints(cu, [step]),
+                         scratch=cu.empty((b, v), np.float32), params=params, seq=ints(cu, seq),
+                         lengths=ints(cu, lengths))
         expected = np.empty(b, np.int32)
-        ref.choose_tokens(expected, logits, seen, eos, scratch=None, step=step, params=params)
+        ref.choose_tokens(expected, logits, seen, eos, np.array([step]), scratch=None, params=params, seq=seq,
+                          lengths=lengths)
         np.testing.assert_array_equal(cu.to_host(out), expected)
         assert expected[2] == -1
 
@@ -183,7 +247,8 @@ def test_gpu_sampled_frequencies_match_the_distribution(cu):
     params = GenerationParams(max_new_tokens=1, do_sample=True, seed=2024).checked(vocab_size=12)
     out = cu.to_device(np.zeros(n, np.int32))
     cu.choose_tokens(out, cu.to_device(np.tile(scores, (n, 1))), cu.to_device(np.zeros((n, 12), np.uint8)),
-                     cu.to_device(np.array([11], np.int32)), scratch=cu.empty((n, 12), np.float32), step=0, params=params)
+                     cu.to_device(np.array([11], np.int32)), ints(cu, [0]), scratch=cu.empty((n, 12), np.float32),
+                     params=params)
     counts = np.bincount(cu.to_host(out), minlength=12)
     assert counts[-1] == 0
     expected = probs[:-1] * n

@@ -162,6 +162,25 @@ def test_matmul(cu, rng, dtype, m, k, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n", [(1, 768, 2304), (3, 200, 77), (8, 3072, 768), (4, 768, 50257), (2, 7, 5)])
+def test_few_row_matmul_and_fused_bias_gelu(cu, rng, dtype, m, k, n):
+    """Few rows (decode steps: the weight-streaming kernel up to GEMV_ROWS, cuBLAS past it): plain,
+    into float32 (LM-head logits), and with bias + GELU, both forms."""
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
+    expected = (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32)
+    for out_dtype in dict.fromkeys((dtype, "fp32")):
+        out = poisoned(cu, (m, n), out_dtype)
+        cu.matmul(out, x, w)
+        assert_close(cu, out, expected, dtype)
+    bias, biash = quantize(cu, rng.standard_normal(n), dtype)
+    for form in ("erf", "tanh"):
+        out, fused = poisoned(cu, (m, n), dtype), np.empty((m, n), np.float32)
+        cu.matmul_bias_gelu(out, x, w, bias, form=form)
+        ref.matmul_bias_gelu(fused, xh, wh, biash, form=form)
+        assert_close(cu, out, fused, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("transpose_b", [True, False])
 @pytest.mark.parametrize("nb, m, k, p", [(36, 128, 64, 128), (7, 33, 50, 33), (1, 1, 64, 1), (24, 512, 64, 512)])
 def test_batched_matmul(cu, rng, dtype, transpose_b, nb, m, k, p):
@@ -228,7 +247,8 @@ VARLEN = [  # (lengths, heads)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("case", range(len(VARLEN)))
-def test_varlen_attention(cu, rng, dtype, d, case):
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_attention(cu, rng, dtype, d, case, causal):
     lengths, heads = VARLEN[case]
     lengths = lengths(rng) if callable(lengths) else lengths
     h = heads * d
@@ -237,12 +257,12 @@ def test_varlen_attention(cu, rng, dtype, d, case):
     qkv, qkvh = quantize(cu, rng.standard_normal((t, 3 * h)), dtype)
     bias, biash = quantize(cu, 0.5 * rng.standard_normal(3 * h), dtype)
     out = poisoned(cu, (t, h), dtype)
-    cu.varlen_attention(out, qkv, bias, ints(cu, cu_seqlens), heads=heads, max_seqlen=max(lengths))
+    cu.varlen_attention(out, qkv, bias, ints(cu, cu_seqlens), heads=heads, max_seqlen=max(lengths), causal=causal)
     expected = np.empty((t, h), np.float32)
-    ref.varlen_attention(expected, qkvh, biash, cu_seqlens, heads=heads, max_seqlen=max(lengths))
+    ref.varlen_attention(expected, qkvh, biash, cu_seqlens, heads=heads, max_seqlen=max(lengths), causal=causal)
     assert_close(cu, out, expected, dtype)
     first = cu.to_host(out).copy()
-    cu.varlen_attention(out, qkv, bias, ints(cu, cu_seqlens), heads=heads, max_seqlen=max(lengths))
+    cu.varlen_attention(out, qkv, bias, ints(cu, cu_seqlens), heads=heads, max_seqlen=max(lengths), causal=causal)
     np.testing.assert_array_equal(cu.to_host(out), first)  # repeated runs are identical
 
 

@@ -94,6 +94,11 @@ def matmul(out, x, weight):
     np.matmul(x, weight.T, out=out)
 
 
+def matmul_bias_gelu(out, x, weight, bias, *, form):
+    """out (M, N) = GELU(x @ weight^T + bias), erf or tanh form."""
+    out[...] = _gelu(x @ weight.T + bias, form)
+
+
 def add_qkv_bias_split_heads(q, k, v, qkv, bias, *, batch, seq, heads):
     """qkv (B*S, 3H) + bias (3H,) -> q, k, v each (B*heads, S, D)."""
     hidden = qkv.shape[1] // 3
@@ -132,9 +137,10 @@ def build_offsets(cu_seqlens, positions, lengths):
         positions[cu_seqlens[b]:cu_seqlens[b] + n] = np.arange(n)
 
 
-def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen):
+def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=False):
     """ctx (T, H) = softmax(Q K^T / sqrt(D)) V for each sequence and head of the padding-free
-    layout, with Q | K | V = qkv (T, 3H) + bias (3H,). Rows past cu_seqlens[B] are zeroed."""
+    layout, with Q | K | V = qkv (T, 3H) + bias (3H,). Rows past cu_seqlens[B] are zeroed.
+    causal: query i of a sequence sees its keys 0..i only (a decoder's prefill)."""
     hidden = qkv.shape[1] // 3
     d = hidden // heads
     x = (qkv + bias).reshape(-1, 3, heads, d)                       # (T, 3, heads, D)
@@ -145,6 +151,8 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen):
             continue
         q, k, v = (x[lo:hi, i].transpose(1, 0, 2) for i in range(3))  # (heads, L, D)
         scores = np.matmul(q, k.transpose(0, 2, 1)) / np.sqrt(d)      # (heads, L, L)
+        if causal:
+            scores = np.where(np.tri(hi - lo, dtype=bool), scores, -np.inf)
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = scores / scores.sum(axis=-1, keepdims=True)
         ctx[lo:hi] = np.matmul(probs, v).transpose(1, 0, 2).reshape(hi - lo, hidden)
@@ -219,6 +227,12 @@ def add_bias_residual(out, x, bias, residual):
     out[...] = x + bias + residual
 
 
+def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):
+    """hidden (T, E) += x + bias; normed (T, E) = LayerNorm(hidden)."""
+    hidden += x + bias
+    normed[...] = _layernorm(hidden, gamma, beta, eps)
+
+
 def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads):
     """Token t's key and value (columns E..3E of qkv + bias) go to cache[seq_ids[t], :, positions[t]].
     Caches (B, heads, L, D)."""
@@ -228,18 +242,29 @@ def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads):
     v_cache[seq_ids, :, positions] = x[:, 2]
 
 
-def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, heads):
+def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, heads, indir=None):
     """ctx (T, E): token t's query (columns 0..E of qkv + bias) attends to positions
-    0..positions[t] of its sequence's cache (causal self-attention over the KV cache)."""
+    0..positions[t] of its sequence's cache (causal self-attention over the KV cache). With
+    indir (B, L), key p of sequence b is read from cache row indir[b, p] (beams share rows)."""
     e = qkv.shape[1] // 3
     d = e // heads
     q = (qkv[:, :e] + bias[:e]).reshape(-1, heads, d)                   # (T, heads, D)
     for t, (b, p) in enumerate(zip(seq_ids, positions)):
-        k = k_cache[b, :, :p + 1]                                       # (heads, p+1, D)
+        rows = np.full(p + 1, b) if indir is None else indir[b, :p + 1]
+        k = k_cache[rows, :, np.arange(p + 1)].transpose(1, 0, 2)       # (heads, p+1, D)
+        v = v_cache[rows, :, np.arange(p + 1)].transpose(1, 0, 2)
         scores = np.einsum("hd,hld->hl", q[t], k) / np.sqrt(d)
         w = np.exp(scores - scores.max(axis=-1, keepdims=True))
         w /= w.sum(axis=-1, keepdims=True)
-        ctx[t] = np.einsum("hl,hld->hd", w, v_cache[b, :, :p + 1]).reshape(e)
+        ctx[t] = np.einsum("hl,hld->hd", w, v).reshape(e)
+
+
+def decode_attention(ctx, qkv, bias, k_cache, v_cache, positions, indir=None, *, heads):
+    """A decode step: token r is sequence r's new token. Its key and value go to positions[r] of
+    cache row r, then it attends as cached_attention."""
+    rows = np.arange(len(positions))
+    write_kv_cache(k_cache, v_cache, qkv, bias, rows, positions, heads=heads)
+    cached_attention(ctx, qkv, bias, k_cache, v_cache, rows, positions, heads=heads, indir=indir)
 
 
 def zero(array):
@@ -251,18 +276,58 @@ def mark_seen(seen, tokens, rows):
     seen[rows, tokens] = 1
 
 
-def choose_tokens(out, logits, seen, eos, *, scratch, step, params, histories=None):
-    """out (B,) int32: the next token of each row of logits (B, V) float32, HF `generate`
-    processors and order (see decoding/processors.py), eos ids `eos` masked before
-    params.min_new_tokens; -1 for a row with a non-finite logit. scratch: unused here."""
+def choose_tokens(out, logits, seen, eos, step, *, scratch, params, seq=None, lengths=None):
+    """out (B,) int32: the next token of each row of logits (B, V) float32 after step[0] chosen
+    tokens, HF `generate` processors and order (see decoding/processors.py), eos ids `eos` masked
+    before params.min_new_tokens; -1 for a row with a non-finite logit. seq (B, L) and lengths
+    (B,): each row's tokens so far (for no_repeat_ngram_size). scratch: unused here."""
     from ..decoding.processors import choose
-    out[...] = choose(logits, seen, eos, step, params, histories)
+    histories = None
+    if params.no_repeat_ngram_size:
+        histories = [seq[b, :lengths[b]].tolist() for b in range(len(logits))]
+    out[...] = choose(logits, seen, eos, int(step[0]), params, histories)
 
 
-def reorder_cache(k_cache, v_cache, parents):
-    """Beam search: row i of both caches (B, heads, L, D) becomes row parents[i]."""
-    k_cache[:len(parents)] = k_cache[parents]
-    v_cache[:len(parents)] = v_cache[parents]
+def append_tokens(history, seq, lengths, next_ids, next_pos, finished, seen, step, chosen, eos):
+    """After choose_tokens: history[step, b] = chosen[b] (-2 for a row finished earlier); a live
+    row appends its token to seq (B, L), feeds it next (next_ids, next_pos), marks it seen, and
+    finishes on an eos id or on -1. Then step[0] += 1."""
+    s = int(step[0])
+    for b in range(len(chosen)):
+        if finished[b]:
+            history[s, b] = -2
+            continue
+        token = int(chosen[b])
+        history[s, b] = token
+        if token < 0:
+            finished[b] = 1
+            continue
+        n = int(lengths[b])
+        seq[b, n], next_ids[b], next_pos[b], lengths[b] = token, token, n, n + 1
+        seen[b, token] = 1
+        if token in eos:
+            finished[b] = 1
+    step[0] = s + 1
+
+
+def beam_select(logits, state, eos, *, params, batch):
+    """One beam-search step for `batch` items of params.num_beams rows each (see
+    decoding/beam.py reference_step, which this is)."""
+    from ..decoding.beam import reference_step
+    reference_step(logits, state, np.asarray(eos), params, batch)
+
+
+class _Ready:
+    def __init__(self, array):
+        self.array = array
+
+    def wait(self):
+        return self.array
+
+
+def copy_to_host_async(array):
+    """A copy of array with .wait() -> the host array (here at once)."""
+    return _Ready(np.array(array))
 
 
 def gather_rows(out, x, rows):

@@ -1,18 +1,32 @@
 """Beam search with HuggingFace `generate` semantics (its vectorised beam search, transformers 5):
 log-softmax in float32, HF's processors, 2 x num_beams candidates per step (more with several eos
 ids), finished hypotheses scored sum(log p) / generated_length ** length_penalty (eos included),
-early_stopping True / False / "never", the KV cache reordered by parent beam every step.
-One prompt at a time: each prompt gives exactly what it gives alone."""
+early_stopping True / False / "never".
+
+Every prompt of a batch has num_beams rows (row b * num_beams + j) and its own state in device
+memory (running and finished hypotheses, scores, flags); a step updates it with one op,
+beam_select, whose NumPy form is reference_step below. Beams do not copy their parents' KV cache:
+each row keeps a cache indirection (the row whose cache holds each position), gathered from the
+parents every step. Prompts are independent: each gives exactly what it gives alone."""
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 
 from ..errors import InputError
 from . import processors as P
-from .generate import GenerationParams, check_prompts
+from .generate import CHUNK_STEPS, GenerationParams, check_prompts
 
 NEG = np.float32(-1.0e9)  # HF's "impossible" score, added rather than set, in float32
+KEEP_MAX = 64             # candidates per prompt and step the CUDA kernels hold (sampling.cu BEAM_KEEP_MAX)
+CANDIDATE_CHUNK = 4096    # CUDA stage 1: the vocabulary slice of one block
+
+
+def candidates_per_item(params: GenerationParams) -> int:
+    """HF keeps enough candidates that num_beams of them do not end in an eos id."""
+    return max(2, 1 + len(params.eos_token_ids)) * params.num_beams
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -25,74 +39,93 @@ def _top(values: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-values, kind="stable")[:k]
 
 
-def beam_search(runner, prompt: list, params: GenerationParams) -> list:
-    """[(new token ids, score)] for the best params.num_return_sequences hypotheses, best first."""
-    check_prompts([prompt], params, runner.config.n_positions)
-    nb, vocab = params.num_beams, runner.config.vocab_size
-    eos = np.asarray(params.eos_token_ids, dtype=np.int64)
-    keep = max(2, 1 + len(eos)) * nb
+def reference_step(logits: np.ndarray, st, eos: np.ndarray, params: GenerationParams, batch: int):
+    """One step for every prompt not yet done, in place on the state st (see GPT2Runner.beam_state):
+    seq / fin_seq / indir (R, L), run_scores / fin_scores / fin_len / fin_flag / next_ids /
+    next_pos (R,), flags (B, 3) = improvable, done, non-finite logits; starts (B,); step (1,)."""
+    nb, vocab = params.num_beams, logits.shape[1]
+    keep = candidates_per_item(params)
     top_mask = np.arange(keep) < nb
-    start = len(prompt)
-    max_length = start + params.max_new_tokens
+    step = int(st.step[0])
     penalty = params.length_penalty
-    running = np.zeros((nb, max_length), dtype=np.int64)        # (beams, L): running hypotheses
-    running[:, :start] = prompt
-    running_scores = np.full(nb, NEG, dtype=np.float32)
-    running_scores[0] = 0.0                                      # identical beams: only the first counts
-    finished_seq = running.copy()                                # (beams, L): best finished hypotheses
-    finished_len = np.zeros(nb, dtype=np.int64)
-    finished_scores = np.full(nb, NEG, dtype=np.float32)
-    is_finished = np.zeros(nb, dtype=bool)
-    improvable = True
-    runner.prefill([list(prompt)] * nb)
-    cur = start
-    while True:
-        logits = runner.logits(nb)
-        if not np.isfinite(logits).all():
-            raise InputError(f"non-finite logits (NaN or inf) at step {cur - start + 1}; the model or its "
-                             "weights produce invalid values")
+    for b in range(batch):
+        if st.flags[b, 1]:
+            continue
+        rows = slice(b * nb, (b + 1) * nb)
+        if not np.isfinite(logits[rows]).all():
+            st.flags[b, 1:] = 1
+            continue
+        start = int(st.starts[b])
+        cur, max_length = start + step, start + params.max_new_tokens
+        running = st.seq[rows, :cur]
         seen = np.zeros((nb, vocab), dtype=np.uint8)
         for i in range(nb):
-            seen[i, running[i, :cur]] = 1
-        histories = [running[i, :cur].tolist() for i in range(nb)]
-        log_probs = P.process(_log_softmax(logits), seen, eos, cur - start, params, histories)
-        total = (log_probs + running_scores[:, None]).reshape(-1)           # (beams * V,)
+            seen[i, running[i]] = 1
+        histories = [r.tolist() for r in running] if params.no_repeat_ngram_size else None
+        log_probs = P.process(_log_softmax(logits[rows]), seen, eos, step, params, histories)
+        total = (log_probs + st.run_scores[rows][:, None]).reshape(-1)           # (beams * V,)
         pick = _top(total, keep)
         cand_scores, parent, token = total[pick], pick // vocab, pick % vocab
-        cand_seq = running[parent]
-        cand_seq[:, cur] = token
+        cand_seq = np.concatenate([running[parent], token[:, None]], axis=1)  # (keep, cur + 1)
         hits = (cur + 1 >= max_length) | np.isin(token, eos)
 
         # the best candidates that did not stop continue
         cont = cand_scores + hits.astype(np.float32) * NEG
         nxt = _top(cont, nb)
-        running, running_scores, parents = cand_seq[nxt], cont[nxt], parent[nxt]
+        parents = parent[nxt]
 
         # the top num_beams candidates that stopped may enter the finished set
         scored = cand_scores / np.float32((cur + 1 - start) ** penalty)
-        if is_finished.all() and params.early_stopping is True:
+        if st.fin_flag[rows].all() and params.early_stopping is True:
             scored = scored + NEG
-        if not improvable:
+        if not st.flags[b, 0]:
             scored = scored + NEG
         scored = scored + (~(hits & top_mask)).astype(np.float32) * NEG
-        merged = _top(np.concatenate([finished_scores, scored]), nb)
-        finished_seq = np.concatenate([finished_seq, cand_seq])[merged]
-        finished_scores = np.concatenate([finished_scores, scored])[merged]
-        finished_len = np.concatenate([finished_len, np.full(keep, cur + 1 - start)])[merged]
-        is_finished = np.concatenate([is_finished, hits & top_mask])[merged]
+        merged = _top(np.concatenate([st.fin_scores[rows], scored]), nb)
+        fin_scores = np.concatenate([st.fin_scores[rows], scored])[merged]
+        fin_flag = np.concatenate([st.fin_flag[rows], hits & top_mask])[merged]
+        st.fin_seq[rows, :cur + 1] = np.concatenate([st.fin_seq[rows, :cur + 1], cand_seq])[merged]
+        st.fin_len[rows] = np.concatenate([st.fin_len[rows], np.full(keep, cur + 1 - start)])[merged]
+        st.fin_scores[rows], st.fin_flag[rows] = fin_scores, fin_flag
 
-        runner.reorder(parents)
-        cur += 1
+        st.seq[rows, :cur + 1] = cand_seq[nxt]
+        st.run_scores[rows] = cont[nxt]
+        st.indir[rows, :cur] = st.indir[rows][parents, :cur]
+        st.indir[rows, cur] = np.arange(b * nb, (b + 1) * nb)
+        st.next_ids[rows], st.next_pos[rows] = token[nxt], cur
+
         if params.early_stopping == "never" and penalty > 0.0:
             best_length = max_length - start
         else:
-            best_length = cur - start
-        best_possible = running_scores[0] / np.float32(best_length ** penalty)
-        worst_finished = np.where(is_finished, finished_scores.min(), NEG)
-        improvable = improvable and bool((best_possible > worst_finished).any())
-        stop = (not improvable) or (is_finished.all() and params.early_stopping is True) or hits.all()
-        if stop:
+            best_length = cur + 1 - start
+        best_possible = cont[nxt][0] / np.float32(best_length ** penalty)
+        worst_finished = np.where(fin_flag, fin_scores.min(), NEG)
+        improvable = bool(st.flags[b, 0]) and bool((best_possible > worst_finished).any())
+        st.flags[b, 0] = improvable
+        st.flags[b, 1] = (not improvable) or (fin_flag.all() and params.early_stopping is True) or hits.all()
+    st.step[0] = step + 1
+
+
+def beam_search(runner, prompts: list, params: GenerationParams) -> list:
+    """Per prompt, [(new token ids, score)] for the best params.num_return_sequences hypotheses,
+    best first. All prompts run together; the host reads the done flags every few steps while the
+    next steps run."""
+    check_prompts(prompts, params, runner.config.n_positions)
+    batch, total = len(prompts), params.max_new_tokens
+    runner.beam_start(prompts, params)
+    pending = deque([runner.fetch_beam_flags(batch)])
+    queued, chunk = 1, 1
+    while pending:
+        if queued < total and len(pending) < 2:
+            chunk = min(2 * chunk, CHUNK_STEPS, total - queued)
+            runner.beam_steps(batch, chunk, params)
+            pending.append(runner.fetch_beam_flags(batch))
+            queued += chunk
+        flags = pending.popleft().wait()
+        bad = np.flatnonzero(flags[:, 2])
+        if bad.size:
+            raise InputError(f"non-finite logits (NaN or inf) for prompt {bad[0] + 1}; the model or its "
+                             "weights produce invalid values")
+        if flags[:, 1].all():
             break
-        runner.decode(running[:, cur - 1], np.full(nb, cur - 1))
-    return [(finished_seq[i, start:start + finished_len[i]].tolist(), float(finished_scores[i]))
-            for i in range(params.num_return_sequences)]
+    return runner.beam_results(prompts, params)

@@ -1,9 +1,11 @@
 """The generation loop: prefill, then one decode step per new token; the runner chooses each
-token on its device with HF `generate` semantics (decoding/processors.py is the reference)."""
+token on its device with HF `generate` semantics (decoding/processors.py is the reference) and
+keeps the step state there, so the host only reads tokens back every few steps."""
 
 from __future__ import annotations
 
 import os
+from collections import deque
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -11,6 +13,7 @@ import numpy as np
 from ..errors import InputError
 
 MAX_EOS_IDS = 16  # eos ids one generation may name (the runner's device buffer holds this many)
+CHUNK_STEPS = 8   # steps queued on the device between two reads of the chosen tokens (at most)
 
 
 @dataclass(frozen=True)
@@ -83,29 +86,29 @@ def check_prompts(prompts: list, params: GenerationParams, n_positions: int):
 def stream_tokens(runner, prompts: list, params: GenerationParams):
     """Yield, after each step, the list of (sequence index, new token) of the sequences still
     running at that step. A sequence stops after an eos token (which is yielded) or after
-    max_new_tokens."""
+    max_new_tokens. The steps run on the device one chunk ahead of the host: the host reads the
+    chosen tokens of a chunk while the next chunk runs, and stops queueing once all are finished."""
     check_prompts(prompts, params, runner.config.n_positions)
-    lengths = np.array([len(p) for p in prompts])
-    running = np.ones(len(prompts), dtype=bool)
+    b, total = len(prompts), params.max_new_tokens
     eos = set(params.eos_token_ids)
-    histories = [list(p) for p in prompts] if params.no_repeat_ngram_size else None
-    runner.prefill(prompts)
-    for step in range(params.max_new_tokens):
-        tokens = runner.choose(len(prompts), step, params, histories)
-        live = np.flatnonzero(running)
-        bad = [int(b) for b in live if tokens[b] < 0]
-        if bad:
-            raise InputError(f"non-finite logits (NaN or inf) for prompt {bad[0] + 1} at step {step + 1}; "
-                             "the model or its weights produce invalid values")
-        out = []
-        for b in live:
-            token = int(tokens[b])
-            out.append((int(b), token))
-            if histories is not None:
-                histories[b].append(token)
-            if token in eos:
-                running[b] = False
-        yield out
-        if not running.any() or step + 1 == params.max_new_tokens:
-            return
-        runner.decode(np.maximum(tokens, 0), lengths + step)  # finished rows feed any valid token
+    running = np.ones(b, dtype=bool)
+    runner.start(prompts, params)
+    pending = deque([runner.fetch_history(b, 0, 1)])
+    queued, chunk, step = 1, 1, 0
+    while pending:
+        if queued < total and len(pending) < 2:
+            chunk = min(2 * chunk, CHUNK_STEPS, total - queued)
+            runner.steps(b, chunk, params)
+            pending.append(runner.fetch_history(b, queued, queued + chunk))
+            queued += chunk
+        for row in pending.popleft().wait():
+            step += 1
+            live = np.flatnonzero(running)
+            bad = live[row[live] < 0]
+            if bad.size:
+                raise InputError(f"non-finite logits (NaN or inf) for prompt {bad[0] + 1} at step {step}; "
+                                 "the model or its weights produce invalid values")
+            yield [(int(i), int(row[i])) for i in live]
+            running[live] = [int(row[i]) not in eos for i in live]
+            if not running.any():
+                return

@@ -3,22 +3,34 @@
 Tokens are rows (T, E). Prefill packs every prompt's tokens back to back; a decode step has one
 token per sequence. Each token carries its sequence index and position, so one prompt gives
 the same logits alone or in a batch of prompts of other lengths (no padding anywhere).
+
+Generation keeps its per-step state on the device (step counter, sequences, lengths, finished
+flags, the tokens to feed next): a step (decode, token choice, bookkeeping) reads and updates it
+with kernels, so steps are replayed as CUDA graphs back to back and the host only reads the
+chosen tokens (or beam flags) every few steps.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 
 from ..checkpoint import GPT2Weights
 from ..config import GPT2Config
+from ..decoding.beam import CANDIDATE_CHUNK, KEEP_MAX, NEG
 from ..decoding.generate import MAX_EOS_IDS
 from ..errors import InputError
 from ..workspace import Workspace
+from .bert import PACKED_HEAD_DIMS
+
+BEAM_FLOATS = ("run_scores", "fin_scores")
+BEAM_INTS = ("fin_len", "fin_flag", "next_ids", "next_pos")
 
 
 class GPT2Runner:
-    """Weights uploaded once; KV cache (n_layer x (B, heads, L, D)) and every activation in one
-    Workspace sized for max_batch sequences of up to max_len tokens."""
+    """Weights uploaded once; KV cache (n_layer x (B, heads, L, D)), generation state and every
+    activation in one Workspace sized for max_batch sequences of up to max_len tokens."""
 
     def __init__(self, config: GPT2Config, weights: GPT2Weights, ops, *, dtype: str, max_batch: int,
                  max_len: int, graphs: bool = True):
@@ -27,91 +39,123 @@ class GPT2Runner:
         self.config, self.ops = config, ops
         self.dtype = ops.storage_dtype(dtype)
         self.max_batch, self.max_len = max_batch, max_len
-        self.graphs = ops.GraphCache(enabled=graphs)  # decode steps, one graph per batch size
+        self.graphs = ops.GraphCache(enabled=graphs)  # decode steps, keyed by kind, batch and parameters
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.wte, self.wpe = up(weights.wte), up(weights.wpe)           # (V, E), (P, E)
         self.lm_head = self.wte if weights.lm_head is weights.wte else up(weights.lm_head)
         self.ln_f = (up(weights.ln_f_gamma), up(weights.ln_f_beta))
         self.layers = [{k: up(v) for k, v in vars(layer).items()} for layer in weights.layers]
         c = config
-        t = max_batch * max_len  # a prefill may hold every sequence's whole prompt
-        e, d = c.n_embd, c.head_dim
-        cache = max_batch * c.n_head * max_len * d
+        t, b, n = max_batch * max_len, max_batch, max_batch * max_len  # a prefill may hold every whole prompt
+        e, v = c.n_embd, c.vocab_size
+        cache = b * c.n_head * max_len * c.head_dim
         table = {f"{kind}{i}": (cache, self.dtype) for i in range(c.n_layer) for kind in ("k", "v")}
         table.update({
-            "tokens": (3 * t, np.int32),          # ids, sequence index, position (T each)
+            "tokens": (3 * t, np.int32),          # prefill: ids, sequence index, position (T each)
+            "cu_seqlens": (b + 1, np.int32),      # prefill: prompt offsets
             "hidden": (t * e, self.dtype),        # (T, E)
             "normed": (t * e, self.dtype),        # (T, E)
             "qkv": (t * 3 * e, self.dtype),       # (T, 3E)
             "ctx": (t * e, self.dtype),           # (T, E)
             "proj": (t * e, self.dtype),          # (T, E)
             "inter": (t * c.n_inner, self.dtype),  # (T, I)
-            "last": (max_batch * e, self.dtype),  # (B, E): the rows whose logits are wanted
-            "rows": (max_batch, np.int32),        # (B,)
-            "logits": (max_batch * c.vocab_size, np.float32),  # (B, V)
-            "scores": (max_batch * c.vocab_size, np.float32),  # (B, V): token choice scratch
-            "seen": (max_batch * c.vocab_size, np.uint8),     # (B, V): tokens fed so far (repetition penalty)
-            "chosen": (max_batch, np.int32),                  # (B,)
+            "last": (b * e, self.dtype),          # (B, E): the rows whose logits are wanted
+            "rows": (b, np.int32),                # (B,)
+            "logits": (b * v, np.float32),        # (B, V)
+            "scores": (b * v, np.float32),        # (B, V): token choice scratch
+            "seen": (b * v, np.uint8),            # (B, V): tokens fed so far (repetition penalty)
+            "chosen": (b, np.int32),              # (B,)
             "eos": (MAX_EOS_IDS, np.int32),
+            # generation state, updated on the device each step
+            "step": (1, np.int32),                # tokens chosen so far
+            "seq": (n, np.int32),                 # (B, L): prompt + generated tokens (beams: running)
+            "lengths": (b, np.int32),
+            "finished": (b, np.int32),
+            "history": (n, np.int32),             # (steps, B): the token chosen per step and sequence
+            "next_ids": (b, np.int32),            # the next decode step's tokens
+            "next_pos": (b, np.int32),            # and positions
+            # beam search: rows b * num_beams + j
+            "indir": (n, np.int32),               # (B, L): the cache row holding position p of row r
+            "fin_seq": (n, np.int32),             # (B, L): finished hypotheses
+            "beam_scratch": (3 * n, np.int32),
+            "run_scores": (b, np.float32), "fin_scores": (b, np.float32),
+            "fin_len": (b, np.int32), "fin_flag": (b, np.int32),
+            "flags": (3 * b, np.int32),           # per prompt: improvable, done, non-finite logits
+            "starts": (b, np.int32),              # per prompt: its length
+            "stats": (2 * b, np.float32),
+            "keys": (b * -(-v // CANDIDATE_CHUNK) * KEEP_MAX, np.uint64),
         })
         self.ws = Workspace(ops, table)
-        self.staging = ops.pinned_empty((3 * t + max_batch + MAX_EOS_IDS,), np.int32)
 
     def _caches(self, i: int):
         c = self.config
         shape = (self.max_batch, c.n_head, self.max_len, c.head_dim)
         return self.ws.view(f"k{i}", shape), self.ws.view(f"v{i}", shape)
 
-    def _forward(self, ids, seq_ids, positions, rows, *, graph_key=None):
-        """Run tokens (ids, sequence index, position per token) through the model, writing their
-        keys and values into the cache and marking them seen; the logits of the tokens at `rows`
-        stay on the device (ws "logits"). With a graph_key the launches are captured once and
-        replayed (the inputs live in device buffers, so a replay reads each step's tokens)."""
-        c = self.config
-        t, n = len(ids), len(rows)
-        bad = np.flatnonzero((ids < 0) | (ids >= c.vocab_size))
-        if bad.size:
-            raise InputError(f"token id {ids[bad[0]]} is outside the vocabulary 0..{c.vocab_size - 1}")
-        st = self.staging[:3 * t + n]
-        st[:t], st[t:2 * t], st[2 * t:3 * t], st[3 * t:] = ids, seq_ids, positions, rows
-        self.ops.copy_from_host(self.ws.view("tokens", (3 * t,)), st[:3 * t])
-        self.ops.copy_from_host(self.ws.view("rows", (n,)), st[3 * t:])
-        if graph_key is None:
-            self._launches(t, n)
-        else:
-            self.graphs.run(graph_key, lambda: self._launches(t, n))
+    def _upload(self, name: str, values, dtype=np.int32):
+        values = np.ascontiguousarray(values, dtype=dtype)
+        self.ops.copy_from_host(self.ws.view(name, values.shape), values)
 
-    def _launches(self, t: int, n: int):
+    # ------------------------------------------------------------------ forward passes
+
+    def _layers(self, t: int, attend):
+        """The blocks over t token rows (ws hidden, from the embedding); normed ends as ln_f(hidden).
+        attend(i, qkv, ctx): layer i's attention, writing the KV cache."""
         ops, c, ws = self.ops, self.config, self.ws
         e = c.n_embd
-        tokens = ws.view("tokens", (3 * t,))
-        d_ids, d_seq, d_pos = tokens[:t], tokens[t:2 * t], tokens[2 * t:]
-        ops.mark_seen(ws.view("seen", (self.max_batch, c.vocab_size)), d_ids, d_seq)
         hidden, normed = ws.view("hidden", (t, e)), ws.view("normed", (t, e))
         qkv, ctx, proj = ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e)), ws.view("proj", (t, e))
         inter = ws.view("inter", (t, c.n_inner))
-        ops.embed_positions(hidden, d_ids, d_pos, self.wte, self.wpe)
+        eps = c.layer_norm_epsilon
+        ops.layernorm(normed, hidden, self.layers[0]["ln1_gamma"], self.layers[0]["ln1_beta"], eps=eps)
         for i, w in enumerate(self.layers):
-            k_cache, v_cache = self._caches(i)
-            ops.layernorm(normed, hidden, w["ln1_gamma"], w["ln1_beta"], eps=c.layer_norm_epsilon)
+            after = self.layers[i + 1] if i + 1 < len(self.layers) else None
             ops.matmul(qkv, normed, w["qkv_weight"])
-            ops.write_kv_cache(k_cache, v_cache, qkv, w["qkv_bias"], d_seq, d_pos, heads=c.n_head)
-            ops.cached_attention(ctx, qkv, w["qkv_bias"], k_cache, v_cache, d_seq, d_pos, heads=c.n_head)
+            attend(i, qkv, ctx)
             ops.matmul(proj, ctx, w["attn_out_weight"])
-            ops.add_bias_residual(hidden, proj, w["attn_out_bias"], hidden)
-            ops.layernorm(normed, hidden, w["ln2_gamma"], w["ln2_beta"], eps=c.layer_norm_epsilon)
-            ops.matmul(inter, normed, w["fc_weight"])
-            ops.add_bias_gelu(inter, inter, w["fc_bias"], form=c.gelu)
+            ops.residual_layernorm(hidden, normed, proj, w["attn_out_bias"], w["ln2_gamma"], w["ln2_beta"], eps=eps)
+            ops.matmul_bias_gelu(inter, normed, w["fc_weight"], w["fc_bias"], form=c.gelu)
             ops.matmul(proj, inter, w["proj_weight"])
-            ops.add_bias_residual(hidden, proj, w["proj_bias"], hidden)
-        last = ws.view("last", (n, e))
-        ops.gather_rows(last, hidden, ws.view("rows", (n,)))
-        ops.layernorm(last, last, *self.ln_f, eps=c.layer_norm_epsilon)
+            gamma, beta = (after["ln1_gamma"], after["ln1_beta"]) if after else self.ln_f
+            ops.residual_layernorm(hidden, normed, proj, w["proj_bias"], gamma, beta, eps=eps)
+
+    def _prefill_launches(self, t: int, n: int, max_len: int):
+        ops, c, ws = self.ops, self.config, self.ws
+        tokens = ws.view("tokens", (3 * t,))
+        d_ids, d_seq, d_pos = tokens[:t], tokens[t:2 * t], tokens[2 * t:]
+        ops.mark_seen(ws.view("seen", (self.max_batch, c.vocab_size)), d_ids, d_seq)
+        ops.embed_positions(ws.view("hidden", (t, c.n_embd)), d_ids, d_pos, self.wte, self.wpe)
+        cu_seqlens = ws.view("cu_seqlens", (n + 1,))
+
+        def attend(i, qkv, ctx):
+            k_cache, v_cache = self._caches(i)
+            bias = self.layers[i]["qkv_bias"]
+            ops.write_kv_cache(k_cache, v_cache, qkv, bias, d_seq, d_pos, heads=c.n_head)
+            if c.head_dim in PACKED_HEAD_DIMS:
+                ops.varlen_attention(ctx, qkv, bias, cu_seqlens, heads=c.n_head, max_seqlen=max_len, causal=True)
+            else:
+                ops.cached_attention(ctx, qkv, bias, k_cache, v_cache, d_seq, d_pos, heads=c.n_head)
+        self._layers(t, attend)
+        last = ws.view("last", (n, c.n_embd))
+        ops.gather_rows(last, ws.view("normed", (t, c.n_embd)), ws.view("rows", (n,)))
         ops.matmul(ws.view("logits", (n, c.vocab_size)), last, self.lm_head)
+
+    def _decode_launches(self, b: int, indirect: bool = False):
+        """One token per sequence from ws next_ids / next_pos; logits of all b rows."""
+        ops, c, ws = self.ops, self.config, self.ws
+        ids, pos = ws.view("next_ids", (b,)), ws.view("next_pos", (b,))
+        indir = ws.view("indir", (b, self.max_len)) if indirect else None
+        ops.embed_positions(ws.view("hidden", (b, c.n_embd)), ids, pos, self.wte, self.wpe)
+
+        def attend(i, qkv, ctx):
+            k_cache, v_cache = self._caches(i)
+            ops.decode_attention(ctx, qkv, self.layers[i]["qkv_bias"], k_cache, v_cache, pos, indir, heads=c.n_head)
+        self._layers(b, attend)
+        ops.matmul(ws.view("logits", (b, c.vocab_size)), ws.view("normed", (b, c.n_embd)), self.lm_head)
 
     def prefill(self, prompts: list):
         """All prompt tokens through the layers (cache rows 0..len-1 of sequence b for prompt b);
-        leaves the logits of each prompt's last token on the device (see logits, choose)."""
+        leaves the logits of each prompt's last token on the device (see logits)."""
         if not 1 <= len(prompts) <= self.max_batch:
             raise InputError(f"{len(prompts)} prompts; this runner takes 1..{self.max_batch}")
         lengths = np.array([len(p) for p in prompts])
@@ -120,42 +164,140 @@ class GPT2Runner:
         if lengths.max() > self.max_len:
             raise InputError(f"a prompt of {lengths.max()} tokens exceeds this runner's max_len {self.max_len}")
         ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
-        seq_ids = np.repeat(np.arange(len(prompts)), lengths)
-        positions = np.concatenate([np.arange(n) for n in lengths])
+        self._check_ids(ids)
+        t, n = len(ids), len(prompts)
+        self._upload("tokens", np.concatenate([ids, np.repeat(np.arange(n), lengths),
+                                               np.concatenate([np.arange(k) for k in lengths])]))
+        self._upload("rows", np.cumsum(lengths) - 1)
+        self._upload("cu_seqlens", np.concatenate([[0], np.cumsum(lengths)]))
         self.ops.zero(self.ws.view("seen", (self.max_batch * self.config.vocab_size,)))
-        self._forward(ids, seq_ids, positions, np.cumsum(lengths) - 1)
+        self._prefill_launches(t, n, int(lengths.max()))
+
+    def _check_ids(self, ids):
+        v = self.config.vocab_size
+        bad = np.flatnonzero((ids < 0) | (ids >= v))
+        if bad.size:
+            raise InputError(f"token id {ids[bad[0]]} is outside the vocabulary 0..{v - 1}")
+
+    def decode(self, tokens, positions):
+        """One new token per sequence b (tokens[b] at positions[b]), fed from the host; logits stay
+        on the device (see logits)."""
+        tokens, positions = np.asarray(tokens, np.int64), np.asarray(positions, np.int64)
+        if positions.max() >= self.max_len:
+            raise InputError(f"position {int(positions.max())} is past this runner's max_len {self.max_len}")
+        self._check_ids(tokens)
+        b = len(tokens)
+        self._upload("next_ids", tokens)
+        self._upload("next_pos", positions)
+        self.graphs.run(("decode", b), lambda: self._decode_launches(b))
 
     def logits(self, n: int) -> np.ndarray:
         """The last step's logits of the first n sequences, (n, V) float32 on the host."""
         return self.ops.to_host(self.ws.view("logits", (n, self.config.vocab_size))).astype(np.float32)
 
-    def choose(self, n: int, step: int, params, histories=None) -> np.ndarray:
-        """The next token of each of the first n sequences from the last step's logits, chosen on
-        the backend's device (HF processors; -1 where a logit is not finite), as host int32 (n,).
-        params: a GenerationParams from .checked() (which bounds the eos ids to MAX_EOS_IDS)."""
-        c = self.config
-        eos = np.asarray(params.eos_token_ids, dtype=np.int32)
-        d_eos = self.ws.view("eos", (len(eos),))
-        if len(eos):
-            st = self.staging[-MAX_EOS_IDS:][:len(eos)]
-            st[:] = eos
-            self.ops.copy_from_host(d_eos, st)
-        chosen = self.ws.view("chosen", (n,))
-        self.ops.choose_tokens(chosen, self.ws.view("logits", (n, c.vocab_size)),
-                               self.ws.view("seen", (self.max_batch, c.vocab_size))[:n], d_eos,
-                               scratch=self.ws.view("scores", (n, c.vocab_size)), step=step, params=params,
-                               histories=histories)
-        return self.ops.to_host(chosen).astype(np.int64)
+    # ------------------------------------------------------------------ greedy and sampled generation
 
-    def reorder(self, parents):
-        """Beam search: sequence i continues from sequence parents[i]: reorder every layer's cache."""
-        for i in range(self.config.n_layer):
-            self.ops.reorder_cache(*self._caches(i), np.asarray(parents))
+    def _check_room(self, prompts, params):
+        longest = max(len(p) for p in prompts)
+        if longest + params.max_new_tokens > self.max_len:
+            raise InputError(f"a prompt of {longest} tokens + max_new_tokens {params.max_new_tokens} exceeds "
+                             f"this runner's max_len {self.max_len}")
 
-    def decode(self, tokens: np.ndarray, positions: np.ndarray):
-        """One new token per sequence b (tokens[b] at positions[b]); logits stay on the device."""
-        if np.asarray(positions).max() >= self.max_len:
-            raise InputError(f"position {int(np.max(positions))} is past this runner's max_len {self.max_len}")
-        b = len(tokens)
-        self._forward(np.asarray(tokens, np.int64), np.arange(b), np.asarray(positions), np.arange(b),
-                      graph_key=("decode", b))
+    def _choose_and_append(self, b: int, params):
+        ops, ws, v, length = self.ops, self.ws, self.config.vocab_size, self.max_len
+        eos = ws.view("eos", (len(params.eos_token_ids),))
+        seen = ws.view("seen", (self.max_batch, v))[:b]
+        seq, lengths, step = ws.view("seq", (b, length)), ws.view("lengths", (b,)), ws.view("step", (1,))
+        chosen = ws.view("chosen", (b,))
+        ops.choose_tokens(chosen, ws.view("logits", (b, v)), seen, eos, step, scratch=ws.view("scores", (b, v)),
+                          params=params, seq=seq, lengths=lengths)
+        ops.append_tokens(ws.view("history", (length, b)), seq, lengths, ws.view("next_ids", (b,)),
+                          ws.view("next_pos", (b,)), ws.view("finished", (b,)), seen, step, chosen, eos)
+
+    def start(self, prompts: list, params):
+        """Prefill the prompts and choose the first token of each (step 0). params: a
+        GenerationParams from .checked()."""
+        self._check_room(prompts, params)
+        b = len(prompts)
+        self.prefill(prompts)
+        seq = np.zeros((b, self.max_len), np.int32)
+        for i, p in enumerate(prompts):
+            seq[i, :len(p)] = p
+        self._upload("seq", seq)
+        self._upload("lengths", [len(p) for p in prompts])
+        self._upload("finished", np.zeros(b))
+        self._upload("step", [0])
+        if params.eos_token_ids:
+            self._upload("eos", params.eos_token_ids)
+        self._choose_and_append(b, params)
+
+    def steps(self, b: int, count: int, params):
+        """Queue `count` steps (decode the last chosen tokens, choose the next) for b sequences."""
+        for _ in range(count):
+            self.graphs.run(("step", b, params), lambda: (self._decode_launches(b), self._choose_and_append(b, params)))
+
+    def fetch_history(self, b: int, first: int, last: int):
+        """Queue a copy of the tokens chosen at steps first..last-1, (steps, b) int32, -2 for a
+        sequence finished earlier, -1 for non-finite logits; returns a handle (.wait())."""
+        return self.ops.copy_to_host_async(self.ws.view("history", (self.max_len, b))[first:last])
+
+    # ------------------------------------------------------------------ beam search
+
+    def beam_state(self, batch: int, num_beams: int) -> SimpleNamespace:
+        r, ws, length = batch * num_beams, self.ws, self.max_len
+        views = {name: ws.view(name, (r,)) for name in BEAM_FLOATS + BEAM_INTS}
+        views.update({name: ws.view(name, (r, length)) for name in ("seq", "indir", "fin_seq")})
+        return SimpleNamespace(**views, scratch=ws.view("beam_scratch", (3 * r, length)),
+                               flags=ws.view("flags", (batch, 3)), starts=ws.view("starts", (batch,)),
+                               step=ws.view("step", (1,)), stats=ws.view("stats", (r, 2)),
+                               keys=ws.view("keys", (r * -(-self.config.vocab_size // CANDIDATE_CHUNK) * KEEP_MAX,)))
+
+    def _beam_select(self, batch: int, params):
+        r = batch * params.num_beams
+        self.ops.beam_select(self.ws.view("logits", (r, self.config.vocab_size)), self.beam_state(batch, params.num_beams),
+                             self.ws.view("eos", (len(params.eos_token_ids),)), params=params, batch=batch)
+
+    def beam_start(self, prompts: list, params):
+        """Prefill num_beams copies of each prompt, set up the beams, and take step 0."""
+        nb, batch = params.num_beams, len(prompts)
+        if batch * nb > self.max_batch:
+            raise InputError(f"{batch} prompts x {nb} beams exceed this runner's {self.max_batch} sequences")
+        self._check_room(prompts, params)
+        rows = [p for p in prompts for _ in range(nb)]
+        self.prefill(rows)
+        r, length = len(rows), self.max_len
+        seq = np.zeros((r, length), np.int32)
+        for i, p in enumerate(rows):
+            seq[i, :len(p)] = p
+        scores = np.tile(np.array([0.0] + [NEG] * (nb - 1), np.float32), batch)  # identical beams: one counts
+        state = {"seq": seq, "indir": np.repeat(np.arange(r), length).reshape(r, length), "fin_seq": seq,
+                 "fin_len": np.zeros(r), "fin_flag": np.zeros(r), "flags": np.tile([1, 0, 0], batch),
+                 "starts": [len(p) for p in prompts], "step": [0]}
+        for name, values in state.items():
+            self._upload(name, values)
+        for name, values in (("run_scores", scores), ("fin_scores", np.full(r, NEG))):
+            self._upload(name, values, np.float32)
+        if params.eos_token_ids:
+            self._upload("eos", params.eos_token_ids)
+        self._beam_select(batch, params)
+
+    def beam_steps(self, batch: int, count: int, params):
+        r = batch * params.num_beams
+        for _ in range(count):
+            self.graphs.run(("beam", batch, params),
+                            lambda: (self._decode_launches(r, indirect=True), self._beam_select(batch, params)))
+
+    def fetch_beam_flags(self, batch: int):
+        """Queue a copy of the per-prompt flags (batch, 3): improvable, done, non-finite logits."""
+        return self.ops.copy_to_host_async(self.ws.view("flags", (batch, 3)))
+
+    def beam_results(self, prompts: list, params) -> list:
+        """[(new token ids, score)] per prompt, best first, params.num_return_sequences of them."""
+        st = self.beam_state(len(prompts), params.num_beams)
+        seqs, scores, lengths = (self.ops.to_host(a) for a in (st.fin_seq, st.fin_scores, st.fin_len))
+        out = []
+        for b, p in enumerate(prompts):
+            rows = range(b * params.num_beams, b * params.num_beams + params.num_return_sequences)
+            out.append([(seqs[r, len(p):len(p) + int(lengths[r])].astype(int).tolist(), float(scores[r]))
+                        for r in rows])
+        return out

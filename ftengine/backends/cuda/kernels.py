@@ -20,6 +20,11 @@ VECS = {"float": (4, 2, 1), "__half": (8, 4, 2, 1), "__nv_bfloat16": (8, 4, 2, 1
 ROW_ITEMS = (1, 4)  # vectors per thread in the row (LayerNorm) kernels
 VARLEN_HEAD_DIMS = (32, 64, 128)  # fused attention (attention_varlen.cu)
 VARLEN_BLOCK_M = 64               # its query tile
+ATTENTION_FLAGS = {"rows_are_tokens": 1, "indirect": 2, "write_kv": 4}  # decoder.cu cached_attention
+ATTENTION_THREADS = 256           # its block (ATTN_THREADS)
+GEMV_ROWS, GEMV_COLS, GEMV_THREADS = 4, 2, 128  # gemv.cu: most rows of x, output columns and threads per block
+SAMPLING_KERNELS = ["choose_tokens", "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates",
+                    "beam_select"]
 
 
 def _softmax_variants(t: str) -> list[str]:
@@ -50,9 +55,11 @@ FAMILIES = {
                                       f"varlen_attention_mma<{t}, {d}>" for d in VARLEN_HEAD_DIMS],
     "pooling.cu": lambda t: [f"pool<{t}>", f"pool_packed<{t}>"] + (["l2_normalize<float>"] if t == "float" else []),
     "decoder.cu": lambda t: (_vec_variants("embed_positions", t) + _row_variants("layernorm", t)
-                             + _vec_variants("add_bias_residual", t) + _vec_variants("write_kv_cache", t)
-                             + [f"cached_attention<{t}>"] + _vec_variants("gather_rows", t)),
-    "sampling.cu": lambda t: ["choose_tokens", "mark_seen"] if t == "float" else [],
+                             + _vec_variants("add_bias_residual", t) + _row_variants("residual_layernorm", t)
+                             + _vec_variants("write_kv_cache", t) + _vec_variants("cached_attention", t)
+                             + _vec_variants("gather_rows", t)),
+    "sampling.cu": lambda t: SAMPLING_KERNELS if t == "float" else [],
+    "gemv.cu": lambda t: [f"gemv<{t}, {o}, {v}>" for o in dict.fromkeys((t, "float")) for v in VECS[t]],
 }
 
 

@@ -15,8 +15,8 @@ import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
-from .kernels import (CUDA_TYPES, ROW_ITEMS, SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS,
-                      VECS, kernel)
+from .kernels import (ATTENTION_FLAGS, ATTENTION_THREADS, CUDA_TYPES, GEMV_COLS, GEMV_ROWS, GEMV_THREADS, ROW_ITEMS,
+                      SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VECS, kernel)
 
 name = "cuda"
 STORAGE = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
@@ -167,15 +167,39 @@ def embed_layernorm(out, ids, token_types, positions, word_emb, pos_emb, type_em
              np.int32(h), np.float32(eps)))
 
 
-def matmul(out, x, weight):
-    """out (M, N) = x (M, K) @ weight (N, K)^T. Column-major: out^T = op_T(W^T) @ x^T.
-    out may be float32 while x and weight are 16-bit (the LM head's logits)."""
+def _gemv(out, x, weight, bias, epilogue):
     m, k = x.shape
+    n = weight.shape[0]
+    _launch("gemv.cu", f"gemv<{_ctype(x)}, {_ctype(out)}, {_vec(x, k)}>", (-(-n // GEMV_COLS),), (GEMV_THREADS,),
+            (out, x, weight, weight if bias is None else bias, np.int32(m), np.int32(n), np.int32(k),
+             np.int32(epilogue)))
+
+
+def matmul(out, x, weight):
+    """out (M, N) = x (M, K) @ weight (N, K)^T; out may be float32 while x and weight are 16-bit
+    (the LM head's logits). Up to GEMV_ROWS rows: the weight-streaming kernel (gemv.cu); more:
+    cuBLAS, column-major: out^T = op_T(W^T) @ x^T."""
+    m, k = x.shape
+    if m <= GEMV_ROWS:
+        _gemv(out, x, weight, None, 0)
+        return
     n = weight.shape[0]
     types = [cb.DATA_TYPES[a.dtype.name] for a in (weight, x, out)]
     with context().stream:
         context().blas.gemm(cb.OP_T, cb.OP_N, n, m, k, weight.data.ptr, types[0], k, x.data.ptr, types[1], k,
                             out.data.ptr, types[2], n)
+
+
+def matmul_bias_gelu(out, x, weight, bias, *, form):
+    """out (M, N) = GELU(x @ weight^T + bias): fused into the gemv for a few rows."""
+    codes = {"erf": 0, "tanh": 1}
+    if form not in codes:
+        raise ValueError(f"unknown GELU form {form!r}")
+    if x.shape[0] <= GEMV_ROWS:
+        _gemv(out, x, weight, bias, 1 + codes[form])
+    else:
+        matmul(out, x, weight)
+        add_bias_gelu(out, out, bias, form=form)
 
 
 def add_qkv_bias_split_heads(q, k, v, qkv, bias, *, batch, seq, heads):
@@ -220,8 +244,9 @@ def build_offsets(cu_seqlens, positions, lengths):
             (cu_seqlens, positions, lengths, np.int32(b), np.int32(positions.size)))
 
 
-def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen):
-    """Fused attention over the padding-free layout: tensor cores for fp16/bf16, SIMT for fp32."""
+def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=False):
+    """Fused attention over the padding-free layout: tensor cores for fp16/bf16, SIMT for fp32.
+    causal: query i of a sequence sees its keys 0..i only (a decoder's prefill)."""
     t, h = ctx.shape
     d = h // heads
     if d not in VARLEN_HEAD_DIMS:
@@ -234,8 +259,8 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen):
         name, smem = f"varlen_attention_mma<{ct}, {d}>", 2 * 2 * VARLEN_BLOCK_M * (d + 8) * 2
     scale_log2 = np.float32(1.4426950408889634 / np.sqrt(d))
     _launch("attention_varlen.cu", name, (-(-max_seqlen // VARLEN_BLOCK_M), b * heads + 1), (128,),
-            (ctx, qkv, bias, cu_seqlens, np.int32(b), np.int32(heads), np.int32(t), scale_log2),
-            shared_mem=smem)
+            (ctx, qkv, bias, cu_seqlens, np.int32(b), np.int32(heads), np.int32(t), scale_log2,
+             np.int32(bool(causal))), shared_mem=smem)
 
 
 def merge_heads(out, ctx, *, batch, seq, heads):
@@ -308,6 +333,13 @@ def add_bias_residual(out, x, bias, residual):
             (out, x, bias, residual, np.int32(e)))
 
 
+def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):
+    t, h = hidden.shape
+    vec, items, threads = _row_kernel_shape(hidden, h)
+    _launch("decoder.cu", f"residual_layernorm<{_ctype(hidden)}, {vec}, {items}>", (t,), (threads,),
+            (hidden, normed, x, bias, gamma, beta, np.int32(h), np.float32(eps)))
+
+
 def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads):
     t = qkv.shape[0]
     _, _, length, d = k_cache.shape
@@ -316,14 +348,32 @@ def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads):
             (k_cache, v_cache, qkv, bias, seq_ids, positions, np.int32(heads), np.int32(d), np.int32(length)))
 
 
-def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, heads):
+def _attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flags, heads):
     t = qkv.shape[0]
     _, _, length, d = k_cache.shape
-    threads = max(128, _threads(d))
-    smem = (d + threads + length) * 4
-    _launch("decoder.cu", f"cached_attention<{_ctype(qkv)}>", (t, heads), (threads,),
-            (ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, np.int32(heads), np.int32(d),
-             np.int32(length), np.float32(1.0 / np.sqrt(d))), shared_mem=smem)
+    vec = _vec(qkv, d)
+    per_key = 1 << max(0, (d // vec - 1).bit_length())  # threads per key: a power of two
+    if per_key > 32:
+        raise DeviceError(f"head_dim {d} is too large for the decoder attention kernel (at most {32 * vec})")
+    threads = ATTENTION_THREADS
+    smem = (length + threads // per_key * d) * 4
+    _launch("decoder.cu", f"cached_attention<{_ctype(qkv)}, {vec}>", (t, heads), (threads,),
+            (ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, positions if indir is None else indir,
+             np.int32(flags), np.int32(heads), np.int32(d), np.int32(length), np.int32(per_key),
+             np.float32(1.0 / np.sqrt(d))), shared_mem=smem)
+
+
+def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, heads, indir=None):
+    flags = 0 if indir is None else ATTENTION_FLAGS["indirect"]
+    _attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flags, heads)
+
+
+def decode_attention(ctx, qkv, bias, k_cache, v_cache, positions, indir=None, *, heads):
+    """Writes each token's key and value into its own cache row, then attends (one kernel)."""
+    flags = ATTENTION_FLAGS["rows_are_tokens"] | ATTENTION_FLAGS["write_kv"]
+    if indir is not None:
+        flags |= ATTENTION_FLAGS["indirect"]
+    _attention(ctx, qkv, bias, k_cache, v_cache, positions, positions, indir, flags, heads)
 
 
 def zero(array):
@@ -337,18 +387,82 @@ def mark_seen(seen, tokens, rows):
             (seen, tokens, rows, np.int32(n), np.int32(seen.shape[1])))
 
 
-def choose_tokens(out, logits, seen, eos, *, scratch, step, params, histories=None):
+def choose_tokens(out, logits, seen, eos, step, *, scratch, params, seq=None, lengths=None):
     """out (B,) int32: the next token of each row of logits (B, V) float32, one block per row;
-    HF processors and order (reference: decoding/processors.py choose); -1 for a non-finite row."""
-    if params.no_repeat_ngram_size:
-        raise DeviceError("no_repeat_ngram_size runs on the CPU backend for now (use device 'cpu')")
+    HF processors and order (reference: decoding/processors.py choose); -1 for a non-finite row.
+    step (1,) int32 and, for no_repeat_ngram_size, seq (B, L) / lengths (B,) are device arrays."""
     b, v = logits.shape
+    ngram = params.no_repeat_ngram_size
+    if ngram and (seq is None or lengths is None):
+        raise ValueError("no_repeat_ngram_size needs the sequences (seq, lengths)")
+    seq = step if seq is None else seq
+    lengths = step if lengths is None else lengths
+    length = seq.shape[1] if seq.ndim == 2 else 0
     seed = params.seed or 0
     _launch("sampling.cu", "choose_tokens", (b,), (1024,),
-            (out, scratch, logits, seen, eos, np.int32(eos.size), np.int32(v), np.int32(step),
-             np.int32(params.min_new_tokens), np.int32(bool(params.do_sample)), np.float32(params.temperature),
-             np.int32(params.top_k), np.float32(params.top_p), np.float32(params.repetition_penalty),
-             np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)))
+            (out, scratch, logits, seen, eos, np.int32(eos.size), step, seq, lengths, np.int32(length),
+             np.int32(ngram), np.int32(v), np.int32(params.min_new_tokens), np.int32(bool(params.do_sample)),
+             np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p),
+             np.float32(params.repetition_penalty), np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)))
+
+
+def append_tokens(history, seq, lengths, next_ids, next_pos, finished, seen, step, chosen, eos):
+    b, length = seq.shape
+    _launch("sampling.cu", "append_tokens", (1,), (_threads(b, 1024),),
+            (history, seq, lengths, next_ids, next_pos, finished, seen, step, chosen, eos, np.int32(eos.size),
+             np.int32(b), np.int32(length), np.int32(seen.shape[1])))
+
+
+def beam_select(logits, state, eos, *, params, batch):
+    """One beam-search step (reference: decoding/beam.py reference_step): row log-sum-exp, then
+    FasterTransformer's two-stage top-k (vocabulary slices of each beam, then the beams of each
+    item) with the processors applied in stage 1, then HF's bookkeeping, then step += 1."""
+    from ...decoding.beam import CANDIDATE_CHUNK, KEEP_MAX, candidates_per_item
+    nb = params.num_beams
+    rows, v = logits.shape
+    length = state.seq.shape[1]
+    keep = candidates_per_item(params)
+    if keep > KEEP_MAX:
+        raise DeviceError(f"the CUDA beam search keeps at most {KEEP_MAX} candidates per prompt; num_beams "
+                          f"{nb} with {len(params.eos_token_ids)} eos ids needs {keep}")
+    slices = -(-v // CANDIDATE_CHUNK)
+    early = {False: 0, True: 1, "never": 2}[params.early_stopping]
+    _launch("sampling.cu", "beam_logsumexp", (rows,), (1024,), (state.stats, state.flags, logits, np.int32(v),
+                                                                np.int32(nb)))
+    _launch("sampling.cu", "beam_candidates", (rows, slices), (256,),
+            (state.keys, state.stats, logits, state.seq, state.run_scores, state.starts, state.flags, state.step,
+             eos, np.int32(eos.size), np.int32(v), np.int32(length), np.int32(nb), np.int32(keep),
+             np.int32(CANDIDATE_CHUNK), np.float32(params.repetition_penalty), np.int32(params.min_new_tokens),
+             np.int32(params.no_repeat_ngram_size)), shared_mem=CANDIDATE_CHUNK * 4)
+    _launch("sampling.cu", "beam_select", (batch,), (256,),
+            (state.keys, np.int32(slices), np.int32(v), np.int32(length), np.int32(nb), np.int32(keep),
+             state.seq, state.fin_seq, state.indir, state.scratch, state.run_scores, state.fin_scores,
+             state.fin_len, state.fin_flag, state.flags, state.starts, state.next_ids, state.next_pos, state.step,
+             eos, np.int32(eos.size), np.int32(params.max_new_tokens), np.float32(params.length_penalty),
+             np.int32(early)))
+    _launch("sampling.cu", "increment", (1,), (32,), (state.step,))
+
+
+class _Pending:
+    """A device-to-host copy in flight on the stream; wait() returns the host array."""
+
+    def __init__(self, array):
+        cupy = context().cupy
+        self.host = pinned_empty(array.shape, array.dtype)
+        cupy.cuda.runtime.memcpyAsync(self.host.ctypes.data, array.data.ptr, array.nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, context().stream.ptr)
+        self.event = cupy.cuda.Event(block=False, disable_timing=True)
+        self.event.record(context().stream)
+
+    def wait(self):
+        self.event.synchronize()
+        return np.array(self.host)
+
+
+def copy_to_host_async(array):
+    """Queue a copy of a contiguous device array to the host behind the stream's work; returns a
+    handle whose wait() gives the host array."""
+    return _Pending(array)
 
 
 def gather_rows(out, x, rows):
