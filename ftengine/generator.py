@@ -9,7 +9,7 @@ from .backends import get_ops, resolve_device
 from .checkpoint import load_gpt2_weights
 from .config import load_gpt2_config
 from .decoding.beam import beam_search
-from .decoding.generate import GenerationParams, stream_tokens
+from .decoding.generate import GenerationParams, check_prompts, stream_tokens
 from .encoder import DTYPES
 from .errors import ConfigError, DeviceError, InputError
 from .models.gpt2 import GPT2Runner
@@ -62,12 +62,18 @@ class Generator:
         runs each decode step's launches directly."""
         return cls(Path(path), device=device, dtype=dtype, cuda_graphs=cuda_graphs)
 
-    def _runner_for(self, batch: int) -> GPT2Runner:
+    def _runner_for(self, batch: int, prompts: list, params: GenerationParams) -> GPT2Runner:
+        """A runner for `batch` sequences whose KV cache holds the longest prompt + max_new_tokens
+        (rounded up to 64 positions, at most n_positions), reused while it is large enough."""
+        if not prompts:
+            raise InputError("no prompts to continue")
+        check_prompts(prompts, params, self.config.n_positions)
+        need = max(len(p) for p in prompts) + params.max_new_tokens
+        length = min(self.config.n_positions, -(-need // 64) * 64)
         r = self._runner
-        if r is None or r.max_batch < batch:
+        if r is None or r.max_batch < batch or r.max_len < need:
             self._runner = r = GPT2Runner(self.config, self.weights, self.ops, dtype=self.dtype,
-                                          max_batch=batch, max_len=self.config.n_positions,
-                                          graphs=self.cuda_graphs)
+                                          max_batch=batch, max_len=length, graphs=self.cuda_graphs)
         return r
 
     def encode_prompts(self, prompts) -> list:
@@ -92,7 +98,7 @@ class Generator:
         params = self.params(max_new_tokens, eos_token_id, **options)
         if params.num_beams > 1:
             raise InputError("streaming is for greedy and sampled generation; beam search returns its hypotheses at the end")
-        yield from stream_tokens(self._runner_for(len(ids)), ids, params)
+        yield from stream_tokens(self._runner_for(len(ids), ids, params), ids, params)
 
     def generate(self, prompts, *, max_new_tokens: int, eos_token_id: int | None = None, **options) -> list:
         """Generated continuations, one GenerationResult per prompt, in input order.
@@ -102,7 +108,7 @@ class Generator:
         params = self.params(max_new_tokens, eos_token_id, **options)
         if params.num_beams > 1:
             ids = self.encode_prompts(texts)
-            found = beam_search(self._runner_for(len(ids) * params.num_beams), ids, params)
+            found = beam_search(self._runner_for(len(ids) * params.num_beams, ids, params), ids, params)
         else:
             new = [[] for _ in texts]
             for step in self.stream(texts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **options):

@@ -94,15 +94,17 @@ __global__ void write_kv_cache(T* __restrict__ k_cache, T* __restrict__ v_cache,
 }
 
 // ctx (T, E): token t's query (+ bias) attends to cache positions 0..positions[t] of its
-// sequence (FasterTransformer's masked decoder attention, vectorised). One block per
+// sequence (FasterTransformer's masked decoder attention, vectorised, in one pass). One block per
 // (token, head); a group of TPK threads (a power of two <= 32) takes one key at a time, each
-// thread VEC elements of the head dimension (16-byte loads); each group has ATTN_UNROLL keys'
-// loads in flight, so blockDim / TPK * ATTN_UNROLL keys are read at once.
+// thread VEC elements of the head dimension (16-byte loads), and keeps an online softmax (running
+// max, sum and weighted values) over its keys, ATTN_UNROLL keys' K and V loads in flight at once;
+// the groups' states are combined at the end.
 // flags: ATTN_ROWS_ARE_TOKENS (token t is sequence t, seq_ids unused), ATTN_INDIRECT (key p of
 // sequence b lives in cache row indir[b * L + p]: beams share their parents' cache rows),
-// ATTN_WRITE_KV (first store token t's own key and value, + bias, at positions[t]: a decode step).
-// Block ATTN_THREADS; dynamic shared memory: L floats of scores + (blockDim / TPK) * D floats of
-// partial outputs.
+// ATTN_WRITE_KV (a decode step: token t's own key and value, + bias, are stored at positions[t],
+// and used from registers here, rounded as stored; no other token reads a position being written
+// in the same step: beams read their parents' rows at earlier positions).
+// Block ATTN_THREADS; dynamic shared memory: (blockDim / TPK) * (D + 2) floats.
 #define ATTN_ROWS_ARE_TOKENS 1
 #define ATTN_INDIRECT 2
 #define ATTN_WRITE_KV 4
@@ -115,112 +117,114 @@ __global__ void __launch_bounds__(ATTN_THREADS) cached_attention(
         const int* __restrict__ seq_ids, const int* __restrict__ positions, const int* __restrict__ indir,
         int flags, int heads, int D, int L, int TPK, float scale) {
     extern __shared__ float sm[];
-    __shared__ float scratch[32];
     const int E = heads * D;
     const long t = blockIdx.x;
     const int h = blockIdx.y;
     const long b = (flags & ATTN_ROWS_ARE_TOKENS) ? t : seq_ids[t];
     const int pos = positions[t], n = pos + 1;
+    const bool own = flags & ATTN_WRITE_KV;
     const long head_stride = (long)L * D;
     const T* row = qkv + t * 3 * E;
-    if (flags & ATTN_WRITE_KV) {
-        for (int c = threadIdx.x * VEC; c < 2 * D; c += blockDim.x * VEC) {
-            const int which = c >= D, d = c - which * D;
-            float a[VEC], bb[VEC];
-            load_floats<T, VEC>(a, row + (1 + which) * E + h * D + d);
-            load_floats<T, VEC>(bb, bias + (1 + which) * E + h * D + d);
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) a[j] += bb[j];
-            store_floats<T, VEC>((which ? v_cache : k_cache) + (b * heads + h) * head_stride + (long)pos * D + d, a);
-        }
-        __syncthreads();  // the block's own cache writes are visible to it from here
-    }
     const int slot = threadIdx.x % TPK, group = threadIdx.x / TPK, groups = blockDim.x / TPK;
     const int col = slot * VEC;
     const bool active = col < D;
-    float q[VEC];
+    float q[VEC], k_own[VEC], v_own[VEC];
     #pragma unroll
-    for (int j = 0; j < VEC; ++j) q[j] = 0.0f;
+    for (int i = 0; i < VEC; ++i) q[i] = k_own[i] = v_own[i] = 0.0f;
     if (active) {
         float bb[VEC];
         load_floats<T, VEC>(q, row + h * D + col);
         load_floats<T, VEC>(bb, bias + h * D + col);
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) q[j] += bb[j];
-    }
-    const int* src = indir + b * L;
-    float* scores = sm;
-    float* partial = sm + L;
-    float mx = -FT_INFINITY;
-    for (int j0 = 0; j0 < n; j0 += groups * ATTN_UNROLL) {  // every lane runs every round (the shuffles)
-        float k[ATTN_UNROLL][VEC];
-        #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
-            const int j = j0 + u * groups + group;
-            if (j < n && active) {
-                const long r = (flags & ATTN_INDIRECT) ? src[j] : b;
-                load_floats<T, VEC>(k[u], k_cache + (r * heads + h) * head_stride + (long)j * D + col);
-            } else {
-                #pragma unroll
-                for (int i = 0; i < VEC; ++i) k[u][i] = 0.0f;
+        for (int i = 0; i < VEC; ++i) q[i] += bb[i];
+        if (own) {  // this token's key and value, stored for later steps, used here as stored
+            float kb[VEC], vb[VEC];
+            load_floats<T, VEC>(k_own, row + E + h * D + col);
+            load_floats<T, VEC>(kb, bias + E + h * D + col);
+            load_floats<T, VEC>(v_own, row + 2 * E + h * D + col);
+            load_floats<T, VEC>(vb, bias + 2 * E + h * D + col);
+            #pragma unroll
+            for (int i = 0; i < VEC; ++i) {
+                k_own[i] = to_float(from_float<T>(k_own[i] + kb[i]));
+                v_own[i] = to_float(from_float<T>(v_own[i] + vb[i]));
+            }
+            if (group == 0) {
+                const long at = (b * heads + h) * head_stride + (long)pos * D + col;
+                store_floats<T, VEC>(k_cache + at, k_own);
+                store_floats<T, VEC>(v_cache + at, v_own);
             }
         }
+    }
+    const int* src = indir + b * L;
+    float m = -FT_INFINITY, l = 0.0f, acc[VEC];
+    #pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+    for (int j0 = 0; j0 < n; j0 += groups * ATTN_UNROLL) {  // every lane runs every round (the shuffles)
+        float k[ATTN_UNROLL][VEC], v[ATTN_UNROLL][VEC];
         #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
             const int j = j0 + u * groups + group;
+            #pragma unroll
+            for (int i = 0; i < VEC; ++i) k[u][i] = v[u][i] = 0.0f;
+            if (j < n && active) {
+                if (own && j == pos) {
+                    #pragma unroll
+                    for (int i = 0; i < VEC; ++i) { k[u][i] = k_own[i]; v[u][i] = v_own[i]; }
+                } else {
+                    const long r = (flags & ATTN_INDIRECT) ? src[j] : b;
+                    const long at = (r * heads + h) * head_stride + (long)j * D + col;
+                    load_floats<T, VEC>(k[u], k_cache + at);
+                    load_floats<T, VEC>(v[u], v_cache + at);
+                }
+            }
+        }
+        float score[ATTN_UNROLL], top = m;
+        #pragma unroll
+        for (int u = 0; u < ATTN_UNROLL; ++u) {
             float dot = 0.0f;
             #pragma unroll
             for (int i = 0; i < VEC; ++i) dot += q[i] * k[u][i];
             for (int off = TPK / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-            if (j < n) {
-                dot *= scale;
-                if (slot == 0) scores[j] = dot;
-                mx = fmaxf(mx, dot);
-            }
+            score[u] = j0 + u * groups + group < n ? dot * scale : -FT_INFINITY;
+            top = fmaxf(top, score[u]);
         }
-    }
-    mx = block_max(mx, scratch);  // synchronises: the scores are complete
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        const float e = expf(scores[j] - mx);
-        scores[j] = e;
-        sum += e;
-    }
-    const float inv = 1.0f / block_sum(sum, scratch);
-    float acc[VEC];
-    #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
-    if (active)
-        for (int j0 = group; j0 < n; j0 += groups * ATTN_UNROLL) {
-            float v[ATTN_UNROLL][VEC], p[ATTN_UNROLL];
+        if (top > -FT_INFINITY) {  // the group has a key so far
+            const float alpha = expf(m - top);
+            l *= alpha;
+            #pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[i] *= alpha;
             #pragma unroll
             for (int u = 0; u < ATTN_UNROLL; ++u) {
-                const int j = j0 + u * groups;
-                p[u] = 0.0f;
-                if (j < n) {
-                    const long r = (flags & ATTN_INDIRECT) ? src[j] : b;
-                    p[u] = scores[j];
-                    load_floats<T, VEC>(v[u], v_cache + (r * heads + h) * head_stride + (long)j * D + col);
-                } else {
-                    #pragma unroll
-                    for (int i = 0; i < VEC; ++i) v[u][i] = 0.0f;
-                }
-            }
-            #pragma unroll
-            for (int u = 0; u < ATTN_UNROLL; ++u) {
+                const float p = expf(score[u] - top);
+                l += p;
                 #pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[i] += p[u] * v[u][i];
+                for (int i = 0; i < VEC; ++i) acc[i] += p * v[u][i];
             }
+            m = top;
         }
+    }
+    float* group_max = sm;
+    float* group_sum = sm + groups;
+    float* group_acc = sm + 2 * groups;  // (groups, D)
+    if (slot == 0) {
+        group_max[group] = m;
+        group_sum[group] = l;
+    }
     if (active) {
         #pragma unroll
-        for (int i = 0; i < VEC; ++i) partial[group * D + col + i] = acc[i];
+        for (int i = 0; i < VEC; ++i) group_acc[group * D + col + i] = acc[i];
     }
     __syncthreads();
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float total = 0.0f;
-        for (int g = 0; g < groups; ++g) total += partial[g * D + d];
-        ctx[t * E + h * D + d] = from_float<T>(total * inv);
+        float top = -FT_INFINITY;
+        for (int g = 0; g < groups; ++g) top = fmaxf(top, group_max[g]);
+        float total = 0.0f, out = 0.0f;
+        for (int g = 0; g < groups; ++g) {
+            const float w = expf(group_max[g] - top);  // 0 for a group without keys
+            total += w * group_sum[g];
+            out += w * group_acc[g * D + d];
+        }
+        ctx[t * E + h * D + d] = from_float<T>(out / total);
     }
 }
 

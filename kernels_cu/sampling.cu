@@ -25,41 +25,132 @@ __device__ __forceinline__ float philox_uniform(unsigned step, unsigned seq, uns
     return (float)(c0 >> 8) * 5.9604644775390625e-08f;  // 2^-24
 }
 
-// The largest key threshold Y whose weight, summed over the scores with order_key(score) >= Y,
-// reaches `goal` (weight / total >= goal): with MASS false the weight is a count and Y is the
-// goal-th largest key (top-k); with MASS true it is the probability mass exp(score - mx) (top-p).
-// Four bits at a time from the top: the weight of each digit among the keys that match the bits
-// chosen so far, per thread, then summed over the block in a fixed order (no atomics: the same
-// inputs give the same Y every run); then the largest digit whose weight from the top reaches
-// the goal. Block-wide; sums (32 x 16), bins (16), key and weight are shared scratch.
-#define SWEEP_UNROLL 8
+#define SWEEP_UNROLL 4
 
-// f(i, src[i]) for i = threadIdx.x, + blockDim.x, ... < n, with SWEEP_UNROLL loads in flight per
-// thread (a loop that waited for each load in turn would be bound by memory latency).
+// f(i, src[i]) for every i < n, once each, spread over the block: 16-byte loads, SWEEP_UNROLL of
+// them in flight per thread (a loop that waited for each load in turn would be bound by memory
+// latency); the few elements before the first 16-byte boundary and after the last go one by one.
+// Each thread visits its elements in a fixed order.
 template <typename F>
 __device__ __forceinline__ void sweep(const float* src, int n, F f) {
-    for (int base = threadIdx.x; base < n; base += SWEEP_UNROLL * blockDim.x) {
-        float v[SWEEP_UNROLL];
+    const int head = min(n, (int)(((16u - ((unsigned)(size_t)src & 15u)) & 15u) >> 2));
+    if ((int)threadIdx.x < head) f(threadIdx.x, src[threadIdx.x]);
+    const float4* body = reinterpret_cast<const float4*>(src + head);
+    const int n4 = (n - head) >> 2;
+    for (int base = threadIdx.x; base < n4; base += SWEEP_UNROLL * blockDim.x) {
+        float4 v[SWEEP_UNROLL];
         #pragma unroll
         for (int u = 0; u < SWEEP_UNROLL; ++u) {
             const int i = base + u * blockDim.x;
-            v[u] = i < n ? src[i] : 0.0f;
+            v[u] = i < n4 ? body[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
         #pragma unroll
         for (int u = 0; u < SWEEP_UNROLL; ++u) {
-            const int i = base + u * blockDim.x;
-            if (i < n) f(i, v[u]);
+            const int i = head + 4 * (base + u * blockDim.x);
+            if (base + u * (int)blockDim.x < n4) {
+                f(i, v[u].x);
+                f(i + 1, v[u].y);
+                f(i + 2, v[u].z);
+                f(i + 3, v[u].w);
+            }
         }
     }
+    const int tail = head + 4 * n4;
+    if ((int)threadIdx.x < n - tail) f(tail + threadIdx.x, src[tail + threadIdx.x]);
 }
 
+// Top-k's threshold: the k-th largest key (order_key) of the scores. A radix select from the
+// top, 11, 11 and 10 bits at a time: counts per digit of the keys matching the bits chosen so far,
+// in shared memory (each warp adds its lanes of equal digit with one atomic: exact counts,
+// little contention), then a block scan from the largest digit to the one holding the k-th key.
+// Block-wide; hist holds 2048 counts, scan 32.
+#define RADIX_BINS 2048
 
-template <bool MASS>
-__device__ unsigned threshold_key(const float* s, int V, float mx, double goal, double total,
-                                  double (*sums)[16], double* bins, unsigned* key, double* weight) {
+__device__ unsigned kth_largest_key(const float* s, int V, int k, unsigned long long* hist, unsigned long long* scan,
+                                    unsigned* found_key, unsigned long long* found_above) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    unsigned prefix = 0u;
+    unsigned long long above = 0ull;  // count of the keys above the prefix's range
+    for (int level = 0; level < 3; ++level) {
+        const int bits = level < 2 ? 11 : 10, shift = level == 0 ? 21 : (level == 1 ? 10 : 0);
+        const unsigned high = level == 0 ? 0u : ~0u << (shift + bits);
+        const int bins = 1 << bits;
+        for (int i = threadIdx.x; i < bins; i += blockDim.x) hist[i] = 0ull;
+        __syncthreads();
+        for (int base = threadIdx.x - lane; base < V; base += SWEEP_UNROLL * blockDim.x) {  // warp-uniform
+            float x[SWEEP_UNROLL];
+            #pragma unroll
+            for (int u = 0; u < SWEEP_UNROLL; ++u) {
+                const int i = base + lane + u * blockDim.x;
+                x[u] = i < V ? s[i] : 0.0f;
+            }
+            #pragma unroll
+            for (int u = 0; u < SWEEP_UNROLL; ++u) {
+                const unsigned key = order_key(x[u]);
+                const bool in = base + lane + u * (int)blockDim.x < V && (key & high) == prefix;
+                const unsigned want = __ballot_sync(0xffffffffu, in);
+                if (in) {
+                    const unsigned digit = (key >> shift) & (bins - 1);
+                    const unsigned peers = __match_any_sync(want, digit);
+                    if (lane == __ffs(peers) - 1) atomicAdd(&hist[digit], (unsigned long long)__popc(peers));
+                }
+            }
+        }
+        __syncthreads();
+        // thread t sums the digits of rank t * per .. from the top; a block scan gives what lies above
+        const int per = (bins + blockDim.x - 1) / blockDim.x, first = threadIdx.x * per;
+        unsigned long long mine = 0ull;
+        for (int q = first; q < min(bins, first + per); ++q) mine += hist[bins - 1 - q];
+        unsigned long long incl = mine;
+        #pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const unsigned long long y = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off) incl += y;
+        }
+        if (lane == 31) scan[warp] = incl;
+        __syncthreads();
+        if (warp == 0) {
+            unsigned long long w = lane < warps ? scan[lane] : 0ull;
+            #pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const unsigned long long y = __shfl_up_sync(0xffffffffu, w, off);
+                if (lane >= off) w += y;
+            }
+            scan[lane] = w;
+        }
+        __syncthreads();
+        auto reached = [&](unsigned long long count) { return count >= (unsigned long long)k; };
+        unsigned long long run = above + (warp > 0 ? scan[warp - 1] : 0ull) + incl - mine;
+        if (!reached(run) && reached(run + mine)) {  // one thread: the goal is reached in its digits
+            for (int q = first; q < min(bins, first + per); ++q) {
+                const int d = bins - 1 - q;
+                if (reached(run + hist[d])) {
+                    *found_key = prefix | ((unsigned)d << shift);
+                    *found_above = run;
+                    break;
+                }
+                run += hist[d];
+            }
+        }
+        __syncthreads();
+        prefix = *found_key;
+        above = *found_above;
+    }
+    return prefix;
+}
+
+// HF's top-p cut-off: the largest key threshold Y with mass(order_key(score) >= Y) / total >=
+// top_p, the mass of a score being exp(score - mx), summed in double. Four bits at a time from
+// the top: each thread's mass per digit among the keys matching the bits chosen so far, summed
+// over the block in a fixed order (the same inputs give the same Y every run), then the largest
+// digit whose mass from the top reaches the goal. (Per-digit atomics, as kth_largest_key uses,
+// would make double sums depend on timing.) Block-wide; sums (32 x 16), bins (16), key and
+// weight are shared scratch.
+__device__ unsigned top_p_threshold(const float* s, int V, float mx, float top_p, double total,
+                                    double (*sums)[16], double* bins, unsigned* key, double* weight) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned prefix = 0u;
-    double above = 0.0;  // weight of the keys above the prefix's range
+    double above = 0.0;  // mass of the keys above the prefix's range
     for (int shift = 28; shift >= 0; shift -= 4) {
         const unsigned high = shift == 28 ? 0u : ~0u << (shift + 4);
         double acc[16];
@@ -67,7 +158,7 @@ __device__ unsigned threshold_key(const float* s, int V, float mx, double goal, 
         for (int d = 0; d < 16; ++d) acc[d] = 0.0;
         sweep(s, V, [&](int, float x) {
             const unsigned k = order_key(x);
-            if ((k & high) == prefix) acc[(k >> shift) & 15] += MASS ? (double)expf(x - mx) : 1.0;
+            if ((k & high) == prefix) acc[(k >> shift) & 15] += (double)expf(x - mx);
         });
         #pragma unroll
         for (int d = 0; d < 16; ++d) {
@@ -84,7 +175,7 @@ __device__ unsigned threshold_key(const float* s, int V, float mx, double goal, 
         if (threadIdx.x == 0) {  // digit 0 always reaches the goal: the bits chosen so far do
             double run = above;
             int d = 15;
-            for (; d > 0 && (run + bins[d]) / total < goal; --d) run += bins[d];
+            for (; d > 0 && (run + bins[d]) / total < (double)top_p; --d) run += bins[d];
             *key = prefix | ((unsigned)d << shift);
             *weight = run;
         }
@@ -123,14 +214,32 @@ __global__ void __launch_bounds__(CHOOSE_THREADS) choose_tokens(
     __shared__ double dscratch[32];
     __shared__ int iscratch[32];
     __shared__ unsigned long long uscratch[32];
-    __shared__ double dsums[CHOOSE_THREADS / 32][16], dbins[16], shared_weight;
+    __shared__ unsigned long long hist[RADIX_BINS], shared_count;
+    __shared__ double dsums[CHOOSE_THREADS / 32][16], dbins[16], shared_mass;
     __shared__ unsigned shared_key;
     const int b = blockIdx.x;
     const float* logits = logits_all + (long)b * V;
     const unsigned char* seen = seen_all + (long)b * V;
     float* s = scores_all + (long)b * V;
 
+    const int step = *step_counter;
     int bad = 0;
+    if (!do_sample && ngram == 0) {  // greedy in one pass: the processors inline, then the first largest
+        const bool mask_eos = step < min_new;
+        unsigned long long mine = 0ull;  // (order key << 32) | ~index
+        sweep(logits, V, [&](int i, float x) {
+            bad |= !isfinite(x);
+            if (penalty != 1.0f && seen[i]) x = x < 0.0f ? x * penalty : x / penalty;
+            if (mask_eos)
+                for (int e = 0; e < n_eos; ++e) x = i == eos[e] ? -FT_INFINITY : x;
+            const unsigned long long k = ((unsigned long long)order_key(x) << 32) | (unsigned)(~i);
+            mine = k > mine ? k : mine;
+        });
+        bad = __syncthreads_or(bad);
+        mine = block_reduce(mine, uscratch, 0ull, MaxOp());
+        if (threadIdx.x == 0) out[b] = bad ? -1 : (int)(~(unsigned)(mine & 0xffffffffull));
+        return;
+    }
     sweep(logits, V, [&](int i, float x) {
         bad |= !isfinite(x);
         if (penalty != 1.0f && seen[i]) x = x < 0.0f ? x * penalty : x / penalty;
@@ -140,7 +249,6 @@ __global__ void __launch_bounds__(CHOOSE_THREADS) choose_tokens(
         if (threadIdx.x == 0) out[b] = -1;
         return;
     }
-    const int step = *step_counter;
     if (ngram > 0) {
         ban_repeated_ngrams(s, 0, V, seq_all + (long)b * L, lengths[b], ngram);
         __syncthreads();
@@ -148,7 +256,7 @@ __global__ void __launch_bounds__(CHOOSE_THREADS) choose_tokens(
     if (step < min_new && threadIdx.x < n_eos) s[eos[threadIdx.x]] = -FT_INFINITY;
     __syncthreads();
 
-    if (!do_sample) {  // the largest (order key << 32) | ~index: the first of the largest scores
+    if (!do_sample) {  // greedy with n-gram bans: the first of the largest scores
         unsigned long long mine = 0ull;
         sweep(s, V, [&](int i, float x) {
             const unsigned long long k = ((unsigned long long)order_key(x) << 32) | (unsigned)(~i);
@@ -162,8 +270,7 @@ __global__ void __launch_bounds__(CHOOSE_THREADS) choose_tokens(
     if (temperature != 1.0f) sweep(s, V, [&](int i, float x) { s[i] = x / temperature; });
     __syncthreads();
     if (top_k > 0 && top_k < V) {  // the k-th largest score's key: #(key >= K) >= k
-        const unsigned K = threshold_key<false>(s, V, 0.0f, (double)top_k, 1.0, dsums, dbins, &shared_key,
-                                                &shared_weight);
+        const unsigned K = kth_largest_key(s, V, top_k, hist, uscratch, &shared_key, &shared_count);
         sweep(s, V, [&](int i, float x) { if (order_key(x) < K) s[i] = -FT_INFINITY; });
         __syncthreads();
     }
@@ -176,8 +283,7 @@ __global__ void __launch_bounds__(CHOOSE_THREADS) choose_tokens(
     if (top_p < 1.0f) {
         // keep a token iff the probability mass strictly above it is < top_p: the largest Y with
         // mass(key >= Y) >= top_p bounds the removed tokens (key < Y)
-        const unsigned Y = threshold_key<true>(s, V, mx, (double)top_p, total, dsums, dbins, &shared_key,
-                                               &shared_weight);
+        const unsigned Y = top_p_threshold(s, V, mx, top_p, total, dsums, dbins, &shared_key, &shared_mass);
         sweep(s, V, [&](int i, float x) { if (order_key(x) < Y) s[i] = -FT_INFINITY; });
         __syncthreads();
         total = 0.0;

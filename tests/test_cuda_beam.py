@@ -9,7 +9,7 @@ from ftengine.config import load_gpt2_config
 from ftengine.decoding.beam import beam_search
 from ftengine.decoding.generate import GenerationParams
 from ftengine.models.gpt2 import GPT2Runner
-from tests.test_beam_search import NEW, assert_beams_match_hf, cases, check_no_repeat_ngram, gpt2, hf, runner  # noqa: F401
+from tests.test_beam_search import NEW, PAD, assert_beams_match_hf, cases, check_no_repeat_ngram, gpt2, hf, runner  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
@@ -55,3 +55,11 @@ def test_cuda_beams_same_with_and_without_graphs(cu, gpt2, cases, dtype):  # noq
         scores = [s for _, s in hypotheses]
         assert all(np.isfinite(scores)) and scores == sorted(scores, reverse=True)
         assert all(1 <= len(t) <= NEW for t, _ in hypotheses)
+
+
+def test_too_many_beam_candidates_for_the_gpu_is_a_clear_error(gpt2):  # noqa: F811
+    from ftengine.errors import DeviceError
+    from ftengine.generator import Generator
+    gen = Generator.from_pretrained(gpt2, device="cuda", dtype="fp32")
+    with pytest.raises(DeviceError, match=r"at most 64 candidates per prompt; num_beams 33 with 1 eos id\(s\) needs 66"):
+        gen.generate(["hi"], max_new_tokens=4, num_beams=33, eos_token_id=PAD + 1)

@@ -159,6 +159,8 @@ def test_empty_prompt_and_clamped_top_k(gpt2):
     gen = Generator.from_pretrained(gpt2, device="cpu")
     with pytest.raises(InputError, match="prompt 2 is empty"):
         gen.generate(["ok", ""], max_new_tokens=2)
+    with pytest.raises(InputError, match="no prompts to continue"):
+        gen.generate([], max_new_tokens=2)
     huge = gen.generate(["hi"], max_new_tokens=4, do_sample=True, top_k=10_000, seed=1)[0].token_ids
     off = gen.generate(["hi"], max_new_tokens=4, do_sample=True, top_k=0, seed=1)[0].token_ids
     assert huge == off  # top_k beyond the vocabulary keeps every token, like top_k=0

@@ -167,6 +167,9 @@ def embed_layernorm(out, ids, token_types, positions, word_emb, pos_emb, type_em
              np.int32(h), np.float32(eps)))
 
 
+GELU_FORMS = {"erf": 0, "tanh": 1}
+
+
 def _gemv(out, x, weight, bias, epilogue):
     m, k = x.shape
     n = weight.shape[0]
@@ -192,11 +195,10 @@ def matmul(out, x, weight):
 
 def matmul_bias_gelu(out, x, weight, bias, *, form):
     """out (M, N) = GELU(x @ weight^T + bias): fused into the gemv for a few rows."""
-    codes = {"erf": 0, "tanh": 1}
-    if form not in codes:
+    if form not in GELU_FORMS:
         raise ValueError(f"unknown GELU form {form!r}")
     if x.shape[0] <= GEMV_ROWS:
-        _gemv(out, x, weight, bias, 1 + codes[form])
+        _gemv(out, x, weight, bias, 1 + GELU_FORMS[form])
     else:
         matmul(out, x, weight)
         add_bias_gelu(out, out, bias, form=form)
@@ -280,12 +282,11 @@ def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
 
 def add_bias_gelu(out, x, bias, *, form):
     t, i = out.shape
-    codes = {"erf": 0, "tanh": 1}
-    if form not in codes:
+    if form not in GELU_FORMS:
         raise ValueError(f"unknown GELU form {form!r}")
     vec = _vec(out, i)
     _launch("activation.cu", f"add_bias_gelu<{_ctype(out)}, {vec}>", (t,), (_threads(i // vec, 256),),
-            (out, x, bias, np.int32(i), np.int32(codes[form])))
+            (out, x, bias, np.int32(i), np.int32(GELU_FORMS[form])))
 
 
 def _pool_modes(kernel: str, out, hidden, modes, extra_args):
@@ -356,7 +357,7 @@ def _attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flag
     if per_key > 32:
         raise DeviceError(f"head_dim {d} is too large for the decoder attention kernel (at most {32 * vec})")
     threads = ATTENTION_THREADS
-    smem = (length + threads // per_key * d) * 4
+    smem = threads // per_key * (d + 2) * 4
     _launch("decoder.cu", f"cached_attention<{_ctype(qkv)}, {vec}>", (t, heads), (threads,),
             (ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, positions if indir is None else indir,
              np.int32(flags), np.int32(heads), np.int32(d), np.int32(length), np.int32(per_key),
@@ -424,7 +425,7 @@ def beam_select(logits, state, eos, *, params, batch):
     keep = candidates_per_item(params)
     if keep > KEEP_MAX:
         raise DeviceError(f"the CUDA beam search keeps at most {KEEP_MAX} candidates per prompt; num_beams "
-                          f"{nb} with {len(params.eos_token_ids)} eos ids needs {keep}")
+                          f"{nb} with {len(params.eos_token_ids)} eos id(s) needs {keep} (use fewer beams)")
     slices = -(-v // CANDIDATE_CHUNK)
     early = {False: 0, True: 1, "never": 2}[params.early_stopping]
     _launch("sampling.cu", "beam_logsumexp", (rows,), (1024,), (state.stats, state.flags, logits, np.int32(v),
