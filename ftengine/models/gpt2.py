@@ -253,9 +253,9 @@ class GPT2Runner:
                                keys=ws.view("keys", (r * -(-self.config.vocab_size // CANDIDATE_CHUNK) * KEEP_MAX,)))
 
     def _beam_select(self, batch: int, params):
-        r = batch * params.num_beams
-        self.ops.beam_select(self.ws.view("logits", (r, self.config.vocab_size)), self.beam_state(batch, params.num_beams),
-                             self.ws.view("eos", (len(params.eos_token_ids),)), params=params, batch=batch)
+        logits = self.ws.view("logits", (batch * params.num_beams, self.config.vocab_size))
+        eos = self.ws.view("eos", (len(params.eos_token_ids),))
+        self.ops.beam_select(logits, self.beam_state(batch, params.num_beams), eos, params=params, batch=batch)
 
     def beam_start(self, prompts: list, params):
         """Prefill num_beams copies of each prompt, set up the beams, and take step 0."""
