@@ -11,13 +11,11 @@ parents every step. Prompts are independent: each gives exactly what it gives al
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
 from ..errors import InputError
 from . import processors as P
-from .generate import CHUNK_STEPS, GenerationParams, check_prompts
+from .generate import GenerationParams, check_prompts, pipelined
 
 NEG = np.float32(-1.0e9)  # HF's "impossible" score, added rather than set, in float32
 KEEP_MAX = 64             # candidates per prompt and step the CUDA kernels hold (sampling.cu BEAM_KEEP_MAX)
@@ -113,15 +111,8 @@ def beam_search(runner, prompts: list, params: GenerationParams) -> list:
     check_prompts(prompts, params, runner.config.n_positions)
     batch, total = len(prompts), params.max_new_tokens
     runner.beam_start(prompts, params)
-    pending = deque([runner.fetch_beam_flags(batch)])
-    queued, chunk = 1, 1
-    while pending:
-        if queued < total and len(pending) < 2:
-            chunk = min(2 * chunk, CHUNK_STEPS, total - queued)
-            runner.beam_steps(batch, chunk, params)
-            pending.append(runner.fetch_beam_flags(batch))
-            queued += chunk
-        flags = pending.popleft().wait()
+    for flags in pipelined(total, lambda n: runner.beam_steps(batch, n, params),
+                           lambda first, last: runner.fetch_beam_flags(batch)):
         bad = np.flatnonzero(flags[:, 2])
         if bad.size:
             raise InputError(f"non-finite logits (NaN or inf) for prompt {bad[0] + 1}; the model or its "

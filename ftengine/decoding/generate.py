@@ -83,6 +83,22 @@ def check_prompts(prompts: list, params: GenerationParams, n_positions: int):
                              f"that is beyond the model's n_positions {n_positions}")
 
 
+def pipelined(total: int, run_steps, fetch):
+    """The host side of a generation whose step 0 is queued: queue the other steps in chunks of
+    1, 2, 4 ... CHUNK_STEPS, always one chunk ahead, and yield each chunk's result
+    (fetch(first step, last step + 1).wait()) while the next chunk runs on the device. Closing
+    the generator stops the queueing."""
+    pending = deque([fetch(0, 1)])
+    queued, chunk = 1, 1
+    while pending:
+        if queued < total and len(pending) < 2:
+            chunk = min(2 * chunk, CHUNK_STEPS, total - queued)
+            run_steps(chunk)
+            pending.append(fetch(queued, queued + chunk))
+            queued += chunk
+        yield pending.popleft().wait()
+
+
 def stream_tokens(runner, prompts: list, params: GenerationParams):
     """Yield, after each step, the list of (sequence index, new token) of the sequences still
     running at that step. A sequence stops after an eos token (which is yielded) or after
@@ -93,15 +109,10 @@ def stream_tokens(runner, prompts: list, params: GenerationParams):
     eos = set(params.eos_token_ids)
     running = np.ones(b, dtype=bool)
     runner.start(prompts, params)
-    pending = deque([runner.fetch_history(b, 0, 1)])
-    queued, chunk, step = 1, 1, 0
-    while pending:
-        if queued < total and len(pending) < 2:
-            chunk = min(2 * chunk, CHUNK_STEPS, total - queued)
-            runner.steps(b, chunk, params)
-            pending.append(runner.fetch_history(b, queued, queued + chunk))
-            queued += chunk
-        for row in pending.popleft().wait():
+    step = 0
+    for rows in pipelined(total, lambda n: runner.steps(b, n, params),
+                          lambda first, last: runner.fetch_history(b, first, last)):
+        for row in rows:
             step += 1
             live = np.flatnonzero(running)
             bad = live[row[live] < 0]

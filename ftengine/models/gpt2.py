@@ -46,7 +46,7 @@ class GPT2Runner:
         self.ln_f = (up(weights.ln_f_gamma), up(weights.ln_f_beta))
         self.layers = [{k: up(v) for k, v in vars(layer).items()} for layer in weights.layers]
         c = config
-        t, b, n = max_batch * max_len, max_batch, max_batch * max_len  # a prefill may hold every whole prompt
+        b, t = max_batch, max_batch * max_len  # a prefill may hold every sequence's whole prompt
         e, v = c.n_embd, c.vocab_size
         cache = b * c.n_head * max_len * c.head_dim
         table = {f"{kind}{i}": (cache, self.dtype) for i in range(c.n_layer) for kind in ("k", "v")}
@@ -68,16 +68,16 @@ class GPT2Runner:
             "eos": (MAX_EOS_IDS, np.int32),
             # generation state, updated on the device each step
             "step": (1, np.int32),                # tokens chosen so far
-            "seq": (n, np.int32),                 # (B, L): prompt + generated tokens (beams: running)
+            "seq": (t, np.int32),                 # (B, L): prompt + generated tokens (beams: running)
             "lengths": (b, np.int32),
             "finished": (b, np.int32),
-            "history": (n, np.int32),             # (steps, B): the token chosen per step and sequence
+            "history": (t, np.int32),             # (steps, B): the token chosen per step and sequence
             "next_ids": (b, np.int32),            # the next decode step's tokens
             "next_pos": (b, np.int32),            # and positions
             # beam search: rows b * num_beams + j
-            "indir": (n, np.int32),               # (B, L): the cache row holding position p of row r
-            "fin_seq": (n, np.int32),             # (B, L): finished hypotheses
-            "beam_scratch": (3 * n, np.int32),
+            "indir": (t, np.int32),               # (B, L): the cache row holding position p of row r
+            "fin_seq": (t, np.int32),             # (B, L): finished hypotheses
+            "beam_scratch": (3 * t, np.int32),
             "run_scores": (b, np.float32), "fin_scores": (b, np.float32),
             "fin_len": (b, np.int32), "fin_flag": (b, np.int32),
             "flags": (3 * b, np.int32),           # per prompt: improvable, done, non-finite logits
@@ -214,22 +214,27 @@ class GPT2Runner:
         ops.append_tokens(ws.view("history", (length, b)), seq, lengths, ws.view("next_ids", (b,)),
                           ws.view("next_pos", (b,)), ws.view("finished", (b,)), seen, step, chosen, eos)
 
+    def _begin(self, rows: list, params) -> np.ndarray:
+        """Prefill one sequence per row; upload the rows as the sequences so far (ws seq, returned
+        as (rows, L)), the eos ids and step 0."""
+        self.prefill(rows)
+        seq = np.zeros((len(rows), self.max_len), np.int32)
+        for i, p in enumerate(rows):
+            seq[i, :len(p)] = p
+        self._upload("seq", seq)
+        self._upload("step", [0])
+        if params.eos_token_ids:
+            self._upload("eos", params.eos_token_ids)
+        return seq
+
     def start(self, prompts: list, params):
         """Prefill the prompts and choose the first token of each (step 0). params: a
         GenerationParams from .checked()."""
         self._check_room(prompts, params)
-        b = len(prompts)
-        self.prefill(prompts)
-        seq = np.zeros((b, self.max_len), np.int32)
-        for i, p in enumerate(prompts):
-            seq[i, :len(p)] = p
-        self._upload("seq", seq)
+        self._begin(prompts, params)
         self._upload("lengths", [len(p) for p in prompts])
-        self._upload("finished", np.zeros(b))
-        self._upload("step", [0])
-        if params.eos_token_ids:
-            self._upload("eos", params.eos_token_ids)
-        self._choose_and_append(b, params)
+        self._upload("finished", np.zeros(len(prompts)))
+        self._choose_and_append(len(prompts), params)
 
     def steps(self, b: int, count: int, params):
         """Queue `count` steps (decode the last chosen tokens, choose the next) for b sequences."""
@@ -263,22 +268,16 @@ class GPT2Runner:
         if batch * nb > self.max_batch:
             raise InputError(f"{batch} prompts x {nb} beams exceed this runner's {self.max_batch} sequences")
         self._check_room(prompts, params)
-        rows = [p for p in prompts for _ in range(nb)]
-        self.prefill(rows)
-        r, length = len(rows), self.max_len
-        seq = np.zeros((r, length), np.int32)
-        for i, p in enumerate(rows):
-            seq[i, :len(p)] = p
+        seq = self._begin([p for p in prompts for _ in range(nb)], params)
+        r, length = seq.shape
         scores = np.tile(np.array([0.0] + [NEG] * (nb - 1), np.float32), batch)  # identical beams: one counts
-        state = {"seq": seq, "indir": np.repeat(np.arange(r), length).reshape(r, length), "fin_seq": seq,
+        state = {"indir": np.repeat(np.arange(r), length).reshape(r, length), "fin_seq": seq,
                  "fin_len": np.zeros(r), "fin_flag": np.zeros(r), "flags": np.tile([1, 0, 0], batch),
-                 "starts": [len(p) for p in prompts], "step": [0]}
+                 "starts": [len(p) for p in prompts]}
         for name, values in state.items():
             self._upload(name, values)
         for name, values in (("run_scores", scores), ("fin_scores", np.full(r, NEG))):
             self._upload(name, values, np.float32)
-        if params.eos_token_ids:
-            self._upload("eos", params.eos_token_ids)
         self._beam_select(batch, params)
 
     def beam_steps(self, batch: int, count: int, params):
