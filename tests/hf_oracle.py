@@ -8,6 +8,11 @@ def hf_bert(path):
     return BertModel.from_pretrained(str(path), attn_implementation="eager").eval()
 
 
+def hf_gpt2(path):
+    from transformers import GPT2LMHeadModel
+    return GPT2LMHeadModel.from_pretrained(str(path), attn_implementation="eager").eval()
+
+
 def hf_hidden_states(model, ids: np.ndarray, token_types: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Last hidden states (B, S, H) float32 for a padded batch."""
     import torch

@@ -13,6 +13,7 @@ from ftengine.decoding.generate import GenerationParams
 from ftengine.errors import InputError
 from ftengine.generator import Generator
 from ftengine.models.gpt2 import GPT2Runner
+from tests.hf_oracle import hf_gpt2
 from tests.tolerances import BEAM_SCORE_FP32
 from weights.fixtures import write_gpt2_checkpoint
 
@@ -27,8 +28,7 @@ def gpt2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(gpt2):
-    from transformers import GPT2LMHeadModel
-    return GPT2LMHeadModel.from_pretrained(str(gpt2), attn_implementation="eager").eval()
+    return hf_gpt2(gpt2)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from ftengine.decoding.generate import GenerationParams, stream_tokens
 from ftengine.errors import CheckpointError, InputError
 from ftengine.generator import Generator
 from ftengine.models.gpt2 import GPT2Runner
+from tests.hf_oracle import hf_gpt2
 from tests.tolerances import HF_FP32_MAX_ABS
 from weights.fixtures import gpt2_config, random_gpt2_tensors, write_gpt2_checkpoint
 
@@ -25,8 +26,7 @@ def gpt2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(gpt2):
-    from transformers import GPT2LMHeadModel
-    return GPT2LMHeadModel.from_pretrained(str(gpt2), attn_implementation="eager").eval()
+    return hf_gpt2(gpt2)
 
 
 def _prompts(seed, vocab, lengths=PROMPT_LENGTHS):
