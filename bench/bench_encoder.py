@@ -246,11 +246,27 @@ def synthetic_lines(n, rng):
     return [" ".join(rng.choice(WORDS, k)) for k in lengths]
 
 
+def time_sentence_transformers(folder, lines, *, half: bool) -> float:
+    """Seconds for sentence-transformers `encode(lines, batch_size=128)` on the GPU, after a warm-up."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    st = SentenceTransformer(str(folder), device="cuda")
+    if half:
+        st = st.half()
+    st.encode(lines[:2000], batch_size=128)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    st.encode(lines, batch_size=128)
+    torch.cuda.synchronize()
+    sec = time.perf_counter() - t0
+    del st
+    torch.cuda.empty_cache()
+    return sec
+
+
 def throughput(tmp: Path):
     """`Encoder.encode` on a large synthetic file with a realistic length spread (log-normal,
     median ~16 words, cut at 256 tokens): packed and padded ftengine, sentence-transformers."""
-    import torch
-    from sentence_transformers import SentenceTransformer
     folder = write_bert_checkpoint(
         tmp / "minilm", seed=3, init="hf", hidden=384, layers=6, heads=12, intermediate=1536, max_positions=512,
         sentence_transformers={"pooling": {"word_embedding_dimension": 384, "pooling_mode_mean_tokens": True},
@@ -268,15 +284,7 @@ def throughput(tmp: Path):
                     "tokens_per_s": round(stats.tokens / sec)})
     tokens = out[0]["tokens"]
     for label, half in (("sentence-transformers fp32", False), ("sentence-transformers fp16", True)):
-        st = SentenceTransformer(str(folder), device="cuda")
-        if half:
-            st = st.half()
-        st.encode(lines[:2000], batch_size=128)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        st.encode(lines, batch_size=128)
-        torch.cuda.synchronize()
-        sec = time.perf_counter() - t0
+        sec = time_sentence_transformers(folder, lines, half=half)
         out.append({"engine": label + " (batch_size 128)", "lines": len(lines), "tokens": tokens,
                     "seconds": round(sec, 3), "lines_per_s": round(len(lines) / sec), "tokens_per_s": round(tokens / sec)})
     for row in out:

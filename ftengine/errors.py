@@ -20,5 +20,9 @@ class InputError(FtengineError):
     """The user's texts, prompts or options are not acceptable."""
 
 
+class OutputError(FtengineError):
+    """The output cannot be created, written or put in place."""
+
+
 class DeviceError(FtengineError):
     """The requested device or dtype cannot be used here."""

@@ -11,6 +11,7 @@ from .config import load_gpt2_config
 from .decoding.beam import beam_search
 from .decoding.generate import GenerationParams, check_prompts, stream_tokens
 from .encoder import DTYPES
+from .engine import SerialWorker
 from .errors import ConfigError, DeviceError, InputError
 from .models.gpt2 import GPT2Runner
 
@@ -36,6 +37,10 @@ class GenerationResult:
 
 
 class Generator:
+    """Prompts -> generated text. Safe to call from any number of threads: calls are
+    serialised (one at a time, on the Generator's own worker thread, which owns the model's
+    device state); a stream holds the Generator until it ends or is closed."""
+
     def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None, cuda_graphs: bool = True):
         path = Path(path)
         if not path.is_dir():
@@ -53,6 +58,8 @@ class Generator:
         self.weights = load_gpt2_weights(path, self.config)
         self.tokenizer = _load_tokenizer(path)
         self._runner = None
+        # every call runs on this one thread, which owns the runner (and its CUDA stream)
+        self._worker = SerialWorker("ftengine-generator")
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *,
@@ -93,12 +100,19 @@ class Generator:
 
     def stream(self, prompts, *, max_new_tokens: int, eos_token_id=None, **options):
         """Yield, per step, a list of (prompt index, new token id) for the prompts still running
-        (greedy or sampling; beam search has no per-step stream)."""
+        (greedy or sampling; beam search has no per-step stream). While a stream is open, other
+        calls on this Generator wait for it to finish or be closed."""
         ids = self.encode_prompts(prompts)
         params = self.params(max_new_tokens, eos_token_id, **options)
         if params.num_beams > 1:
             raise InputError("streaming is for greedy and sampled generation; beam search returns its hypotheses at the end")
-        yield from stream_tokens(self._runner_for(len(ids), ids, params), ids, params)
+        with self._worker.hold():
+            steps = self._worker.call(lambda: stream_tokens(self._runner_for(len(ids), ids, params), ids, params))
+            try:
+                while (step := self._worker.call(next, steps, None)) is not None:
+                    yield step
+            finally:
+                self._worker.call(steps.close)
 
     def generate(self, prompts, *, max_new_tokens: int, eos_token_id: int | None = None, **options) -> list:
         """Generated continuations, one GenerationResult per prompt, in input order.
@@ -106,20 +120,27 @@ class Generator:
         no_repeat_ngram_size, num_beams, length_penalty, early_stopping, num_return_sequences."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = self.params(max_new_tokens, eos_token_id, **options)
-        if params.num_beams > 1:
-            ids = self.encode_prompts(texts)
-            found = beam_search(self._runner_for(len(ids) * params.num_beams, ids, params), ids, params)
-        else:
-            new = [[] for _ in texts]
-            for step in self.stream(texts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **options):
-                for b, token in step:
-                    new[b].append(token)
-            found = [[(tokens, None)] for tokens in new]
+        ids = self.encode_prompts(texts)
+        found = self._worker.call(self._search, ids, params)
         results = []
         for text, hypotheses in zip(texts, found):
             cands = [Candidate(self.decode(t), t, s) for t, s in hypotheses]
             results.append(GenerationResult(text, cands[0].text, cands[0].token_ids, cands[0].score, cands))
         return results
+
+    def _search(self, ids: list, params: GenerationParams) -> list:
+        """Hypotheses [(new token ids, score)] per prompt; runs on the worker thread."""
+        if params.num_beams > 1:
+            return beam_search(self._runner_for(len(ids) * params.num_beams, ids, params), ids, params)
+        new = [[] for _ in ids]
+        for step in stream_tokens(self._runner_for(len(ids), ids, params), ids, params):
+            for b, token in step:
+                new[b].append(token)
+        return [[(tokens, None)] for tokens in new]
+
+    def close(self):
+        """Stop the worker thread (it starts again on the next call)."""
+        self._worker.close()
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)

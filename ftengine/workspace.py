@@ -17,9 +17,18 @@ class Workspace:
         for name, (count, dtype) in table.items():
             dtype = np.dtype(dtype)
             self.entries[name] = (offset, int(count), dtype)
-            offset += -(-int(count) * dtype.itemsize // ALIGN) * ALIGN
+            offset += self._aligned(count, dtype)
         self.nbytes = offset
         self.buffer = ops.empty((max(offset, ALIGN),), np.uint8)
+
+    @staticmethod
+    def _aligned(count, dtype) -> int:
+        return -(-int(count) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+
+    @classmethod
+    def bytes_for(cls, table: dict) -> int:
+        """The size of the one allocation `table` needs."""
+        return sum(cls._aligned(count, dtype) for count, dtype in table.values())
 
     def view(self, name: str, shape):
         """The first prod(shape) elements of entry `name`, shaped. Refuses shapes over the entry's size."""

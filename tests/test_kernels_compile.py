@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from ftengine.backends.cuda.kernels import CUDA_TYPES, FAMILIES, source
+from ftengine.backends.cuda.kernels import FAMILIES, SHARED, all_instantiations, source
 from ftengine.backends.cuda import kernel_dir
 
 NVCC = shutil.which("nvcc")
@@ -14,12 +14,13 @@ NVCC = shutil.which("nvcc")
 
 def test_every_cu_file_is_listed():
     assert sorted(p.name for p in kernel_dir().glob("*.cu")) == sorted(FAMILIES)
+    assert set(SHARED) <= set(FAMILIES)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
 @pytest.mark.parametrize("file", sorted(FAMILIES))
 def test_compiles_for_sm80_and_sm90(tmp_path, file):
-    names = [n for t in CUDA_TYPES.values() for n in FAMILIES[file](t)]
+    names = all_instantiations(file)
     unit = tmp_path / file
     unit.write_text(source(file) + "\nvoid* const* ftengine_instantiate_all() {\n    static void* kernels[] = {\n"
                     + "".join(f"        (void*)&{n},\n" for n in names) + "    };\n    return kernels;\n}\n")

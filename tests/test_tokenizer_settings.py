@@ -2,9 +2,10 @@
 
 import json
 
+import numpy as np
 import pytest
 
-from ftengine.errors import ConfigError
+from ftengine.errors import ConfigError, InputError
 from ftengine.tokenizer import Tokenizer, parse_pooling, read_folder_settings
 from weights.fixtures import write_bert_checkpoint, write_sentence_transformers_files
 
@@ -56,13 +57,42 @@ def test_vocab_txt_fallback_tokenises_like_tokenizer_json(tmp_path):
     full = Tokenizer(folder, max_length=16).encode(texts)
     (folder / "tokenizer.json").unlink()
     fallback = Tokenizer(folder, max_length=16).encode(texts)
-    assert [e.ids for e in fallback] == [e.ids for e in full]
-    assert full[2].ids == [2, 3]  # an empty line is [CLS] [SEP]
+    assert np.array_equal(fallback.ids, full.ids) and np.array_equal(fallback.lengths, full.lengths)
+    third = full.starts[2]
+    assert full.ids[third:third + full.lengths[2]].tolist() == [2, 3]  # an empty line is [CLS] [SEP]
 
 
 def test_truncation_is_flagged(tmp_path):
     folder = write_bert_checkpoint(tmp_path)
     out = Tokenizer(folder, max_length=6).encode(["the dog", "the quick brown fox jumps over"])
-    assert [len(e.ids) for e in out] == [4, 6]
-    assert [e.truncated for e in out] == [False, True]
-    assert out[1].ids[-1] == 3  # still ends with [SEP]
+    assert out.lengths.tolist() == [4, 6]
+    assert out.truncated.tolist() == [False, True]
+    assert out.ids[-1] == 3  # still ends with [SEP]
+
+
+def test_exactly_max_length_is_not_truncated(tmp_path):
+    folder = write_bert_checkpoint(tmp_path)
+    out = Tokenizer(folder, max_length=6).encode(["the quick brown fox", "the quick brown fox jumps"])
+    assert out.lengths.tolist() == [6, 6] and out.truncated.tolist() == [False, True]
+
+
+def test_non_string_text_is_named_one_based(tmp_path):
+    folder = write_bert_checkpoint(tmp_path)
+    with pytest.raises(InputError, match="text 2 is a int, not a str"):
+        Tokenizer(folder, max_length=6).encode(["ok", 3])
+
+
+@pytest.mark.parametrize("single, types", [
+    ("[CLS] $A [SEP]", [0, 0, 0, 0]),        # BERT's template: type ids are not even read
+    ("[CLS] $A:1 [SEP]:1", [0, 1, 1, 1]),    # a template that sets them: read from each encoding
+])
+def test_type_ids_follow_the_post_processor(tmp_path, single, types):
+    from tokenizers import Tokenizer as HF
+    from tokenizers import processors
+    folder = write_bert_checkpoint(tmp_path)
+    tok = HF.from_file(str(folder / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.save(str(folder / "tokenizer.json"))
+    out = Tokenizer(folder, max_length=16).encode(["the dog"])
+    assert out.type_ids.tolist() == types == tok.encode("the dog").type_ids

@@ -8,6 +8,7 @@ Layout: tokens are rows. A padded batch of B sequences of S slots is (B*S, H), r
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -42,6 +43,24 @@ def to_host(array):
 
 def synchronize():
     pass
+
+
+def prepare_kernels(files, dtype_name: str):
+    """Nothing to compile on the CPU."""
+
+
+class DeviceTimer:
+    """Wall time of the (synchronous) work between creation and stop()."""
+
+    def __init__(self):
+        self._start = time.perf_counter()
+        self._end = None
+
+    def stop(self):
+        self._end = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self._end - self._start
 
 
 class GraphCache:

@@ -10,6 +10,7 @@ All activations live in one Workspace sized for (max_batch_tokens, max_seq_len).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from itertools import chain
 
@@ -17,12 +18,17 @@ import numpy as np
 
 from ..checkpoint import BertWeights
 from ..config import BertConfig
-from ..errors import InputError
+from ..errors import DeviceError, InputError
 from ..tokenizer import POOLING_ORDER
 from ..workspace import Workspace
 
 LAYOUTS = ("packed", "padded")
 PACKED_HEAD_DIMS = (32, 64, 128)
+# the kernel sources each layout launches (compiled in parallel when a runner is built)
+KERNEL_FILES = {
+    "packed": ("embedding.cu", "layernorm.cu", "activation.cu", "attention_varlen.cu", "pooling.cu"),
+    "padded": ("embedding.cu", "layernorm.cu", "activation.cu", "attention.cu", "pooling.cu"),
+}
 
 
 @dataclass
@@ -42,6 +48,14 @@ class Batch:
         n = int(lengths.sum())
         return cls(np.fromiter(chain.from_iterable(ids), np.int32, n),
                    np.fromiter(chain.from_iterable(token_types), np.int32, n), lengths)
+
+    @classmethod
+    def gather(cls, ids: np.ndarray, token_types: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> "Batch":
+        """The sequences at starts[i]..starts[i] + lengths[i] of flat id / type arrays, back to back."""
+        lengths = np.asarray(lengths, dtype=np.int32)
+        ends = np.cumsum(lengths, dtype=np.int64)
+        index = np.repeat(np.asarray(starts, dtype=np.int64) - (ends - lengths), lengths) + np.arange(ends[-1] if len(ends) else 0)
+        return cls(ids[index], token_types[index], lengths)
 
     @property
     def starts(self) -> np.ndarray:
@@ -104,6 +118,22 @@ def bucket_packed(t: int, b: int, s: int, *, max_batch_tokens: int, max_seq_len:
     return t_pad, b_pad, min(_round_up(s, 64), max_seq_len)
 
 
+def run_shape(layout: str, lengths: np.ndarray, *, max_batch_tokens: int, max_seq_len: int) -> tuple:
+    """The bucketed shape (tokens, sequences, longest) a batch of these lengths runs at."""
+    b, s = len(lengths), int(lengths.max())
+    if layout == "padded":
+        bp, sp = bucket_padded(b, s, max_seq_len=max_seq_len, max_batch_tokens=max_batch_tokens)
+        return bp * sp, bp, sp
+    return bucket_packed(int(lengths.sum()), b, s, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len)
+
+
+def fits(layout: str, count: int, total: int, longest: int, *, max_batch_tokens: int, max_seq_len: int) -> bool:
+    """Whether `count` sequences of `total` tokens, the longest `longest`, fit one batch: real
+    tokens when packed, count x longest when padded."""
+    used = count * longest if layout == "padded" else total
+    return used <= max_batch_tokens and longest <= max_seq_len
+
+
 class BertRunner:
     """BERT for fixed limits: weights uploaded once, every activation in one Workspace, each
     batch shape run as one captured graph on the CUDA backend (graphs=False: direct)."""
@@ -122,17 +152,20 @@ class BertRunner:
         self.ops = ops
         self.layout = layout
         self.dtype = ops.storage_dtype(dtype)
-        self.max_batch_tokens = max_batch_tokens
         self.max_seq_len = max_seq_len
-        self.graphs = ops.GraphCache(enabled=graphs)
+        ops.prepare_kernels(KERNEL_FILES[layout], dtype)
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.word_emb = up(weights.word_emb)        # (V, H)
         self.pos_emb = up(weights.pos_emb)          # (P, H)
         self.type_emb = up(weights.type_emb)        # (TV, H)
         self.emb_ln = (up(weights.emb_ln_gamma), up(weights.emb_ln_beta))
         self.layers = [{k: up(v) for k, v in vars(layer).items()} for layer in weights.layers]
+        self._graphs_enabled = graphs
+        self.resize(max_batch_tokens)
 
-        c = config
+    def workspace_table(self, max_batch_tokens: int) -> dict:
+        """Every activation buffer for batches of up to `max_batch_tokens` tokens."""
+        c = self.config
         t, h, heads = max_batch_tokens, c.hidden_size, c.num_attention_heads
         act = self.dtype
         table = {
@@ -145,34 +178,51 @@ class BertRunner:
             "inter": (t * c.intermediate_size, act),   # (T, I)
             "pooled": (t * len(POOLING_ORDER) * h, np.float32),  # (B, modes*H), float32 on every backend
         }
-        if layout == "padded":
+        if self.layout == "padded":
             table.update({
                 "q": (t * h, act),                         # (B*heads, S, D)
                 "k": (t * h, act),                         # (B*heads, S, D)
                 "v": (t * h, act),                         # (B*heads, S, D)
-                "scores": (t * heads * max_seq_len, act),  # (B*heads, S, S), softmax in place
+                "scores": (t * heads * self.max_seq_len, act),  # (B*heads, S, S), softmax in place
                 "heads_out": (t * h, act),                 # (B*heads, S, D)
             })
-        self.ws = Workspace(ops, table)
-        # host staging for "inputs" (pinned on the CUDA backend): one copy per batch
-        self.staging = ops.pinned_empty((5 * t + 1,), np.int32)
+        return table
+
+    def resize(self, max_batch_tokens: int):
+        """(Re)allocate the workspace for batches of up to `max_batch_tokens` tokens. The weights
+        stay; captured graphs are dropped. A size that cannot be allocated is a clear error."""
+        if max_batch_tokens < self.max_seq_len:
+            raise InputError(f"batch_tokens {max_batch_tokens} must be at least max_length {self.max_seq_len}")
+        for pending in getattr(self, "_in_flight", ()):
+            pending.wait()  # batches on the device still read the old buffers
+        self.ws = self.graphs = self.staging = None  # free the old buffers first
+        self._in_flight = deque()
+        table = self.workspace_table(max_batch_tokens)
+        try:
+            self.ws = Workspace(self.ops, table)
+            # host staging for "inputs" (pinned on the CUDA backend) in two slots: the host fills
+            # one while the copy from the other may still be in flight
+            self.staging = self.ops.pinned_empty((2, 5 * max_batch_tokens + 1), np.int32)
+        except MemoryError:
+            self.ws = None
+            gib = Workspace.bytes_for(table) / 2 ** 30
+            raise DeviceError(f"batch_tokens {max_batch_tokens} needs {gib:.1f} GiB of activation buffers, more "
+                              f"than the {self.ops.name} backend could allocate; use a smaller batch_tokens") from None
+        self.max_batch_tokens = max_batch_tokens
+        self.graphs = self.ops.GraphCache(enabled=self._graphs_enabled)
+        self._slot = 0
 
     # ------------------------------------------------------------ shapes and inputs
 
     def run_shape(self, batch: Batch) -> tuple:
         """The bucketed shape a batch runs at: (tokens, sequences, longest)."""
-        lengths = batch.lengths
-        b, s = len(lengths), int(lengths.max())
-        if self.layout == "padded":
-            bp, sp = bucket_padded(b, s, max_seq_len=self.max_seq_len, max_batch_tokens=self.max_batch_tokens)
-            return bp * sp, bp, sp
-        return bucket_packed(int(lengths.sum()), b, s, max_batch_tokens=self.max_batch_tokens,
-                             max_seq_len=self.max_seq_len)
+        return run_shape(self.layout, batch.lengths, max_batch_tokens=self.max_batch_tokens,
+                         max_seq_len=self.max_seq_len)
 
     def fits(self, count: int, total: int, longest: int) -> bool:
         """Whether `count` sequences of `total` tokens, the longest `longest`, fit one batch."""
-        used = count * longest if self.layout == "padded" else total
-        return used <= self.max_batch_tokens and longest <= self.max_seq_len
+        return fits(self.layout, count, total, longest, max_batch_tokens=self.max_batch_tokens,
+                    max_seq_len=self.max_seq_len)
 
     def check(self, batch: Batch):
         """Validate a batch on the host before any kernel indexes memory with it."""
@@ -203,7 +253,8 @@ class BertRunner:
         fixed device buffer. Returns the shape (tokens, sequences, longest)."""
         self.check(batch)
         t, b, s = self.run_shape(batch)
-        st = self.staging[:3 * t + b]
+        st = self.staging[self._slot, :3 * t + b]
+        self._slot ^= 1
         ids, types, positions, lengths = st[:t], st[t:2 * t], st[2 * t:3 * t], st[3 * t:]
         ids.fill(self.config.pad_token_id)
         types.fill(0)
@@ -288,6 +339,8 @@ class BertRunner:
 
     def hidden_states(self, batch: Batch) -> list:
         """Last hidden states as float32 host arrays, one (length, H) array per sequence."""
+        while self._in_flight:
+            self._in_flight.popleft().wait()
         t, b, s = self._load_inputs(batch)
         self.graphs.run(("hidden", t, b, s), lambda: self._encoder_layers(t, b, s))
         hidden = self.ops.to_host(self.ws.view("hidden", (t, self.config.hidden_size))).astype(np.float32)
@@ -295,8 +348,13 @@ class BertRunner:
             return [hidden[i * s:i * s + n] for i, n in enumerate(batch.lengths)]
         return batch.split(hidden)
 
-    def embed(self, batch: Batch, *, pooling: tuple, normalize: bool) -> np.ndarray:
-        """Pooled (and optionally L2-normalised) embeddings, (B, len(pooling)*H) float32 on the host."""
+    def submit(self, batch: Batch, *, pooling: tuple, normalize: bool) -> "PendingEmbeddings":
+        """Queue one batch on the device and return at once; .wait() gives its pooled (and
+        optionally L2-normalised) embeddings, (B, len(pooling)*H) float32 on the host. At most
+        two batches are in flight: a third waits for the oldest (its staging slot is reused)."""
+        if len(self._in_flight) == 2:
+            self._in_flight.popleft().wait()
+        timer = self.ops.DeviceTimer()
         t, b, s = self._load_inputs(batch)
 
         def forward():
@@ -305,4 +363,32 @@ class BertRunner:
 
         self.graphs.run(("embed", t, b, s, pooling, normalize), forward)
         pooled = self.ws.view("pooled", (b, len(pooling) * self.config.hidden_size))
-        return self.ops.to_host(pooled)[:len(batch.lengths)].astype(np.float32)
+        timer.stop()
+        pending = PendingEmbeddings(self.ops.copy_to_host_async(pooled), len(batch.lengths), timer)
+        self._in_flight.append(pending)
+        return pending
+
+    def embed(self, batch: Batch, *, pooling: tuple, normalize: bool) -> np.ndarray:
+        """Pooled (and optionally L2-normalised) embeddings, (B, len(pooling)*H) float32 on the host."""
+        return self.submit(batch, pooling=pooling, normalize=normalize).wait()
+
+
+class PendingEmbeddings:
+    """A batch's embeddings on their way to the host; after wait(), `device_seconds` is the
+    device time of its input copy and forward pass."""
+
+    def __init__(self, copy, rows: int, timer):
+        self._copy = copy
+        self._rows = rows
+        self._timer = timer
+        self._result = None
+        self.device_seconds = 0.0
+
+    def wait(self) -> np.ndarray:
+        if self._result is None:
+            host = self._copy.wait()[:self._rows]
+            if host.dtype == np.uint16:  # bf16 words
+                host = (host.astype(np.uint32) << 16).view(np.float32)
+            self._result = host.astype(np.float32, copy=False)
+            self.device_seconds = self._timer.seconds()
+        return self._result

@@ -28,6 +28,10 @@ BEAM_FLOATS = ("run_scores", "fin_scores")
 BEAM_INTS = ("fin_len", "fin_flag", "next_ids", "next_pos")
 
 
+# the kernel sources the decoder launches (compiled in parallel when a runner is built)
+KERNEL_FILES = ("decoder.cu", "sampling.cu", "gemv.cu", "attention_varlen.cu", "activation.cu")
+
+
 class GPT2Runner:
     """Weights uploaded once; KV cache (n_layer x (B, heads, L, D)), generation state and every
     activation in one Workspace sized for max_batch sequences of up to max_len tokens."""
@@ -39,6 +43,7 @@ class GPT2Runner:
         self.config, self.ops = config, ops
         self.dtype = ops.storage_dtype(dtype)
         self.max_batch, self.max_len = max_batch, max_len
+        ops.prepare_kernels(KERNEL_FILES, dtype)
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps, keyed by kind, batch and parameters
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.wte, self.wpe = up(weights.wte), up(weights.wpe)           # (V, E), (P, E)

@@ -1,12 +1,15 @@
-"""Compile kernels_cu/*.cu once per process with cupy.RawModule.
+"""Compile kernels_cu/*.cu with cupy.RawModule: one module per (file, element type), on demand.
 
 common.cuh is prepended to each source (not #included) so that CuPy's compile cache key
-covers it. Each op family lists its template instantiations here, in one place.
+covers it. Each op family lists its template instantiations here, in one place. A runner
+calls `prepare` with the files and types it uses, which compiles them in parallel.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 from . import kernel_dir
@@ -46,21 +49,26 @@ def _vec_variants(kernel: str, t: str) -> list[str]:
 
 
 FAMILIES = {
-    "embedding.cu": lambda t: _row_variants("embed_layernorm", t) + (["build_offsets"] if t == "float" else []),
+    "embedding.cu": lambda t: _row_variants("embed_layernorm", t),
     "layernorm.cu": lambda t: _row_variants("add_bias_residual_layernorm", t),
     "activation.cu": lambda t: _vec_variants("add_bias_gelu", t),
     "attention.cu": lambda t: (_vec_variants("add_qkv_bias_split_heads", t) + _vec_variants("merge_heads", t)
                                + _softmax_variants(t)),
     "attention_varlen.cu": lambda t: [f"varlen_attention_simt<{d}>" if t == "float" else
                                       f"varlen_attention_mma<{t}, {d}>" for d in VARLEN_HEAD_DIMS],
-    "pooling.cu": lambda t: [f"pool<{t}>", f"pool_packed<{t}>"] + (["l2_normalize<float>"] if t == "float" else []),
+    "pooling.cu": lambda t: [f"pool<{t}>", f"pool_packed<{t}>"],
     "decoder.cu": lambda t: (_vec_variants("embed_positions", t) + _row_variants("layernorm", t)
                              + _vec_variants("add_bias_residual", t) + _row_variants("residual_layernorm", t)
                              + _vec_variants("write_kv_cache", t) + _vec_variants("cached_attention", t)
                              + _vec_variants("gather_rows", t)),
-    "sampling.cu": lambda t: SAMPLING_KERNELS if t == "float" else [],
+    "sampling.cu": lambda t: [],
     "gemv.cu": lambda t: [f"gemv<{t}, {o}, {v}>" for o in dict.fromkeys((t, "float")) for v in VECS[t]],
 }
+# file -> kernels every dtype uses (not templated on the element type): one module of their own,
+# so that an fp16 run never compiles the fp32 instantiations (the fp32 varlen attention alone
+# takes 17 s to compile on an H100)
+SHARED = {"embedding.cu": ["build_offsets"], "pooling.cu": ["l2_normalize<float>"], "sampling.cu": SAMPLING_KERNELS}
+SHARED_KEY = "shared"
 
 
 def compile_options() -> tuple[str, ...]:
@@ -76,14 +84,64 @@ def source(file: str) -> str:
     return (folder / "common.cuh").read_text() + "\n" + (folder / file).read_text()
 
 
+def instantiations(file: str, ctype: str) -> list[str]:
+    """The kernels of `file` in the module for element type `ctype`, or SHARED_KEY's."""
+    return SHARED.get(file, []) if ctype == SHARED_KEY else FAMILIES[file](ctype)
+
+
+def all_instantiations(file: str) -> list[str]:
+    return [n for t in (*CUDA_TYPES.values(), SHARED_KEY) for n in instantiations(file, t)]
+
+
 @lru_cache(maxsize=None)
-def module(file: str):
+def _owner(file: str, name: str) -> str:
+    """The module (element type or SHARED_KEY) that holds kernel `name` of `file`."""
+    for key in (*CUDA_TYPES.values(), SHARED_KEY):
+        if name in instantiations(file, key):
+            return key
+    raise KeyError(f"{file} lists no kernel {name!r}")
+
+
+_compile_locks: dict = {}
+_modules: dict = {}
+_modules_lock = threading.Lock()
+
+
+def module(file: str, ctype: str):
+    """One compiled module per (file, element type): a run compiles only the types it uses.
+    Thread-safe; two threads asking for one module compile it once."""
+    key = (file, ctype)
+    found = _modules.get(key)
+    if found is not None:
+        return found
+    with _modules_lock:
+        lock = _compile_locks.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _modules:
+            import cupy
+            _modules[key] = cupy.RawModule(code=source(file), options=compile_options(),
+                                           name_expressions=instantiations(file, ctype))
+    return _modules[key]
+
+
+def prepare(files, ctypes, *, workers: int = 8):
+    """Compile (or load from CuPy's disk cache) the modules of `files` for element types
+    `ctypes`, and their shared kernels, in parallel threads: NVRTC runs without the GIL, so a
+    cold start costs about the slowest module instead of their sum."""
     import cupy
-    names = [n for t in CUDA_TYPES.values() for n in FAMILIES[file](t)]
-    return cupy.RawModule(code=source(file), options=compile_options(), name_expressions=names)
+    keys = [(f, t) for f in files for t in (*dict.fromkeys(ctypes), SHARED_KEY) if instantiations(f, t)]
+    device = cupy.cuda.Device().id
+
+    def build(key):
+        with cupy.cuda.Device(device):
+            m = module(*key)
+            m.get_function(instantiations(*key)[0])  # loads the module into the context
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(keys)))) as pool:
+        list(pool.map(build, keys))
 
 
 @lru_cache(maxsize=None)
 def kernel(file: str, name: str):
-    """A compiled kernel, e.g. kernel("layernorm.cu", "add_bias_residual_layernorm<__half>")."""
-    return module(file).get_function(name)
+    """A compiled kernel, e.g. kernel("layernorm.cu", "add_bias_residual_layernorm<__half, 8, 1>")."""
+    return module(file, _owner(file, name)).get_function(name)

@@ -8,15 +8,15 @@ bf16 tensors are stored as uint16 words (NumPy has no bfloat16).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from functools import lru_cache
 
 import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
 from .kernels import (ATTENTION_FLAGS, ATTENTION_THREADS, CUDA_TYPES, GEMV_COLS, GEMV_ROWS, GEMV_THREADS, ROW_ITEMS,
-                      SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VECS, kernel)
+                      SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VECS, kernel, prepare)
 
 name = "cuda"
 STORAGE = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
@@ -36,12 +36,26 @@ class _Context:
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
 
 
-@lru_cache(maxsize=None)
+_local = threading.local()
+
+
 def context() -> _Context:
-    try:
-        return _Context()
-    except ImportError as e:
-        raise DeviceError(f"the CUDA backend needs CuPy: {e}") from None
+    """This thread's stream, cuBLAS handle and workspace. Each thread that drives the GPU
+    (an engine's worker, a Generator's worker, a test) gets its own, so two of them never
+    share a stream: a graph captured on one cannot swallow another's launches."""
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        try:
+            ctx = _local.ctx = _Context()
+        except ImportError as e:
+            raise DeviceError(f"the CUDA backend needs CuPy: {e}") from None
+    return ctx
+
+
+def prepare_kernels(files, dtype_name: str):
+    """Compile the kernel modules a runner needs for one dtype (and the shared ones), in
+    parallel, before its first launch."""
+    prepare(files, (CUDA_TYPES[np.dtype(STORAGE[dtype_name]).name],))
 
 
 # ------------------------------------------------------------------ memory
@@ -93,6 +107,22 @@ def synchronize():
 def pinned_empty(shape, dtype):
     import cupyx
     return cupyx.empty_pinned(shape, dtype=dtype)
+
+
+class DeviceTimer:
+    """Device time of the work queued on this thread's stream between creation and stop()."""
+
+    def __init__(self):
+        cupy = context().cupy
+        self._start, self._end = cupy.cuda.Event(), cupy.cuda.Event()
+        self._start.record(context().stream)
+
+    def stop(self):
+        self._end.record(context().stream)
+
+    def seconds(self) -> float:
+        self._end.synchronize()
+        return context().cupy.cuda.get_elapsed_time(self._start, self._end) / 1e3
 
 
 class GraphCache:

@@ -1,0 +1,224 @@
+"""The `ftengine` command line: parse, call the library, print. No model logic here.
+
+Installed as the `ftengine` console script (ftengine.cli:main); the repository's top-level
+cli.py runs the same app from a source checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from contextlib import contextmanager
+
+import click
+import numpy as np
+
+from . import Encoder, FtengineError
+from .backends import DEVICES
+from .encoder import DTYPES, EncodeStats
+from .textio import FORMATS, EmbeddingWriter, check_writable, iter_lines, output_format, read_lines
+
+
+def _fail(message: str):
+    click.echo(f"ftengine: error: {message}", err=True)
+    sys.exit(1)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that every cleanup runs as for Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+@contextmanager
+def _sigterm_unwinds():
+    """While the body runs, SIGTERM unwinds the stack (temporary files removed) instead of
+    killing the process where it stands."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@click.group()
+@click.version_option(package_name="ftengine")
+def main():
+    """ftengine: transformer inference on raw CUDA kernels (NumPy reference on the CPU)."""
+
+
+@main.command()
+@click.argument("input_path", metavar="[INPUT|-]", default="-")
+@click.option("-o", "--output", default="-", show_default=True,
+              help="Output file (.npy or .jsonl); '-' writes JSONL to stdout.")
+@click.option("--model", "model_path", default=None,
+              help="Model folder (HF/sentence-transformers). Default: the installed all-MiniLM-L6-v2.")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
+              help="Compute precision. Default: fp16 on the GPU, fp32 on the CPU.")
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=None,
+              help="Token budget per batch: real tokens (packed layout) or batch size x longest "
+                   "(padded). Default: 16384 on the GPU, 4096 on the CPU.")
+@click.option("--max-length", type=click.IntRange(min=2), default=None,
+              help="Longest tokenised text; longer texts are truncated. Default: the model folder's.")
+@click.option("--pooling", default=None,
+              help="cls, mean, max, mean_sqrt_len, lasttoken, or several joined by commas. Default: the model folder's.")
+@click.option("--normalize/--no-normalize", default=None,
+              help="L2-normalise embeddings. Default: the model folder's (Normalize module).")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="Output format. Default: from the output's file name; JSONL on stdout.")
+@click.option("--errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True,
+              help="Invalid UTF-8: fail naming the line, or replace with U+FFFD.")
+@click.option("--truncate/--no-truncate", default=True, show_default=True,
+              help="Truncate over-long lines (counted in the summary) or fail naming the line.")
+@click.option("--layout", type=click.Choice(["auto", "packed", "padded"]), default="auto", show_default=True,
+              help="packed: padding-free with fused attention; padded: batched-GEMM attention. "
+                   "auto: packed when the model's head size is 32, 64 or 128.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="Replay each batch shape as a captured CUDA graph (off: direct launches, for debugging).")
+@click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
+def encode(input_path, output, model_path, device, dtype, batch_tokens, max_length, pooling,
+           normalize, fmt, errors, truncate, layout, cuda_graphs, quiet):
+    """Embed each line of INPUT (a UTF-8 text file, or '-' for stdin): one row per line, in order.
+    The input is read and the output written as the work goes, so memory does not grow with the file."""
+    encoder = None
+    try:
+        with _sigterm_unwinds():
+            fmt = output_format(output, fmt)
+            check_writable(output)
+            lines = iter_lines(input_path, errors=errors)
+            encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length,
+                                              cuda_graphs=cuda_graphs, layout=layout)
+            stats = EncodeStats()
+            start = time.perf_counter()
+            show_bar = not quiet and sys.stderr.isatty()
+            from tqdm import tqdm
+            with tqdm(unit="line", disable=not show_bar, file=sys.stderr) as bar, \
+                    EmbeddingWriter(output, fmt, encoder.output_dim(pooling)) as writer:
+                for chunk in encoder.encode_stream(lines, batch_tokens=batch_tokens, pooling=pooling,
+                                                   normalize=normalize, truncate=truncate, stats=stats,
+                                                   progress=bar.update):
+                    writer.write(chunk)
+            stats.seconds = time.perf_counter() - start
+            encoder.close()
+    except FtengineError as e:
+        _close(encoder)
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _close(encoder)
+        click.echo("ftengine: interrupted", err=True)
+        sys.exit(130)
+    except _Terminated:
+        _close(encoder)
+        click.echo("ftengine: terminated", err=True)
+        sys.exit(143)
+    if not quiet:
+        rate = stats.lines / stats.seconds if stats.seconds > 0 else 0.0
+        busy = stats.device_seconds / stats.seconds if stats.seconds > 0 else 0.0
+        click.echo(
+            f"ftengine: {stats.lines} lines, {stats.tokens} tokens, {stats.truncated} truncated, "
+            f"{encoder.output_dim(pooling)}-dim on {encoder.device} ({encoder.dtype}), "
+            f"{stats.seconds:.2f} s, {rate:.0f} lines/s, device busy {100 * busy:.0f}% "
+            f"-> {'stdout' if output == '-' else output}",
+            err=True,
+        )
+
+
+def _close(encoder):
+    if encoder is not None:
+        encoder.close(cancel=True)
+
+
+@main.command()
+@click.option("--dtype", "dtypes", type=click.Choice(DTYPES), multiple=True,
+              help="Compile for these dtypes only (repeatable). Default: every dtype.")
+def warmup(dtypes):
+    """Compile every CUDA kernel into CuPy's on-disk cache (e.g. while building a container
+    image), so that a first run starts without compiling."""
+    from .backends import cuda_available
+    if not cuda_available():
+        _fail("warmup compiles CUDA kernels and needs a usable GPU (CuPy and a CUDA device)")
+    from .backends.cuda import kernels
+    from .backends.cuda.ops import STORAGE
+    start = time.perf_counter()
+    types = [kernels.CUDA_TYPES[np.dtype(STORAGE[d]).name] for d in (dtypes or DTYPES)]
+    kernels.prepare(sorted(kernels.FAMILIES), types)
+    click.echo(f"ftengine: kernels compiled for {', '.join(dtypes or DTYPES)} in "
+               f"{time.perf_counter() - start:.1f} s", err=True)
+
+
+@main.command()
+@click.option("--model", "model_path", required=True, help="GPT-2 checkpoint folder (config.json, *.safetensors, tokenizer.json).")
+@click.option("--prompt", default=None, help="One prompt.")
+@click.option("--input", "input_path", default=None, help="A UTF-8 file with one prompt per line ('-' for stdin).")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--min-new-tokens", type=int, default=0, show_default=True)
+@click.option("--do-sample", is_flag=True, help="Sample (temperature, top-k, top-p) instead of greedy decoding.")
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0: off; above the vocabulary: every token.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Seed of the counter-based RNG: the same seed gives the same tokens.")
+@click.option("--eos-token-id", type=int, default=None, help="Token that ends a sequence (default: the model's).")
+@click.option("--no-repeat-ngram-size", type=int, default=0, show_default=True, help="Ban repeating n-grams (0: off).")
+@click.option("--num-beams", type=int, default=1, show_default=True, help="Beam search with this many beams (1: off).")
+@click.option("--length-penalty", type=float, default=1.0, show_default=True,
+              help="Beam score = sum of log-probs / length ** length_penalty.")
+@click.option("--early-stopping", type=click.Choice(["true", "false", "never"]), default="false", show_default=True,
+              help="Beam search stopping rule, as HF generate.")
+@click.option("--num-return-sequences", type=int, default=1, show_default=True,
+              help="Hypotheses per prompt in --json candidates (at most --num-beams).")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=None)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt, in input order.")
+@click.option("--stream", is_flag=True, help="Print the text as it is generated (one prompt only).")
+def generate(model_path, prompt, input_path, max_new_tokens, min_new_tokens, do_sample, temperature, top_k,
+             top_p, repetition_penalty, seed, eos_token_id, no_repeat_ngram_size, num_beams, length_penalty,
+             early_stopping, num_return_sequences, device, dtype, as_json, stream):
+    """Continue prompts with a GPT-2 model (greedy, sampled, or beam search)."""
+    from ftengine import Generator
+    options = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
+                   temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                   seed=seed, eos_token_id=eos_token_id, no_repeat_ngram_size=no_repeat_ngram_size)
+    if num_beams > 1 or num_return_sequences > 1:
+        options.update(num_beams=num_beams, length_penalty=length_penalty, num_return_sequences=num_return_sequences,
+                       early_stopping={"true": True, "false": False, "never": "never"}[early_stopping])
+    try:
+        if (prompt is None) == (input_path is None):
+            raise FtengineError("give exactly one of --prompt and --input")
+        prompts = [prompt] if prompt is not None else read_lines(input_path)
+        if stream and (len(prompts) != 1 or as_json):
+            raise FtengineError("--stream prints one prompt's text as it comes: give one prompt, without --json")
+        gen = Generator.from_pretrained(model_path, device=device, dtype=dtype)
+        if stream:
+            ids, shown = [], ""
+            click.echo(prompts[0], nl=False)
+            for step in gen.stream(prompts, **options):
+                ids += [token for _, token in step]
+                text = gen.decode(ids)
+                if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                    click.echo(text[len(shown):], nl=False)
+                    shown = text
+            click.echo(gen.decode(ids)[len(shown):])
+            return
+        results = gen.generate(prompts, **options)
+    except FtengineError as e:
+        _fail(str(e))
+    for r in results:
+        click.echo(json.dumps(r.to_json(), ensure_ascii=False) if as_json else r.prompt + r.text)
+
+
+if __name__ == "__main__":
+    main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,415 @@
+"""The encode engine: one worker thread owns the runner; any number of callers submit texts.
+
+    callers (threads, asyncio, a stream) --submit--> requests queue
+        -> tokenizer thread: several waiting requests tokenised in one call (HF `tokenizers`
+           runs in Rust threads without the GIL), checked per request
+        -> worker thread: requests packed into token-budget batches (sequences sorted by
+           length within each request; one batch holds requests with the same options),
+           two batches in flight on the device while the host lays out the next,
+           each request's rows to its own future, in its order.
+
+Only the worker thread touches the runner, its workspace, graphs and stream (it builds
+them: CuPy's current device and stream are per thread). A request with bad input fails
+alone; anything else that goes wrong in the worker fails every waiting request with one
+DeviceError and leaves the engine refusing new work. Memory is the requests in flight,
+never the size of an input: streams submit bounded windows (Encoder.encode_stream).
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import DeviceError, FtengineError, InputError
+from .models.bert import Batch, fits, run_shape
+from .tokenizer import TokenizedTexts, check_texts
+
+IN_FLIGHT_BATCHES = 2         # batches queued on the device at once (the runner's staging slots)
+TOKENIZE_GROUP_TEXTS = 4096   # the tokenizer thread joins waiting requests up to this many texts
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    """What decides a batch's forward pass; requests with equal options share batches."""
+    pooling: tuple            # pooling modes, sentence-transformers' order
+    normalize: bool
+    batch_tokens: int         # token budget of one batch
+
+
+@dataclass
+class EncodeResult:
+    embeddings: np.ndarray    # (N, dim) float32, the request's order
+    tokens: int               # real tokens, special tokens included
+    truncated: int            # texts cut to max_length
+    device_seconds: float     # device time of the batches, shared out by rows
+
+
+class _Request:
+    """A caller's texts, their options and the future that carries the reply."""
+
+    def __init__(self, texts, options: EncodeOptions, *, truncate: bool, first: int, progress, future: Future):
+        self.texts = texts
+        self.options = options
+        self.truncate = truncate
+        self.first = first            # 1-based number of texts[0], for error messages
+        self.progress = progress      # called from the worker with each batch's row count
+        self.future = future
+        self.tokens: TokenizedTexts | None = None
+        self.starts = None            # (N,) int64 token offsets
+        self.order = None             # (N,) texts, longest first
+        self.sorted_lengths = None    # list: lengths in that order
+        self.token_count = 0
+        self.truncated = 0
+        self.device_seconds = 0.0
+        self.cursor = 0               # texts of `order` already sent to the device
+        self.remaining = len(texts)   # rows not yet delivered
+        self.out = None               # (N, dim) float32
+
+    def fail(self, error: BaseException):
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+class EncodeEngine:
+    """Batches requests for one loaded encoder. `make_runner(max_batch_tokens)` builds the
+    runner; it and `runner.resize` are only ever called from the worker thread."""
+
+    def __init__(self, *, tokenizer, make_runner, layout: str, max_length: int, dim: int,
+                 vocab_size: int, type_vocab_size: int, name: str = "ftengine"):
+        self.tokenizer = tokenizer
+        self.make_runner = make_runner
+        self.layout = layout
+        self.max_length = max_length
+        self.vocab_size = vocab_size
+        self.type_vocab_size = type_vocab_size
+        self.name = name
+        self._dims = dim              # hidden size: a request's row is len(pooling) * dim
+        self._inbox = queue.SimpleQueue()     # raw requests -> tokenizer thread
+        self._ready = queue.SimpleQueue()     # tokenised requests -> worker thread
+        self._lock = threading.Lock()
+        self._threads = []
+        self._closing = False
+        self._broken: FtengineError | None = None
+        self._live = set()            # requests accepted and not yet answered (for failure / close)
+        _ENGINES.add(self)
+
+    # ------------------------------------------------------------ callers
+
+    def submit(self, texts: list, options: EncodeOptions, *, truncate: bool = True, first: int = 1,
+               progress=None) -> Future:
+        """Queue `texts` (a list of str); the future's result is an EncodeResult. `first` is the
+        1-based number of texts[0] in the caller's input, for error messages."""
+        check_texts(texts, first=first)
+        future = Future()
+        request = _Request(texts, options, truncate=truncate, first=first, progress=progress, future=future)
+        future.add_done_callback(lambda _f, r=request: self._forget(r))
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            if self._closing:
+                raise InputError("this encoder is closed")
+            if not texts:
+                future.set_running_or_notify_cancel()
+                future.set_result(EncodeResult(np.zeros((0, len(options.pooling) * self._dims), np.float32), 0, 0, 0.0))
+                return future
+            self._live.add(request)
+            self._start()
+        self._inbox.put(request)
+        return future
+
+    def _forget(self, request):
+        with self._lock:
+            self._live.discard(request)
+
+    def close(self, *, cancel: bool = False):
+        """Stop the threads: work already accepted is finished first (cancel=True: failed with
+        'closed' instead, only the batches already on the device complete). Idempotent."""
+        with self._lock:
+            already = self._closing
+            self._closing = True
+            threads = list(self._threads)
+        if cancel:
+            self._fail_all(InputError("this encoder was closed before the request was encoded"))
+        if not already and threads:
+            self._inbox.put(_STOP)
+        current = threading.current_thread()
+        for t in threads:
+            if t is not current:
+                t.join()
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    def _start(self):
+        """Start the threads on first use (called with the lock held)."""
+        if self._threads:
+            return
+        for target, role in ((self._tokenize_loop, "tokenizer"), (self._work_loop, "worker")):
+            t = threading.Thread(target=target, name=f"{self.name}-{role}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _fail_all(self, error: FtengineError):
+        with self._lock:
+            live = list(self._live)
+        for r in live:
+            r.fail(error)
+
+    # ------------------------------------------------------------ tokenizer thread
+
+    def _tokenize_loop(self):
+        try:
+            while True:
+                group, stop = self._take_group()
+                if group:
+                    self._tokenize(group)
+                if stop:
+                    return
+        except BaseException as e:  # a bug or a broken tokenizer: nothing can be encoded any more
+            self._break(e)
+        finally:
+            self._ready.put(_STOP)
+
+    def _take_group(self) -> tuple[list, bool]:
+        """The next request, and more that are already waiting, up to TOKENIZE_GROUP_TEXTS texts."""
+        first = self._inbox.get()
+        if first is _STOP:
+            return [], True
+        group, count = [first], len(first.texts)
+        while count < TOKENIZE_GROUP_TEXTS:
+            try:
+                r = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if r is _STOP:
+                return group, True
+            group.append(r)
+            count += len(r.texts)
+        return group, False
+
+    def _tokenize(self, group: list):
+        group = [r for r in group if r.future.set_running_or_notify_cancel()]  # drops cancelled ones
+        if not group:
+            return
+        texts = group[0].texts if len(group) == 1 else [t for r in group for t in r.texts]
+        try:
+            tokens = self.tokenizer.encode(texts)
+        except Exception:  # one request's texts upset the tokenizer: find it, keep the others
+            for r in group:
+                self._accept(r, self._tokenize_one(r))
+            return
+        at = 0
+        for r in group:
+            n = len(r.texts)
+            self._accept(r, tokens if len(group) == 1 else tokens.slice(at, at + n))
+            at += n
+
+    def _tokenize_one(self, r: _Request):
+        try:
+            return self.tokenizer.encode(r.texts, first=r.first)
+        except Exception as e:
+            r.fail(e if isinstance(e, InputError) else
+                   InputError(f"texts {r.first}..{r.first + len(r.texts) - 1} cannot be tokenised: {e}"))
+            return None
+
+    def _accept(self, r: _Request, tokens: TokenizedTexts | None):
+        """Check one request's tokens and queue it for the worker (or fail it alone)."""
+        r.texts = None  # the strings are no longer needed
+        if tokens is None:
+            return
+        try:
+            self._check(r, tokens)
+        except InputError as e:
+            r.fail(e)
+            return
+        r.tokens = tokens
+        r.token_count = tokens.tokens
+        r.truncated = int(tokens.truncated.sum())
+        r.starts = tokens.starts
+        r.order = np.argsort(-tokens.lengths, kind="stable")
+        r.sorted_lengths = tokens.lengths[r.order].tolist()
+        self._ready.put(r)
+
+    def _check(self, r: _Request, tokens: TokenizedTexts):
+        """Per-request checks on the host, before any kernel indexes memory with these ids."""
+        if not r.truncate and tokens.truncated.any():
+            i = int(np.flatnonzero(tokens.truncated)[0])
+            raise InputError(f"text {r.first + i} is longer than max_length {self.max_length} tokens")
+        for values, limit, what in ((tokens.ids, self.vocab_size, "token id"),
+                                    (tokens.type_ids, self.type_vocab_size, "token type")):
+            bad = np.flatnonzero((values < 0) | (values >= limit))
+            if bad.size:
+                text = int(np.searchsorted(np.cumsum(tokens.lengths), bad[0], side="right"))
+                raise InputError(f"text {r.first + text}: {what} {int(values[bad[0]])} is outside 0..{limit - 1} "
+                                 "(the tokenizer and the model's config.json disagree)")
+
+    # ------------------------------------------------------------ worker thread
+
+    def _work_loop(self):
+        pending = deque()    # tokenised requests with texts not yet sent to the device
+        in_flight = deque()  # (PendingEmbeddings, [(request, text indices)]), oldest first
+        runner = None
+        stopping = False
+        try:
+            while not (stopping and not pending and not in_flight):
+                stopping |= self._take_ready(pending, block=not pending and not in_flight)
+                for r in [r for r in pending if r.future.done()]:  # failed or cancelled meanwhile
+                    pending.remove(r)
+                if pending and len(in_flight) < IN_FLIGHT_BATCHES:
+                    batch, parts, options = self._next_batch(pending)
+                    runner = self._runner_for(runner, batch, options)
+                    handle = runner.submit(batch, pooling=options.pooling, normalize=options.normalize)
+                    in_flight.append((handle, parts))
+                elif in_flight:
+                    handle, parts = in_flight.popleft()
+                    rows = handle.wait()
+                    self._deliver(rows, parts, handle.device_seconds)
+        except BaseException as e:
+            self._break(e)
+
+    def _take_ready(self, pending: deque, *, block: bool) -> bool:
+        """Move tokenised requests to `pending` (waiting for one if `block`); True once the
+        tokenizer thread has said it stopped."""
+        while True:
+            try:
+                r = self._ready.get() if block else self._ready.get_nowait()
+            except queue.Empty:
+                return False
+            if r is _STOP:
+                return True
+            pending.append(r)
+            block = False
+
+    def _next_batch(self, pending: deque):
+        """Texts for one batch: from the oldest request with its options, longest first, then
+        from later requests with the same options, while the token budget holds."""
+        options = pending[0].options
+        parts, count, total, longest = [], 0, 0, 0
+        limit = dict(max_batch_tokens=options.batch_tokens, max_seq_len=self.max_length)
+        for r in list(pending):
+            if r.options != options:
+                continue
+            lengths, start = r.sorted_lengths, r.cursor
+            i, n = start, len(lengths)
+            while i < n:
+                length = lengths[i]
+                widest = max(longest, length)
+                if count and not fits(self.layout, count + 1, total + length, widest, **limit):
+                    break
+                count, total, longest, i = count + 1, total + length, widest, i + 1
+            if i > start:
+                parts.append((r, r.order[start:i]))
+                r.cursor = i
+            if i == n:
+                pending.remove(r)
+            else:
+                break
+        ids, types, lengths = [], [], []
+        for r, index in parts:
+            part = Batch.gather(r.tokens.ids, r.tokens.type_ids, r.starts[index], r.tokens.lengths[index])
+            ids.append(part.ids)
+            types.append(part.token_types)
+            lengths.append(part.lengths)
+        batch = Batch(np.concatenate(ids), np.concatenate(types), np.concatenate(lengths))
+        return batch, parts, options
+
+    def _runner_for(self, runner, batch: Batch, options: EncodeOptions):
+        """The runner, its workspace sized to the work actually queued: this batch's bucketed
+        token count, grown (at least doubling) when a later batch needs more, never past the
+        options' budget."""
+        need, _, _ = run_shape(self.layout, batch.lengths, max_batch_tokens=options.batch_tokens,
+                               max_seq_len=self.max_length)
+        need = max(need, self.max_length)
+        if runner is None:
+            return self.make_runner(max_batch_tokens=need)
+        if runner.max_batch_tokens < need:
+            runner.resize(min(options.batch_tokens, max(need, 2 * runner.max_batch_tokens)))
+        return runner
+
+    def _deliver(self, rows: np.ndarray, parts: list, device_seconds: float):
+        at = 0
+        for r, index in parts:
+            mine = rows[at:at + len(index)]
+            at += len(index)
+            if r.future.done():
+                continue
+            bad = ~np.isfinite(mine).all(axis=1)
+            if bad.any():
+                text = r.first + int(index[np.flatnonzero(bad)[0]])
+                r.fail(InputError(f"the embedding of text {text} is not finite (NaN or inf); the model or its "
+                                  "weights produce invalid values"))
+                continue
+            if r.out is None:
+                r.out = np.empty((len(r.order), mine.shape[1]), dtype=np.float32)
+            r.out[index] = mine
+            r.remaining -= len(index)
+            r.device_seconds += device_seconds * len(index) / len(rows)
+            if r.progress is not None:
+                try:
+                    r.progress(len(index))
+                except Exception as e:  # the caller's callback: its error is the caller's answer
+                    r.fail(e)
+                    continue
+            if r.remaining == 0:
+                r.tokens = None
+                r.future.set_result(EncodeResult(r.out, r.token_count, r.truncated, r.device_seconds))
+
+    def _break(self, error: BaseException):
+        """The worker or tokenizer failed outside any one request: fail everything, refuse more."""
+        if isinstance(error, FtengineError) and not isinstance(error, InputError):
+            broken = error
+        else:
+            broken = DeviceError(f"the encoder failed and cannot be used any more: {type(error).__name__}: {error}")
+        with self._lock:
+            if self._broken is None:
+                self._broken = broken
+            self._closing = True
+        self._fail_all(self._broken)
+        self._inbox.put(_STOP)  # the tokenizer thread, if it still runs, ends too
+
+
+_ENGINES = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all():
+    """No engine thread outlives the interpreter: requests nobody can wait for any more are
+    failed, the batches already on the device complete, the threads end."""
+    for engine in list(_ENGINES):
+        engine.close(cancel=True)
+
+
+class SerialWorker:
+    """One thread that runs calls one at a time, for an object whose device state only one
+    thread may drive (a Generator's runner: its buffers, graphs and stream). `hold()` keeps
+    other callers out across several calls (a stream of steps)."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._lock = threading.RLock()
+        self._executor = None
+
+    def hold(self):
+        return self._lock
+
+    def call(self, fn, *args):
+        """fn(*args) on the worker thread; its result, or its exception re-raised here."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
+            return self._executor.submit(fn, *args).result()
+
+    def close(self):
+        with self._lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
