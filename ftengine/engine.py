@@ -116,12 +116,13 @@ class EncodeEngine:
                 raise self._broken
             if self._closing:
                 raise InputError("this encoder is closed")
-            if not texts:
-                future.set_running_or_notify_cancel()
-                future.set_result(EncodeResult(np.zeros((0, len(options.pooling) * self._dims), np.float32), 0, 0, 0.0))
-                return future
-            self._live.add(request)
-            self._start()
+            if texts:
+                self._live.add(request)
+                self._start()
+        if not texts:  # answered here (outside the lock: the done callback takes it)
+            future.set_running_or_notify_cancel()
+            future.set_result(EncodeResult(np.zeros((0, len(options.pooling) * self._dims), np.float32), 0, 0, 0.0))
+            return future
         self._inbox.put(request)
         return future
 

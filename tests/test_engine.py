@@ -93,6 +93,13 @@ def test_submit_returns_a_future(encoder):
     assert np.abs(future.result(timeout=60) - encoder.encode(texts, pooling="max")).max() <= BATCHING_INVARIANCE_FP32
 
 
+def test_empty_inputs_answer_at_once(encoder):
+    assert encoder.submit([]).result(timeout=10).shape == (0, encoder.dim)
+    assert asyncio.run(encoder.encode_async([], pooling="cls,max")).shape == (0, 2 * encoder.dim)
+    assert encoder.encode([]).shape == (0, encoder.dim)
+    assert list(encoder.encode_stream([])) == []
+
+
 def test_stream_equals_encode_in_input_order(encoder):
     texts = texts_for(11, 1000)
     stats = EncodeStats()
