@@ -138,6 +138,43 @@ def _close(encoder):
 
 
 @main.command()
+@click.option("--model", "model_path", default=None,
+              help="Model folder (HF/sentence-transformers). Default: the installed all-MiniLM-L6-v2.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=None)
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=None,
+              help="Token budget of one device batch (shared by concurrent requests).")
+@click.option("--max-client-batch-size", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Most inputs in one request (413 above).")
+@click.option("--max-input-length", type=click.IntRange(min=2), default=None,
+              help="Longest input in tokens. Default: the model folder's.")
+@click.option("--max-concurrent-requests", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Requests in progress at once (429 with Retry-After above).")
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' (401 otherwise).")
+def serve(model_path, host, port, device, dtype, max_batch_tokens, max_client_batch_size, max_input_length,
+          max_concurrent_requests, api_key):
+    """Serve embeddings over HTTP: TEI's POST /embed and OpenAI's POST /v1/embeddings
+    (needs the `serve` extra: pip install ftengine[serve])."""
+    try:
+        from .serve import ServeLimits, serve as run_service
+        import uvicorn  # noqa: F401  (refused here, not mid-start, when the extra is missing)
+    except ImportError as e:
+        _fail(f"ftengine serve needs the serve extra (pip install 'ftengine[serve]'): {e}")
+    try:
+        encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_input_length)
+        limits = ServeLimits(max_client_batch_size=max_client_batch_size,
+                             max_concurrent_requests=max_concurrent_requests,
+                             max_batch_tokens=max_batch_tokens, api_key=api_key)
+        encoder.check_options(batch_tokens=max_batch_tokens)  # refused now, not at the first request
+        name = model_path or "sentence-transformers/all-MiniLM-L6-v2"
+        run_service(encoder, host=host, port=port, model_name=str(name), limits=limits)
+    except FtengineError as e:
+        _fail(str(e))
+
+
+@main.command()
 @click.option("--dtype", "dtypes", type=click.Choice(DTYPES), multiple=True,
               help="Compile for these dtypes only (repeatable). Default: every dtype.")
 def warmup(dtypes):

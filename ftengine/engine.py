@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import DeviceError, FtengineError, InputError
+from .errors import DeviceError, FtengineError, InputError, TooLongError
 from .models.bert import Batch, fits, run_shape
 from .tokenizer import TokenizedTexts, check_texts
 
@@ -72,6 +72,7 @@ class _Request:
         self.cursor = 0               # texts of `order` already sent to the device
         self.remaining = len(texts)   # rows not yet delivered
         self.out = None               # (N, dim) float32
+        self.given = None             # TokenizedTexts the caller tokenised itself
 
     def fail(self, error: BaseException):
         if not self.future.done():
@@ -85,6 +86,7 @@ class EncodeEngine:
     def __init__(self, *, tokenizer, make_runner, layout: str, max_length: int, dim: int,
                  vocab_size: int, type_vocab_size: int, name: str = "ftengine"):
         self.tokenizer = tokenizer
+        self.on_batch = None          # optional observer: on_batch(texts, requests, tokens), worker thread
         self.make_runner = make_runner
         self.layout = layout
         self.max_length = max_length
@@ -104,12 +106,15 @@ class EncodeEngine:
     # ------------------------------------------------------------ callers
 
     def submit(self, texts: list, options: EncodeOptions, *, truncate: bool = True, first: int = 1,
-               progress=None) -> Future:
+               progress=None, tokens: TokenizedTexts | None = None) -> Future:
         """Queue `texts` (a list of str); the future's result is an EncodeResult. `first` is the
-        1-based number of texts[0] in the caller's input, for error messages."""
-        check_texts(texts, first=first)
+        1-based number of texts[0] in the caller's input, for error messages. `tokens`: texts
+        already tokenised (then `texts` is only their count's worth of placeholders)."""
+        if tokens is None:
+            check_texts(texts, first=first)
         future = Future()
         request = _Request(texts, options, truncate=truncate, first=first, progress=progress, future=future)
+        request.given = tokens
         future.add_done_callback(lambda _f, r=request: self._forget(r))
         with self._lock:
             if self._broken is not None:
@@ -199,6 +204,9 @@ class EncodeEngine:
 
     def _tokenize(self, group: list):
         group = [r for r in group if r.future.set_running_or_notify_cancel()]  # drops cancelled ones
+        for r in [r for r in group if r.given is not None]:
+            self._accept(r, r.given)
+        group = [r for r in group if r.given is None]
         if not group:
             return
         texts = group[0].texts if len(group) == 1 else [t for r in group for t in r.texts]
@@ -244,7 +252,8 @@ class EncodeEngine:
         """Per-request checks on the host, before any kernel indexes memory with these ids."""
         if not r.truncate and tokens.truncated.any():
             i = int(np.flatnonzero(tokens.truncated)[0])
-            raise InputError(f"text {r.first + i} is longer than max_length {self.max_length} tokens")
+            raise TooLongError(f"text {r.first + i} is longer than max_length {self.max_length} tokens",
+                               index=i, max_length=self.max_length)
         for values, limit, what in ((tokens.ids, self.vocab_size, "token id"),
                                     (tokens.type_ids, self.type_vocab_size, "token type")):
             bad = np.flatnonzero((values < 0) | (values >= limit))
@@ -321,6 +330,8 @@ class EncodeEngine:
             types.append(part.token_types)
             lengths.append(part.lengths)
         batch = Batch(np.concatenate(ids), np.concatenate(types), np.concatenate(lengths))
+        if self.on_batch is not None:
+            self.on_batch(len(batch.lengths), len(parts), len(batch.ids))
         return batch, parts, options
 
     def _runner_for(self, runner, batch: Batch, options: EncodeOptions):

@@ -20,6 +20,16 @@ class InputError(FtengineError):
     """The user's texts, prompts or options are not acceptable."""
 
 
+class TooLongError(InputError):
+    """A text is longer than max_length and truncation is off; `index` is its 0-based place in
+    the request, `max_length` the limit."""
+
+    def __init__(self, message: str, *, index: int, max_length: int):
+        super().__init__(message)
+        self.index = index
+        self.max_length = max_length
+
+
 class OutputError(FtengineError):
     """The output cannot be created, written or put in place."""
 

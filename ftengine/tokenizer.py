@@ -194,6 +194,14 @@ class Tokenizer:
         # post-processor gives every token of a single text type 0 (BERT's template does)
         self._zero_types = _single_text_types_are_zero(json.loads(tok.to_str()).get("post_processor"))
 
+    def untruncated_length(self, text: str) -> int:
+        """Tokens in `text` (prepared as encode does, special tokens included) without truncation."""
+        from tokenizers import Tokenizer as HFTokenizer
+        full = HFTokenizer.from_str(self._tok.to_str())
+        full.no_truncation()
+        text = text.strip()
+        return len(full.encode(text.lower() if self.lowercase_text else text))
+
     @staticmethod
     def _wordpiece(model_dir: Path):
         from tokenizers.implementations import BertWordPieceTokenizer

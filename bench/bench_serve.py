@@ -1,0 +1,161 @@
+"""HTTP service benchmark: `ftengine serve` on loopback under a closed-loop load.
+
+The server runs as its own process with the default model's shape and tokenizer (random
+weights); clients are 4 processes of asyncio httpx clients, each client sending its next
+request when the last is answered, for a fixed time. Cases: 1, 16, 64 and 256 clients, each
+request one short sentence or a batch of 32. Reported: requests/s, embeddings/s, p50/p99
+latency; for scale, the offline engine (`Encoder.encode` in one process) on the same texts.
+
+Usage: python bench/bench_serve.py --model-src PATH --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CLIENT_PROCESSES = 4
+SECONDS = 6.0
+WARMUP = 1.5
+TARGETS = {"ratio_64": 0.70, "p50_1_ms": 3.0}
+
+
+def sentences(vocab: Path, n: int, seed: int = 0) -> list[str]:
+    words = [w for w in vocab.read_text(encoding="utf-8").split("\n") if w.isalpha() and len(w) > 2]
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(words, size=int(rng.integers(6, 20)))) for _ in range(n)]
+
+
+def client_process(url: str, clients: int, batch: int, texts: list, seconds: float, warmup: float, queue):
+    import httpx
+
+    async def one(http, k, stop_at, start_at, latencies):
+        i = k
+        while time.perf_counter() < stop_at:
+            body = {"inputs": [texts[(i + j) % len(texts)] for j in range(batch)] if batch > 1 else texts[i % len(texts)]}
+            t0 = time.perf_counter()
+            r = await http.post(url + "/embed", json=body)
+            t1 = time.perf_counter()
+            if r.status_code != 200:
+                raise RuntimeError(f"{r.status_code}: {r.text[:200]}")
+            if t0 >= start_at:
+                latencies.append(t1 - t0)
+            i += 7919
+
+    async def main():
+        latencies = []
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            start_at = time.perf_counter() + warmup
+            stop_at = start_at + seconds
+            await asyncio.gather(*(one(http, k, stop_at, start_at, latencies) for k in range(clients)))
+        return latencies
+
+    queue.put(asyncio.run(main()))
+
+
+def run_case(url: str, clients: int, batch: int, texts: list) -> dict:
+    procs = min(CLIENT_PROCESSES, clients)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    shares = [clients // procs + (1 if p < clients % procs else 0) for p in range(procs)]
+    workers = [ctx.Process(target=client_process, args=(url, n, batch, texts, SECONDS, WARMUP, queue))
+               for n in shares]
+    for w in workers:
+        w.start()
+    latencies = [x for _ in workers for x in queue.get()]
+    for w in workers:
+        w.join()
+    lat = np.array(latencies) * 1000
+    row = {"clients": clients, "batch": batch, "requests_per_s": round(len(lat) / SECONDS, 1),
+           "embeddings_per_s": round(len(lat) * batch / SECONDS), "p50_ms": round(float(np.percentile(lat, 50)), 2),
+           "p99_ms": round(float(np.percentile(lat, 99)), 2)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def offline(model: Path, texts: list) -> float:
+    from ftengine import Encoder
+    with Encoder.from_pretrained(model, device="cuda") as enc:
+        enc.encode(texts[:2000])
+        t0 = time.perf_counter()
+        enc.encode(texts)
+        return len(texts) / (time.perf_counter() - t0)
+
+
+def markdown(r: dict) -> str:
+    out = [f"# HTTP service benchmark — {r['device']}, {r['date']}", "",
+           "`ftengine serve` (TEI `POST /embed`) on 127.0.0.1, all-MiniLM-L6-v2 shape and tokenizer, random "
+           f"weights, fp16; closed-loop httpx clients in {CLIENT_PROCESSES} processes, {SECONDS:.0f} s per case "
+           f"after {WARMUP} s of warm-up. Offline engine (`Encoder.encode`, one process, same texts): "
+           f"{r['offline_embeddings_per_s']:,.0f} embeddings/s. Versions: "
+           + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".", "",
+           "| clients | inputs per request | requests/s | embeddings/s | vs offline | p50 ms | p99 ms |",
+           "|---|---|---|---|---|---|---|"]
+    for c in r["cases"]:
+        out.append(f"| {c['clients']} | {c['batch']} | {c['requests_per_s']:,} | {c['embeddings_per_s']:,} | "
+                   f"{c['embeddings_per_s'] / r['offline_embeddings_per_s']:.2f} | {c['p50_ms']} | {c['p99_ms']} |")
+    out += ["", f"Targets: at 64 clients, embeddings/s >= {TARGETS['ratio_64']:.0%} of the offline engine's; p50 for "
+            f"one short sentence at 1 client <= {TARGETS['p50_1_ms']} ms.", ""]
+    return "\n".join(out)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-src", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    from bench.bench_pipeline import make_model
+    import cupy
+    tmp = Path(tempfile.mkdtemp(prefix="ftengine-serve-"))
+    model = make_model(args.model_src, tmp / "model")
+    texts = sentences(model / "vocab.txt", 20_000)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "ftengine.cli", "serve", "--model", str(model), "--device", "cuda",
+                               "--port", str(port), "--max-client-batch-size", "64"], stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    import httpx
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if server.poll() is not None:
+            raise SystemExit((tmp / "server.log").read_text())
+        time.sleep(0.2)
+    cases = [run_case(url, c, b, texts) for b in (1, 32) for c in (1, 16, 64, 256)]
+    server.terminate()
+    server.wait(timeout=120)
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    result = {"device": props["name"].decode(), "date": date.today().isoformat(),
+              "versions": {"python": platform.python_version(), "cupy": cupy.__version__},
+              "offline_embeddings_per_s": round(offline(model, texts)), "cases": cases}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "serve.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

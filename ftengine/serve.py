@@ -1,0 +1,321 @@
+"""`ftengine serve`: an HTTP embedding service on the encode engine (Starlette + uvicorn).
+
+Two APIs that existing clients speak:
+  POST /embed           text-embeddings-inference: {"inputs", "normalize", "truncate"} -> [[float]]
+  POST /v1/embeddings   OpenAI: {"input", "model", "encoding_format", "dimensions"} -> {"data", "usage", ...}
+and GET /health (200 once the model is loaded and warmed, 503 before), GET /info, GET /metrics
+(Prometheus). Concurrent requests go to the one engine, which packs them into shared batches.
+Every expected problem is a JSON error {"error", "error_type"} with its status; nothing
+accepted is dropped on SIGTERM/SIGINT (uvicorn stops accepting and lets requests finish).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import __version__
+from .errors import FtengineError, InputError, TooLongError
+
+log = logging.getLogger("ftengine.serve")
+MAX_BODY_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    max_client_batch_size: int = 32        # inputs per request
+    max_concurrent_requests: int = 512     # requests accepted and not yet answered
+    max_batch_tokens: int | None = None    # the engine's token budget (None: its default)
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+class HTTPFailure(Exception):
+    """An expected error: status, message, TEI error_type; extra headers."""
+
+    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers or {}
+
+
+def _validation(message: str) -> HTTPFailure:
+    return HTTPFailure(422, message, "Validation")
+
+
+def _texts(value, field: str) -> list:
+    """A str or a non-empty list of str."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise _validation(f"{field} must be a string or a list of strings")
+    if not value:
+        raise _validation(f"{field} must not be empty")
+    for i, t in enumerate(value):
+        if not isinstance(t, str):
+            raise _validation(f"{field}[{i}] must be a string, found {type(t).__name__}")
+    return value
+
+
+def _token_ids(value: list, field: str) -> list | None:
+    """[int] or [[int]] as a list of sequences; None if `value` is not token ids."""
+    if value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        value = [value]
+    elif not (value and all(isinstance(s, list) for s in value)):
+        return None
+    for i, seq in enumerate(value):
+        if not seq:
+            raise _validation(f"{field}[{i}] is an empty token list")
+        for t in seq:
+            if isinstance(t, bool) or not isinstance(t, int) or not -2 ** 31 <= t < 2 ** 31:
+                raise _validation(f"{field}[{i}] must hold token ids (integers), found {t!r}")
+    return value
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise _validation(f"{key} must be true or false, found {value!r}")
+    return value
+
+
+class Service:
+    """The routes, limits and metrics around one Encoder."""
+
+    def __init__(self, encoder, *, model_name: str, limits: ServeLimits):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        self.encoder, self.model_name, self.limits = encoder, model_name, limits
+        self.ready = False
+        self.in_flight = 0
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("ftengine_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.inputs = Counter("ftengine_inputs", "Texts (or token sequences) embedded", registry=r)
+        self.tokens = Counter("ftengine_tokens", "Tokens embedded, special tokens included", registry=r)
+        self.latency = Histogram("ftengine_request_duration_seconds", "Request latency", ["route"], registry=r,
+                                 buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30))
+        self.batch_texts = Histogram("ftengine_batch_texts", "Texts per device batch", registry=r,
+                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+        self.batch_requests = Histogram("ftengine_batch_requests", "Requests sharing one device batch",
+                                        registry=r, buckets=(1, 2, 3, 4, 8, 16, 32, 64))
+        self.batch_tokens = Histogram("ftengine_batch_tokens", "Tokens per device batch", registry=r,
+                                      buckets=(64, 256, 1024, 4096, 16384, 65536))
+        Gauge("ftengine_queue_depth", "Requests accepted and not yet answered", registry=r) \
+            .set_function(lambda: self.in_flight)
+        encoder._engine.on_batch = self._observe_batch
+
+    def _observe_batch(self, texts: int, requests: int, tokens: int):
+        self.batch_texts.observe(texts)
+        self.batch_requests.observe(requests)
+        self.batch_tokens.observe(tokens)
+
+    def warm_up(self):
+        """One real encode before /health says 200: kernels compiled, runner built."""
+        self.encoder.encode(["warm up"], batch_tokens=self.limits.max_batch_tokens)
+        self.ready = True
+
+    # ------------------------------------------------------------ request plumbing
+
+    async def _body(self, request) -> dict:
+        key = self.limits.api_key
+        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+            raise HTTPFailure(401, "missing or wrong API key (Authorization: Bearer KEY)", "Unauthorized")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
+            raise HTTPFailure(413, f"request body of {length} bytes is over the limit of "
+                                   f"{self.limits.max_body_bytes} bytes", "Validation")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.limits.max_body_bytes:
+                raise HTTPFailure(413, f"request body is over the limit of {self.limits.max_body_bytes} bytes",
+                                  "Validation")
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise _validation(f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise _validation("the body must be a JSON object")
+        return body
+
+    def _check_count(self, n: int, field: str):
+        if n > self.limits.max_client_batch_size:
+            raise HTTPFailure(413, f"{field} holds {n} inputs, more than --max-client-batch-size "
+                                   f"{self.limits.max_client_batch_size}", "Validation")
+
+    async def _encode(self, texts=None, *, token_ids=None, normalize=None, truncate=True):
+        """EncodeResult of one request through the engine, errors as HTTP failures."""
+        try:
+            future = self.encoder.submit_request(texts, batch_tokens=self.limits.max_batch_tokens,
+                                                 normalize=normalize, truncate=truncate, token_ids=token_ids)
+            return await asyncio.wrap_future(future)
+        except TooLongError as e:
+            count = (self.encoder.tokenizer.untruncated_length(texts[e.index]) if token_ids is None
+                     else len(token_ids[e.index]))
+            raise HTTPFailure(413, f"input {e.index} has {count} tokens, more than the maximum input length "
+                                   f"{e.max_length}; send truncate: true to cut it", "Validation") from None
+        except InputError as e:
+            raise _validation(str(e)) from None
+
+    async def handle(self, request, route: str, handler):
+        from starlette.responses import JSONResponse
+        start = time.perf_counter()
+        inputs = tokens = 0
+        admitted = False
+        try:
+            if route not in ("health", "info", "metrics"):
+                if self.in_flight >= self.limits.max_concurrent_requests:
+                    raise HTTPFailure(429, f"{self.in_flight} requests are in progress, the limit "
+                                           f"(--max-concurrent-requests); retry shortly", "Overloaded",
+                                      {"Retry-After": "1"})
+                self.in_flight += 1
+                admitted = True
+            response, inputs, tokens = await handler(request)
+        except HTTPFailure as e:
+            response = JSONResponse({"error": e.message, "error_type": e.kind}, status_code=e.status,
+                                    headers=e.headers)
+        except FtengineError as e:  # the engine is broken or closed
+            response = JSONResponse({"error": str(e), "error_type": "Backend"}, status_code=503)
+        except Exception as e:  # a bug: one line in the log and the reply, no traceback to the client
+            log.exception("internal error on %s", request.url.path)
+            response = JSONResponse({"error": f"internal error: {type(e).__name__}", "error_type": "Backend"},
+                                    status_code=500)
+        finally:
+            if admitted:
+                self.in_flight -= 1
+        ms = 1000 * (time.perf_counter() - start)
+        self.requests.labels(route, str(response.status_code)).inc()
+        self.latency.labels(route).observe(ms / 1000)
+        self.inputs.inc(inputs)
+        self.tokens.inc(tokens)
+        log.info("%s %s %d inputs=%d tokens=%d %.1fms", request.method, request.url.path, response.status_code,
+                 inputs, tokens, ms)
+        return response
+
+    # ------------------------------------------------------------ routes
+
+    async def embed(self, request):
+        """TEI: {"inputs": str | [str], "normalize": true, "truncate": false} -> [[float]]."""
+        from starlette.responses import Response
+        body = await self._body(request)
+        if "inputs" not in body:
+            raise _validation("inputs is required")
+        texts = _texts(body["inputs"], "inputs")
+        self._check_count(len(texts), "inputs")
+        normalize, truncate = _bool(body, "normalize", True), _bool(body, "truncate", False)
+        if body.get("prompt_name") is not None:
+            raise _validation(f"prompt_name {body['prompt_name']!r}: this model defines no prompts")
+        result = await self._encode(texts, normalize=normalize, truncate=truncate)
+        payload = json.dumps(result.embeddings.tolist(), separators=(",", ":"))
+        return Response(payload, media_type="application/json"), len(texts), result.tokens
+
+    async def openai_embeddings(self, request):
+        """OpenAI: {"input": str | [str] | [int] | [[int]], "model", "encoding_format", "dimensions"}."""
+        from starlette.responses import Response
+        body = await self._body(request)
+        if "input" not in body:
+            raise _validation("input is required")
+        model = body.get("model", self.model_name)
+        if not isinstance(model, str):
+            raise _validation("model must be a string")
+        fmt = body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise _validation(f"encoding_format must be 'float' or 'base64', found {fmt!r}")
+        value = body["input"]
+        token_ids = _token_ids(value, "input") if isinstance(value, list) else None
+        texts = None if token_ids is not None else _texts(value, "input")
+        count = len(token_ids if token_ids is not None else texts)
+        self._check_count(count, "input")
+        dim = self.encoder.dim
+        dimensions = body.get("dimensions")
+        if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
+                                       or not 1 <= dimensions <= dim):
+            raise _validation(f"dimensions must be an integer within 1..{dim}, found {dimensions!r}")
+        result = await self._encode(texts, token_ids=token_ids, truncate=True)
+        rows = result.embeddings
+        if dimensions is not None and dimensions < dim:  # Matryoshka-style: cut, then renormalise as the model does
+            rows = rows[:, :dimensions]
+            if self.encoder.normalize:
+                rows = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+        if fmt == "base64":
+            data = [base64.b64encode(np.ascontiguousarray(r, dtype="<f4").tobytes()).decode() for r in rows]
+        else:
+            data = rows.tolist()
+        payload = {"object": "list", "model": model,
+                   "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+                   "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}}
+        return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json"), \
+            count, result.tokens
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+        if not self.ready:
+            raise HTTPFailure(503, "the model is loading", "Unhealthy")
+        return JSONResponse({"status": "ok"}), 0, 0
+
+    async def info(self, request):
+        from starlette.responses import JSONResponse
+        e = self.encoder
+        return JSONResponse({
+            "model_id": self.model_name, "model_path": str(e.path), "dim": e.dim, "max_input_length": e.max_length,
+            "dtype": e.dtype, "device": e.device, "pooling": list(e.pooling), "normalize": e.normalize,
+            "max_client_batch_size": self.limits.max_client_batch_size,
+            "max_concurrent_requests": self.limits.max_concurrent_requests, "version": __version__}), 0, 0
+
+    async def metrics(self, request):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from starlette.responses import Response
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST), 0, 0
+
+    def app(self):
+        """The Starlette application: routes, and the warm-up at startup (in a thread, so /health
+        answers 503 meanwhile)."""
+        from contextlib import asynccontextmanager
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        def route(path, name, handler, methods):
+            async def endpoint(request):
+                return await self.handle(request, name, handler)
+            return Route(path, endpoint, methods=methods)
+
+        @asynccontextmanager
+        async def lifespan(app):
+            warm = asyncio.get_running_loop().run_in_executor(None, self.warm_up)
+            try:
+                yield
+            finally:
+                await warm
+                await asyncio.get_running_loop().run_in_executor(None, self.encoder.close)
+
+        return Starlette(routes=[
+            route("/embed", "embed", self.embed, ["POST"]),
+            route("/v1/embeddings", "openai", self.openai_embeddings, ["POST"]),
+            route("/embeddings", "openai", self.openai_embeddings, ["POST"]),
+            route("/health", "health", self.health, ["GET"]),
+            route("/info", "info", self.info, ["GET"]),
+            route("/metrics", "metrics", self.metrics, ["GET"]),
+        ], lifespan=lifespan)
+
+
+def serve(encoder, *, host: str, port: int, model_name: str, limits: ServeLimits):
+    """Run the service until SIGTERM/SIGINT: then stop accepting, answer every request already
+    accepted, close the engine and return (the process exits 0)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises a captured signal after its graceful shutdown, which would end
+            # the process "killed by SIGTERM"; the shutdown was orderly, so exit normally
+            getattr(self, "_captured_signals", []).clear()
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    app = Service(encoder, model_name=model_name, limits=limits).app()
+    Server(uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info",
+                          timeout_graceful_shutdown=None)).run()

@@ -1,0 +1,226 @@
+"""`ftengine serve` as a real server on 127.0.0.1 (a subprocess of the installed command), talked
+to with httpx and the `openai` client package. Every answer is checked against Encoder.encode."""
+
+import asyncio
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+from ftengine import Encoder  # noqa: E402
+from tests.tolerances import BATCHING_INVARIANCE_FP32  # noqa: E402
+from weights.fixtures import WORDS  # noqa: E402
+
+EXE = str(Path(sys.executable).with_name("ftengine"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model, *args):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile(mode="w+")  # a pipe nobody reads would fill and stall the server
+        self.proc = subprocess.Popen([EXE, "serve", "--model", str(model), "--device", "cpu", "--port",
+                                      str(self.port), *map(str, args)], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert self.proc.poll() is None, self.output()
+            time.sleep(0.1)
+        raise AssertionError("the server never became healthy")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=120)
+        return self.proc.returncode, self.output()
+
+
+@pytest.fixture(scope="module")
+def encoder(st_model):
+    with Encoder.from_pretrained(st_model, device="cpu") as enc:
+        yield enc
+
+
+@pytest.fixture(scope="module")
+def server(st_model):
+    s = Server(st_model, "--max-client-batch-size", 40)
+    yield s
+    code, _ = s.stop()
+    assert code == 0
+
+
+def texts_for(seed: int, n: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(1, 30)))) for _ in range(n)]
+
+
+def close(got, ref):
+    return np.abs(np.asarray(got, dtype=np.float32) - ref).max() <= BATCHING_INVARIANCE_FP32
+
+
+def test_tei_embed(server, encoder):
+    texts = texts_for(1, 7)
+    r = httpx.post(server.url + "/embed", json={"inputs": texts})
+    assert r.status_code == 200 and close(r.json(), encoder.encode(texts))
+    r = httpx.post(server.url + "/embed", json={"inputs": "one text", "normalize": False})
+    assert r.status_code == 200 and close(r.json(), encoder.encode(["one text"], normalize=False))
+
+
+def test_openai_client(server, encoder):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    texts = texts_for(2, 5)
+    reply = client.embeddings.create(model="any", input=texts)  # the client asks for base64
+    assert [d.index for d in reply.data] == list(range(5))
+    assert close([d.embedding for d in reply.data], encoder.encode(texts))
+    assert reply.usage.prompt_tokens == int(encoder.tokenizer.encode(texts).lengths.sum())
+    floats = client.embeddings.create(model="any", input="hello world", encoding_format="float")
+    assert close([floats.data[0].embedding], encoder.encode(["hello world"]))
+
+
+def test_openai_token_ids_and_dimensions(server, encoder):
+    tokens = encoder.tokenizer.encode(["the quick brown fox"])
+    r = httpx.post(server.url + "/v1/embeddings", json={"model": "m", "input": tokens.ids.tolist()})
+    assert r.status_code == 200 and close([r.json()["data"][0]["embedding"]], encoder.encode(["the quick brown fox"]))
+    r = httpx.post(server.url + "/v1/embeddings", json={"model": "m", "input": "hello", "dimensions": 8,
+                                                        "encoding_format": "base64"})
+    row = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), "<f4")
+    cut = encoder.encode(["hello"])[0, :8]
+    assert row.shape == (8,) and np.abs(row - cut / np.linalg.norm(cut)).max() <= BATCHING_INVARIANCE_FP32
+
+
+@pytest.mark.parametrize("path, body, status, message", [
+    ("/embed", b"{not json", 422, "the body is not valid JSON"),
+    ("/embed", b"[1, 2]", 422, "the body must be a JSON object"),
+    ("/embed", {"inputs": 5}, 422, "inputs must be a string or a list of strings"),
+    ("/embed", {"inputs": []}, 422, "inputs must not be empty"),
+    ("/embed", {"inputs": ["a", 3]}, 422, "inputs[1] must be a string, found int"),
+    ("/embed", {"inputs": "a", "truncate": "yes"}, 422, "truncate must be true or false"),
+    ("/embed", {"inputs": ["x"] * 41}, 413, "inputs holds 41 inputs, more than --max-client-batch-size 40"),
+    ("/embed", {"inputs": ["ok", "word " * 60]}, 413, "input 1 has 62 tokens, more than the maximum input length 48"),
+    ("/v1/embeddings", {"model": "m"}, 422, "input is required"),
+    ("/v1/embeddings", {"model": "m", "input": [[2, 99999]]}, 422, "token id 99999 is outside 0.."),
+    ("/v1/embeddings", {"model": "m", "input": "a", "encoding_format": "hex"}, 422, "encoding_format must be"),
+    ("/v1/embeddings", {"model": "m", "input": "a", "dimensions": 0}, 422, "dimensions must be an integer within 1..32"),
+])
+def test_errors_have_status_and_message(server, path, body, status, message):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + path, **kwargs)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"] and "error_type" in r.json()
+    ok = httpx.post(server.url + "/embed", json={"inputs": "still served"})  # the next request is served
+    assert ok.status_code == 200
+
+
+def test_body_over_the_cap_is_413(server):
+    r = httpx.post(server.url + "/embed", content=b'{"inputs": "' + b"a" * (17 << 20) + b'"}')
+    assert r.status_code == 413 and "over the limit" in r.json()["error"]
+
+
+def test_info_and_health(server):
+    info = httpx.get(server.url + "/info").json()
+    assert info["dim"] == 32 and info["max_input_length"] == 48 and info["device"] == "cpu"
+
+
+def test_sixty_four_clients_share_batches(server, encoder):
+    calls = {(c, i): texts_for(1000 * c + i, 1 + (c * 7 + i * 3) % 20) for c in range(64) for i in range(20)}
+    expected = {k: encoder.encode(v) for k, v in calls.items()}
+
+    async def client(c, http):
+        out = {}
+        for i in range(20):
+            r = await http.post(server.url + "/embed", json={"inputs": calls[c, i]})
+            assert r.status_code == 200, r.text
+            out[c, i] = r.json()
+        return out
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as http:
+            return await asyncio.gather(*(client(c, http) for c in range(64)))
+
+    for part in asyncio.run(main()):
+        for key, rows in part.items():
+            assert close(rows, expected[key]), key
+    metrics = httpx.get(server.url + "/metrics").text
+    count = float(next(l.split()[-1] for l in metrics.splitlines() if l.startswith("ftengine_batch_requests_count")))
+    single = float(next(l.split()[-1] for l in metrics.splitlines()
+                        if l.startswith('ftengine_batch_requests_bucket{le="1.0"}')))
+    assert count > single, "no device batch held more than one request"
+
+
+def test_api_key(st_model):
+    s = Server(st_model, "--api-key", "sesame")
+    try:
+        assert httpx.post(s.url + "/embed", json={"inputs": "x"}).status_code == 401
+        r = httpx.post(s.url + "/embed", json={"inputs": "x"}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and "API key" in r.json()["error"]
+        assert httpx.post(s.url + "/embed", json={"inputs": "x"},
+                          headers={"Authorization": "Bearer sesame"}).status_code == 200
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_queue_full_is_429_with_retry_after(st_model):
+    s = Server(st_model, "--max-concurrent-requests", 1, "--max-client-batch-size", 100000)
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as http:
+                big = http.post(s.url + "/embed", json={"inputs": texts_for(5, 60000)})
+                task = asyncio.ensure_future(big)
+                await asyncio.sleep(1.0)  # the big one is accepted and running
+                small = await http.post(s.url + "/embed", json={"inputs": "x"})
+                return await task, small
+
+        big, small = asyncio.run(main())
+        assert big.status_code == 200
+        assert small.status_code == 429 and small.headers["retry-after"] == "1"
+        assert "--max-concurrent-requests" in small.json()["error"]
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_sigterm_finishes_requests_in_flight(st_model, encoder):
+    s = Server(st_model, "--max-client-batch-size", 5000)
+    calls = [texts_for(300 + i, 2000) for i in range(32)]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as http:
+            tasks = [asyncio.ensure_future(http.post(s.url + "/embed", json={"inputs": t})) for t in calls]
+            while True:  # every request accepted: the queue-depth gauge says 32
+                metrics = (await http.get(s.url + "/metrics")).text
+                if "ftengine_queue_depth 32.0" in metrics:
+                    break
+                await asyncio.sleep(0.01)
+            s.proc.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*tasks)
+
+    replies = asyncio.run(main())
+    code, out = s.stop()
+    assert code == 0, out
+    for r, texts in zip(replies, calls):
+        assert r.status_code == 200 and close(r.json(), encoder.encode(texts))
