@@ -135,15 +135,18 @@ def main():
                                "--port", str(port), "--max-client-batch-size", "64"], stdout=log, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     import httpx
+    deadline = time.monotonic() + 120
     while True:
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 break
         except httpx.TransportError:
             pass
-        if server.poll() is not None:
-            raise SystemExit((tmp / "server.log").read_text())
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise SystemExit("the server did not become healthy:\n" + (tmp / "server.log").read_text())
         time.sleep(0.2)
+    print("server healthy", flush=True)
     cases = [run_case(url, c, b, texts) for b in (1, 32) for c in (1, 16, 64, 256)]
     server.terminate()
     server.wait(timeout=120)
