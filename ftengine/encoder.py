@@ -156,9 +156,7 @@ class Encoder:
         """Like encode; also counts lines, tokens and truncated texts. `progress(n)` is
         called after each batch with the number of texts it held (from the engine's thread)."""
         start = time.perf_counter()
-        if isinstance(texts, (str, bytes)):
-            raise InputError("texts must be a list of strings, not one string")
-        texts = list(texts)
+        texts = _as_list(texts)
         check_texts(texts)
         options = self._options(batch_tokens, pooling, normalize)
         stats = EncodeStats()
@@ -214,9 +212,7 @@ class Encoder:
     def submit(self, texts, *, batch_tokens: int | None = None, pooling=None, normalize: bool | None = None,
                truncate: bool = True) -> Future:
         """Queue texts and return at once: a concurrent.futures.Future of the (N, dim) embeddings."""
-        if isinstance(texts, (str, bytes)):
-            raise InputError("texts must be a list of strings, not one string")
-        inner = self._engine.submit(list(texts), self._options(batch_tokens, pooling, normalize), truncate=truncate)
+        inner = self._engine.submit(_as_list(texts), self._options(batch_tokens, pooling, normalize), truncate=truncate)
         outer = Future()
 
         def done(f):
@@ -235,9 +231,7 @@ class Encoder:
                            normalize: bool | None = None, truncate: bool = True) -> np.ndarray:
         """`await encoder.encode_async(texts)`: the (N, dim) embeddings, no thread blocked while
         waiting. Cancelling the awaiting task drops the request if it has not started."""
-        if isinstance(texts, (str, bytes)):
-            raise InputError("texts must be a list of strings, not one string")
-        future = self.submit_request(list(texts), batch_tokens=batch_tokens, pooling=pooling, normalize=normalize,
+        future = self.submit_request(_as_list(texts), batch_tokens=batch_tokens, pooling=pooling, normalize=normalize,
                                      truncate=truncate)
         return (await asyncio.wrap_future(future)).embeddings
 
@@ -270,3 +264,10 @@ class Encoder:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _as_list(texts) -> list:
+    """The caller's texts as a list; one bare string is refused (it would be read as characters)."""
+    if isinstance(texts, (str, bytes)):
+        raise InputError("texts must be a list of strings, not one string")
+    return list(texts)
