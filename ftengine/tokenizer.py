@@ -190,17 +190,19 @@ class Tokenizer:
         self._encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
         self.max_length = max_length
         self.lowercase_text = lowercase_text
+        self._untruncated = None  # a copy without truncation, for token counts in errors
         # converting ids to arrays is a third of the tokenising time: skip the type ids when the
         # post-processor gives every token of a single text type 0 (BERT's template does)
         self._zero_types = _single_text_types_are_zero(json.loads(tok.to_str()).get("post_processor"))
 
     def untruncated_length(self, text: str) -> int:
         """Tokens in `text` (prepared as encode does, special tokens included) without truncation."""
-        from tokenizers import Tokenizer as HFTokenizer
-        full = HFTokenizer.from_str(self._tok.to_str())
-        full.no_truncation()
+        if self._untruncated is None:  # built on first use: only error messages need it
+            from tokenizers import Tokenizer as HFTokenizer
+            self._untruncated = HFTokenizer.from_str(self._tok.to_str())
+            self._untruncated.no_truncation()
         text = text.strip()
-        return len(full.encode(text.lower() if self.lowercase_text else text))
+        return len(self._untruncated.encode(text.lower() if self.lowercase_text else text))
 
     @staticmethod
     def _wordpiece(model_dir: Path):

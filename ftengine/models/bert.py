@@ -145,8 +145,6 @@ class BertRunner:
                 f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
                 f"{config.max_position_embeddings}"
             )
-        if max_batch_tokens < max_seq_len:
-            raise InputError(f"batch_tokens {max_batch_tokens} must be at least max_length {max_seq_len}")
         check_layout(config, layout)
         self.config = config
         self.ops = ops
