@@ -1,12 +1,14 @@
 """HTTP service benchmark: `ftengine serve` on loopback under a closed-loop load.
 
 The server runs as its own process with the default model's shape and tokenizer (random
-weights); clients are 4 processes of asyncio httpx clients, each client sending its next
-request when the last is answered, for a fixed time. Cases: 1, 16, 64 and 256 clients, each
-request one short sentence or a batch of 32. Reported: requests/s, embeddings/s, p50/p99
-latency; for scale, the offline engine (`Encoder.encode` in one process) on the same texts.
+weights); clients are 8 processes of asyncio aiohttp clients, each client sending its next
+request when the last is answered, for a fixed time. Cases: the server with 1 and with 4
+worker processes (`--workers`); 1, 16, 64 and 256 clients, each request one short sentence or
+a batch of 32. Reported: requests/s, embeddings/s, p50/p99 latency; for scale, the offline
+engine (`Encoder.encode` in one process) on the same texts.
 
-Usage: python bench/bench_serve.py --model-src PATH --out bench/results
+Needs the serve extra plus aiohttp. Usage:
+python bench/bench_serve.py --model-src PATH --out bench/results [--workers 1,4]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 
@@ -30,7 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-CLIENT_PROCESSES = 4
+CLIENT_PROCESSES = 8
 SECONDS = 6.0
 WARMUP = 1.5
 TARGETS = {"ratio_64": 0.70, "p50_1_ms": 3.0}
@@ -43,25 +46,32 @@ def sentences(vocab: Path, n: int, seed: int = 0) -> list[str]:
 
 
 def client_process(url: str, clients: int, batch: int, texts: list, seconds: float, warmup: float, queue):
-    import httpx
+    """`clients` closed-loop aiohttp clients (C HTTP parser; httpx's pure-Python one cost more
+    CPU per request than the server did); every answer is parsed and its shape checked."""
+    import aiohttp
+    import orjson
 
     async def one(http, k, stop_at, start_at, latencies):
-        i = k
+        i = k * 131
         while time.perf_counter() < stop_at:
-            body = {"inputs": [texts[(i + j) % len(texts)] for j in range(batch)] if batch > 1 else texts[i % len(texts)]}
+            inputs = [texts[(i + j) % len(texts)] for j in range(batch)] if batch > 1 else texts[i % len(texts)]
+            body = orjson.dumps({"inputs": inputs})
             t0 = time.perf_counter()
-            r = await http.post(url + "/embed", json=body)
+            async with http.post(url + "/embed", data=body, headers={"content-type": "application/json"}) as r:
+                data = await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"{r.status}: {data[:200]!r}")
+            rows = orjson.loads(data)
             t1 = time.perf_counter()
-            if r.status_code != 200:
-                raise RuntimeError(f"{r.status_code}: {r.text[:200]}")
+            if len(rows) != batch:
+                raise RuntimeError(f"{len(rows)} rows for {batch} inputs")
             if t0 >= start_at:
                 latencies.append(t1 - t0)
             i += 7919
 
     async def main():
         latencies = []
-        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as http:
             start_at = time.perf_counter() + warmup
             stop_at = start_at + seconds
             await asyncio.gather(*(one(http, k, stop_at, start_at, latencies) for k in range(clients)))
@@ -90,6 +100,32 @@ def run_case(url: str, clients: int, batch: int, texts: list) -> dict:
     return row
 
 
+@contextmanager
+def start_server(model: Path, tmp: Path, workers: int):
+    """`ftengine serve --workers N` on a free port; yields its URL once every worker has warmed up."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp / f"server-{workers}.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "ftengine.cli", "serve", "--model", str(model), "--device", "cuda", "--port", str(port),
+             "--max-client-batch-size", "64", "--workers", str(workers)], stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    deadline = time.monotonic() + 180
+    while log_path.read_text().count("ftengine.serve ready:") < workers:
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise SystemExit("the server did not become ready:\n" + log_path.read_text())
+        time.sleep(0.2)
+    print(f"server with {workers} workers ready", flush=True)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+
+
 def offline(model: Path, texts: list) -> float:
     from ftengine import Encoder
     with Encoder.from_pretrained(model, device="cuda") as enc:
@@ -102,14 +138,14 @@ def offline(model: Path, texts: list) -> float:
 def markdown(r: dict) -> str:
     out = [f"# HTTP service benchmark — {r['device']}, {r['date']}", "",
            "`ftengine serve` (TEI `POST /embed`) on 127.0.0.1, all-MiniLM-L6-v2 shape and tokenizer, random "
-           f"weights, fp16; closed-loop httpx clients in {CLIENT_PROCESSES} processes, {SECONDS:.0f} s per case "
+           f"weights, fp16; closed-loop aiohttp clients in {CLIENT_PROCESSES} processes, {SECONDS:.0f} s per case "
            f"after {WARMUP} s of warm-up. Offline engine (`Encoder.encode`, one process, same texts): "
            f"{r['offline_embeddings_per_s']:,.0f} embeddings/s. Versions: "
            + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".", "",
-           "| clients | inputs per request | requests/s | embeddings/s | vs offline | p50 ms | p99 ms |",
-           "|---|---|---|---|---|---|---|"]
+           "| workers | clients | inputs per request | requests/s | embeddings/s | vs offline | p50 ms | p99 ms |",
+           "|---|---|---|---|---|---|---|---|"]
     for c in r["cases"]:
-        out.append(f"| {c['clients']} | {c['batch']} | {c['requests_per_s']:,} | {c['embeddings_per_s']:,} | "
+        out.append(f"| {c['workers']} | {c['clients']} | {c['batch']} | {c['requests_per_s']:,} | {c['embeddings_per_s']:,} | "
                    f"{c['embeddings_per_s'] / r['offline_embeddings_per_s']:.2f} | {c['p50_ms']} | {c['p99_ms']} |")
     out += ["", f"Targets: at 64 clients, embeddings/s >= {TARGETS['ratio_64']:.0%} of the offline engine's; p50 for "
             f"one short sentence at 1 client <= {TARGETS['p50_1_ms']} ms.", ""]
@@ -120,36 +156,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-src", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--workers", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4],
+                        help="server worker counts to measure (comma-separated)")
     args = parser.parse_args()
     from bench.bench_pipeline import make_model
     import cupy
     tmp = Path(tempfile.mkdtemp(prefix="ftengine-serve-"))
     model = make_model(args.model_src, tmp / "model")
     texts = sentences(model / "vocab.txt", 20_000)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "ftengine.cli", "serve", "--model", str(model), "--device", "cuda",
-                               "--port", str(port), "--max-client-batch-size", "64"], stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
-    import httpx
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            raise SystemExit("the server did not become healthy:\n" + (tmp / "server.log").read_text())
-        time.sleep(0.2)
-    print("server healthy", flush=True)
-    cases = [run_case(url, c, b, texts) for b in (1, 32) for c in (1, 16, 64, 256)]
-    server.terminate()
-    server.wait(timeout=120)
+    cases = []
+    for workers in args.workers:
+        with start_server(model, tmp, workers) as url:
+            cases += [dict(run_case(url, c, b, texts), workers=workers) for b in (1, 32) for c in (1, 16, 64, 256)]
     props = cupy.cuda.runtime.getDeviceProperties(0)
     result = {"device": props["name"].decode(), "date": date.today().isoformat(),
               "versions": {"python": platform.python_version(), "cupy": cupy.__version__},

@@ -153,23 +153,31 @@ def _close(encoder):
 @click.option("--max-concurrent-requests", type=click.IntRange(min=1), default=512, show_default=True,
               help="Requests in progress at once (429 with Retry-After above).")
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' (401 otherwise).")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Service processes on one port, each with its own copy of the model: HTTP and JSON work "
+                   "in parallel, batches packed per process.")
 def serve(model_path, host, port, device, dtype, max_batch_tokens, max_client_batch_size, max_input_length,
-          max_concurrent_requests, api_key):
+          max_concurrent_requests, api_key, workers):
     """Serve embeddings over HTTP: TEI's POST /embed and OpenAI's POST /v1/embeddings
     (needs the `serve` extra: pip install ftengine[serve])."""
     try:
-        from .serve import ServeLimits, serve as run_service
+        from .serve import ServeLimits, WorkerSettings, serve as run_service, serve_workers
         import uvicorn  # noqa: F401  (refused here, not mid-start, when the extra is missing)
     except ImportError as e:
         _fail(f"ftengine serve needs the serve extra (pip install 'ftengine[serve]'): {e}")
+    limits = ServeLimits(max_client_batch_size=max_client_batch_size, max_concurrent_requests=max_concurrent_requests,
+                         max_batch_tokens=max_batch_tokens, api_key=api_key)
+    name = str(model_path or "sentence-transformers/all-MiniLM-L6-v2")
+    if workers > 1:  # each worker loads the model and reports its own errors
+        settings = WorkerSettings(model=model_path, device=device, dtype=dtype, max_length=max_input_length,
+                                  model_name=name, limits=limits)
+        if not serve_workers(settings, host=host, port=port, workers=workers):
+            _fail("a service worker could not start (its error is above)")
+        return
     try:
         encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_input_length)
-        limits = ServeLimits(max_client_batch_size=max_client_batch_size,
-                             max_concurrent_requests=max_concurrent_requests,
-                             max_batch_tokens=max_batch_tokens, api_key=api_key)
         encoder.check_options(batch_tokens=max_batch_tokens)  # refused now, not at the first request
-        name = model_path or "sentence-transformers/all-MiniLM-L6-v2"
-        run_service(encoder, host=host, port=port, model_name=str(name), limits=limits)
+        run_service(encoder, host=host, port=port, model_name=name, limits=limits)
     except FtengineError as e:
         _fail(str(e))
 

@@ -7,15 +7,24 @@ and GET /health (200 once the model is loaded and warmed, 503 before), GET /info
 (Prometheus). Concurrent requests go to the one engine, which packs them into shared batches.
 Every expected problem is a JSON error {"error", "error_type"} with its status; nothing
 accepted is dropped on SIGTERM/SIGINT (uvicorn stops accepting and lets requests finish).
+
+With `workers` > 1, uvicorn's supervisor runs that many processes on one listening socket,
+each with its own engine and copy of the model: HTTP parsing and JSON encoding (most of the
+host time per request, all under one GIL in a single process) then run in parallel, and the
+Prometheus metrics are summed over the processes (prometheus_client's multiprocess mode).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
+import os
+import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -24,6 +33,8 @@ from .errors import FtengineError, InputError, TooLongError
 
 log = logging.getLogger("ftengine.serve")
 MAX_BODY_BYTES = 16 << 20
+WORKER_ENV = "FTENGINE_SERVE_WORKER"  # a worker process's settings (JSON), set by serve_workers
+LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
 
 
 @dataclass(frozen=True)
@@ -111,8 +122,8 @@ class Service:
                                         registry=r, buckets=(1, 2, 3, 4, 8, 16, 32, 64))
         self.batch_tokens = Histogram("ftengine_batch_tokens", "Tokens per device batch", registry=r,
                                       buckets=(64, 256, 1024, 4096, 16384, 65536))
-        Gauge("ftengine_queue_depth", "Requests accepted and not yet answered", registry=r) \
-            .set_function(lambda: self.in_flight)
+        self.queue_depth = Gauge("ftengine_queue_depth", "Requests accepted and not yet answered", registry=r,
+                                 multiprocess_mode="livesum")
         encoder._engine.on_batch = self._observe_batch
 
     def _observe_batch(self, texts: int, requests: int, tokens: int):
@@ -124,6 +135,8 @@ class Service:
         """One real encode before /health says 200: kernels compiled, runner built."""
         self.encoder.encode(["warm up"], batch_tokens=self.limits.max_batch_tokens)
         self.ready = True
+        log.info("ready: %s on %s (%s), process %d", self.model_name, self.encoder.device, self.encoder.dtype,
+                 os.getpid())
 
     # ------------------------------------------------------------ request plumbing
 
@@ -181,6 +194,7 @@ class Service:
                                            f"(--max-concurrent-requests); retry shortly", "Overloaded",
                                       {"Retry-After": "1"})
                 self.in_flight += 1
+                self.queue_depth.inc()
                 admitted = True
             response, inputs, tokens = await handler(request)
         except HTTPFailure as e:
@@ -195,6 +209,7 @@ class Service:
         finally:
             if admitted:
                 self.in_flight -= 1
+                self.queue_depth.dec()
         ms = 1000 * (time.perf_counter() - start)
         self.requests.labels(route, str(response.status_code)).inc()
         self.latency.labels(route).observe(ms / 1000)
@@ -273,9 +288,14 @@ class Service:
             "max_concurrent_requests": self.limits.max_concurrent_requests, "version": __version__}), 0, 0
 
     async def metrics(self, request):
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
         from starlette.responses import Response
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST), 0, 0
+        registry = self.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # every worker's values, summed
+            from prometheus_client.multiprocess import MultiProcessCollector
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST), 0, 0
 
     def app(self):
         """The Starlette application: routes, and the warm-up at startup (in a thread, so /health
@@ -308,6 +328,11 @@ class Service:
         ], lifespan=lifespan)
 
 
+def _uvicorn_config(app, **options):
+    import uvicorn
+    return uvicorn.Config(app, access_log=False, log_level="info", timeout_graceful_shutdown=None, **options)
+
+
 def serve(encoder, *, host: str, port: int, model_name: str, limits: ServeLimits):
     """Run the service until SIGTERM/SIGINT: then stop accepting, answer every request already
     accepted, close the engine and return (the process exits 0)."""
@@ -320,7 +345,52 @@ def serve(encoder, *, host: str, port: int, model_name: str, limits: ServeLimits
             # the process "killed by SIGTERM"; the shutdown was orderly, so exit normally
             getattr(self, "_captured_signals", []).clear()
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     app = Service(encoder, model_name=model_name, limits=limits).app()
-    Server(uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info",
-                          timeout_graceful_shutdown=None)).run()
+    Server(_uvicorn_config(app, host=host, port=port)).run()
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What each worker process of serve_workers needs to load its own Encoder."""
+    model: str | None
+    device: str
+    dtype: str | None
+    max_length: int | None
+    model_name: str
+    limits: ServeLimits
+
+
+def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: int) -> bool:
+    """Run `workers` service processes on one socket (uvicorn's supervisor) until SIGTERM/SIGINT,
+    which each worker answers as `serve` does. False if a worker could not start (its error is
+    in the log). max_concurrent_requests is shared out among the workers."""
+    from uvicorn.config import STARTUP_FAILURE
+    from uvicorn.supervisors import Multiprocess
+    per_worker = max(1, settings.limits.max_concurrent_requests // workers)
+    limits = asdict(settings.limits) | {"max_concurrent_requests": per_worker}
+    os.environ[WORKER_ENV] = json.dumps(asdict(settings) | {"limits": limits})
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    with tempfile.TemporaryDirectory(prefix="ftengine-metrics-") as metrics:
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics)
+        config = _uvicorn_config("ftengine.serve:worker_app", factory=True, host=host, port=port, workers=workers)
+        supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+        supervisor.run()
+    return not any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes)
+
+
+def worker_app():
+    """The application of one worker process of serve_workers (uvicorn calls it as a factory)."""
+    from uvicorn.config import STARTUP_FAILURE
+    from .encoder import Encoder
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    settings = json.loads(os.environ[WORKER_ENV])
+    limits = ServeLimits(**settings["limits"])
+    try:
+        encoder = Encoder.from_pretrained(settings["model"], device=settings["device"], dtype=settings["dtype"],
+                                          max_length=settings["max_length"])
+        encoder.check_options(batch_tokens=limits.max_batch_tokens)
+    except FtengineError as e:
+        print(f"ftengine: {e}", file=sys.stderr, flush=True)
+        sys.exit(STARTUP_FAILURE)
+    return Service(encoder, model_name=settings["model_name"], limits=limits).app()

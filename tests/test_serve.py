@@ -224,3 +224,37 @@ def test_sigterm_finishes_requests_in_flight(st_model, encoder):
     assert code == 0, out
     for r, texts in zip(replies, calls):
         assert r.status_code == 200 and close(r.json(), encoder.encode(texts))
+
+
+def test_workers_share_one_port_and_sum_their_metrics(st_model, encoder):
+    s = Server(st_model, "--workers", 2, "--max-client-batch-size", 5000)
+    calls = [texts_for(500 + i, 1 + i % 9) for i in range(48)]
+    slow = [texts_for(900 + i, 1500) for i in range(16)]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=32)) as http:
+            replies = await asyncio.gather(*(http.post(s.url + "/embed", json={"inputs": t}) for t in calls))
+            metrics = (await http.get(s.url + "/metrics")).text
+            tasks = [asyncio.ensure_future(http.post(s.url + "/embed", json={"inputs": t})) for t in slow]
+            while "ftengine_queue_depth 16.0" not in (await http.get(s.url + "/metrics")).text:
+                await asyncio.sleep(0.01)  # all 16 accepted, summed over the workers
+            s.proc.send_signal(signal.SIGTERM)
+            return replies, metrics, await asyncio.gather(*tasks)
+
+    replies, metrics, last = asyncio.run(main())
+    code, out = s.stop()
+    assert code == 0, out
+    for r, texts in zip(replies + last, calls + slow):
+        assert r.status_code == 200 and close(r.json(), encoder.encode(texts))
+    assert 'ftengine_requests_total{route="embed",status="200"} 48.0' in metrics
+    assert out.count("Started server process") == 2
+
+
+def test_workers_report_a_model_that_cannot_load(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    proc = subprocess.run([EXE, "serve", "--model", str(tmp_path), "--device", "cpu", "--port", str(free_port()),
+                           "--workers", "2"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 1
+    assert f"ftengine: {tmp_path}" in proc.stderr or "config.json" in proc.stderr, proc.stderr
+    assert "a service worker could not start" in proc.stderr
