@@ -2,6 +2,7 @@
 
 Two APIs that existing clients speak:
   POST /embed           text-embeddings-inference: {"inputs", "normalize", "truncate"} -> [[float]]
+                        (also at POST /, TEI's root route, which huggingface_hub's InferenceClient uses)
   POST /v1/embeddings   OpenAI: {"input", "model", "encoding_format", "dimensions"} -> {"data", "usage", ...}
 and GET /health (200 once the model is loaded and warmed, 503 before), GET /info, GET /metrics
 (Prometheus). Concurrent requests go to the one engine, which packs them into shared batches.
@@ -320,6 +321,7 @@ class Service:
 
         return Starlette(routes=[
             route("/embed", "embed", self.embed, ["POST"]),
+            route("/", "embed", self.embed, ["POST"]),  # TEI's root route, where huggingface_hub posts
             route("/v1/embeddings", "openai", self.openai_embeddings, ["POST"]),
             route("/embeddings", "openai", self.openai_embeddings, ["POST"]),
             route("/health", "health", self.health, ["GET"]),

@@ -103,6 +103,15 @@ def test_openai_client(server, encoder):
     assert close([floats.data[0].embedding], encoder.encode(["hello world"]))
 
 
+def test_huggingface_hub_inference_client(server, encoder, monkeypatch):
+    hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.setattr("huggingface_hub.constants.is_offline_mode", lambda: False)  # conftest keeps the Hub offline
+    client = hub.InferenceClient(model=server.url)  # posts TEI bodies to the root route
+    assert close(client.feature_extraction("hello world"), encoder.encode(["hello world"]))
+    raw = client.feature_extraction("hello world", normalize=False)
+    assert close(raw, encoder.encode(["hello world"], normalize=False))
+
+
 def test_openai_token_ids_and_dimensions(server, encoder):
     tokens = encoder.tokenizer.encode(["the quick brown fox"])
     r = httpx.post(server.url + "/v1/embeddings", json={"model": "m", "input": tokens.ids.tolist()})
