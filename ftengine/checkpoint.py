@@ -129,7 +129,8 @@ def _raw_tensor_bytes(path: Path, name: str) -> np.ndarray:
 # HF name (after an optional "bert." prefix) -> (slot, shape as a function of the config)
 BERT_EMBEDDING_NAMES = {
     "embeddings.word_embeddings.weight": ("word_emb", lambda c: (c.vocab_size, c.hidden_size)),
-    "embeddings.position_embeddings.weight": ("pos_emb", lambda c: (c.max_position_embeddings, c.hidden_size)),
+    "embeddings.position_embeddings.weight": ("pos_emb", lambda c: (c.max_position_embeddings + c.position_offset,
+                                                                     c.hidden_size)),
     "embeddings.token_type_embeddings.weight": ("type_emb", lambda c: (c.type_vocab_size, c.hidden_size)),
     "embeddings.LayerNorm.weight": ("emb_ln_gamma", lambda c: (c.hidden_size,)),
     "embeddings.LayerNorm.bias": ("emb_ln_beta", lambda c: (c.hidden_size,)),
@@ -152,16 +153,56 @@ BERT_LAYER_NAMES = {
     "encoder.layer.{i}.output.LayerNorm.weight": ("ffn_ln_gamma", lambda c: (c.hidden_size,)),
     "encoder.layer.{i}.output.LayerNorm.bias": ("ffn_ln_beta", lambda c: (c.hidden_size,)),
 }
-# Tensors that are in BERT checkpoints but not used by the encoder: buffers, the pooler,
-# and the heads of BertForPreTraining / MaskedLM / SequenceClassification / QA / ...
+# Tensors that are in BERT / RoBERTa checkpoints but not used by the encoder: buffers, the
+# pooler, and the heads of ...ForPreTraining / MaskedLM / SequenceClassification / QA / ...
 BERT_IGNORED = [re.compile(p) for p in (
-    r"(bert\.)?embeddings\.position_ids",
-    r"(bert\.)?pooler\..+",
+    r"(bert\.|roberta\.)?embeddings\.(position_ids|token_type_ids)",
+    r"(bert\.|roberta\.)?pooler\..+",
     r"cls\..+",
+    r"lm_head\..+",
     r"classifier\..+",
     r"qa_outputs\..+",
 )]
-BERT_PREFIX = "bert."
+
+# DistilBERT: the same layer with its own names; no token-type table (a zero row stands in)
+DISTILBERT_EMBEDDING_NAMES = {
+    "embeddings.word_embeddings.weight": ("word_emb", lambda c: (c.vocab_size, c.hidden_size)),
+    "embeddings.position_embeddings.weight": ("pos_emb", lambda c: (c.max_position_embeddings, c.hidden_size)),
+    "embeddings.LayerNorm.weight": ("emb_ln_gamma", lambda c: (c.hidden_size,)),
+    "embeddings.LayerNorm.bias": ("emb_ln_beta", lambda c: (c.hidden_size,)),
+}
+DISTILBERT_LAYER_NAMES = {
+    "transformer.layer.{i}.attention.q_lin.weight": ("q_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "transformer.layer.{i}.attention.q_lin.bias": ("q_bias", lambda c: (c.hidden_size,)),
+    "transformer.layer.{i}.attention.k_lin.weight": ("k_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "transformer.layer.{i}.attention.k_lin.bias": ("k_bias", lambda c: (c.hidden_size,)),
+    "transformer.layer.{i}.attention.v_lin.weight": ("v_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "transformer.layer.{i}.attention.v_lin.bias": ("v_bias", lambda c: (c.hidden_size,)),
+    "transformer.layer.{i}.attention.out_lin.weight": ("attn_out_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "transformer.layer.{i}.attention.out_lin.bias": ("attn_out_bias", lambda c: (c.hidden_size,)),
+    "transformer.layer.{i}.sa_layer_norm.weight": ("attn_ln_gamma", lambda c: (c.hidden_size,)),
+    "transformer.layer.{i}.sa_layer_norm.bias": ("attn_ln_beta", lambda c: (c.hidden_size,)),
+    "transformer.layer.{i}.ffn.lin1.weight": ("ffn_in_weight", lambda c: (c.intermediate_size, c.hidden_size)),
+    "transformer.layer.{i}.ffn.lin1.bias": ("ffn_in_bias", lambda c: (c.intermediate_size,)),
+    "transformer.layer.{i}.ffn.lin2.weight": ("ffn_out_weight", lambda c: (c.hidden_size, c.intermediate_size)),
+    "transformer.layer.{i}.ffn.lin2.bias": ("ffn_out_bias", lambda c: (c.hidden_size,)),
+    "transformer.layer.{i}.output_layer_norm.weight": ("ffn_ln_gamma", lambda c: (c.hidden_size,)),
+    "transformer.layer.{i}.output_layer_norm.bias": ("ffn_ln_beta", lambda c: (c.hidden_size,)),
+}
+DISTILBERT_IGNORED = [re.compile(p) for p in (
+    r"(distilbert\.)?embeddings\.position_ids",
+    r"vocab_(transform|layer_norm|projector)\..+",
+    r"pre_classifier\..+",
+    r"classifier\..+",
+    r"qa_outputs\..+",
+)]
+FAMILY_NAMES = {"bert": "BERT", "roberta": "RoBERTa", "distilbert": "DistilBERT"}
+# family -> (embedding names, layer names, ignored patterns, the prefix a task model adds)
+ENCODER_NAME_TABLES = {
+    "bert": (BERT_EMBEDDING_NAMES, BERT_LAYER_NAMES, BERT_IGNORED, "bert."),
+    "roberta": (BERT_EMBEDDING_NAMES, BERT_LAYER_NAMES, BERT_IGNORED, "roberta."),
+    "distilbert": (DISTILBERT_EMBEDDING_NAMES, DISTILBERT_LAYER_NAMES, DISTILBERT_IGNORED, "distilbert."),
+}
 # Checkpoints converted from TensorFlow name LayerNorm parameters gamma/beta.
 _LEGACY_LN = re.compile(r"LayerNorm\.(gamma|beta)$")
 
@@ -192,8 +233,8 @@ class BertWeights:
     layers: list              # num_hidden_layers x BertLayerWeights
 
 
-def _canonical(name: str) -> str:
-    name = name[len(BERT_PREFIX):] if name.startswith(BERT_PREFIX) else name
+def _canonical(name: str, prefix: str) -> str:
+    name = name[len(prefix):] if name.startswith(prefix) else name
     return _LEGACY_LN.sub(lambda m: "LayerNorm." + {"gamma": "weight", "beta": "bias"}[m.group(1)], name)
 
 
@@ -247,10 +288,15 @@ def _slots(arrays: dict, expected: dict, layers: int) -> tuple[dict, list]:
 
 
 def load_bert_weights(model_dir: Path, config: BertConfig) -> BertWeights:
-    expected = _expected(BERT_EMBEDDING_NAMES, BERT_LAYER_NAMES, config.num_hidden_layers, config)
-    arrays = _collect(model_dir, SafetensorsFiles(model_dir), expected, BERT_IGNORED, _canonical,
-                      f"a BERT with {config.num_hidden_layers} layers")
+    """The weights of any encoder family (config.family), in BERT's slots."""
+    embedding_names, layer_names, ignored, prefix = ENCODER_NAME_TABLES[config.family]
+    expected = _expected(embedding_names, layer_names, config.num_hidden_layers, config)
+    arrays = _collect(model_dir, SafetensorsFiles(model_dir), expected, ignored,
+                      lambda name: _canonical(name, prefix),
+                      f"a {FAMILY_NAMES[config.family]} with {config.num_hidden_layers} layers")
     top, layers = _slots(arrays, expected, config.num_hidden_layers)
+    top["pos_emb"] = np.ascontiguousarray(top["pos_emb"][config.position_offset:])
+    top.setdefault("type_emb", np.zeros((config.type_vocab_size, config.hidden_size), np.float32))
     return BertWeights(layers=[_fuse_layer(parts) for parts in layers], **top)
 
 

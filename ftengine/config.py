@@ -8,7 +8,16 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-SUPPORTED_BERT_TYPES = ("bert",)
+# model_type -> encoder family: each family is the BERT layer stack with its own config keys,
+# weight names and position numbering
+ENCODER_FAMILIES = {
+    "bert": "bert",
+    "roberta": "roberta",
+    "xlm-roberta": "roberta",
+    "camembert": "roberta",
+    "distilbert": "distilbert",
+}
+SUPPORTED_BERT_TYPES = tuple(ENCODER_FAMILIES)
 # hidden_act value -> the GELU form the ops implement
 GELU_FORMS = {
     "gelu": "erf",
@@ -84,6 +93,10 @@ class BertConfig:
     layer_norm_eps: float          # 1e-12
     gelu: str                      # "erf" or "tanh", from hidden_act
     pad_token_id: int              # 0
+    family: str = "bert"           # "bert", "roberta" or "distilbert" (ENCODER_FAMILIES)
+    # RoBERTa numbers positions from pad_token_id + 1: token i reads row i + position_offset of
+    # the stored table, which has max_position_embeddings + position_offset rows
+    position_offset: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -93,11 +106,14 @@ class BertConfig:
     def from_dict(cls, data: dict, path: Path) -> "BertConfig":
         keys = _Keys(data, path)
         model_type = keys.required("model_type", str)
-        if model_type not in SUPPORTED_BERT_TYPES:
+        if model_type not in ENCODER_FAMILIES:
             raise ConfigError(
                 f"{path}: model_type {model_type!r} is not supported by the encoder; "
                 f"supported: {', '.join(SUPPORTED_BERT_TYPES)}"
             )
+        family = ENCODER_FAMILIES[model_type]
+        if family == "distilbert":
+            return cls._distilbert(keys, path)
         act = keys.required("hidden_act", str)
         if act not in GELU_FORMS:
             raise ConfigError(
@@ -116,17 +132,51 @@ class BertConfig:
                 f"{path}: hidden_size {hidden} is not divisible by num_attention_heads {heads}"
             )
         eps = keys.positive_float("layer_norm_eps", 1e-12)
+        pad = keys.optional("pad_token_id", int, 1 if family == "roberta" else 0)
+        offset = pad + 1 if family == "roberta" else 0
+        positions = keys.positive("max_position_embeddings")
+        if positions <= offset + 1:
+            raise ConfigError(f"{path}: max_position_embeddings {positions} leaves no positions after the "
+                              f"first {offset} (RoBERTa numbers positions from pad_token_id + 1 = {offset})")
         return cls(
             vocab_size=keys.positive("vocab_size"),
             hidden_size=hidden,
             num_hidden_layers=keys.positive("num_hidden_layers"),
             num_attention_heads=heads,
             intermediate_size=keys.positive("intermediate_size"),
-            max_position_embeddings=keys.positive("max_position_embeddings"),
-            type_vocab_size=keys.optional("type_vocab_size", int, 2),
+            max_position_embeddings=positions - offset,
+            type_vocab_size=keys.optional("type_vocab_size", int, 1 if family == "roberta" else 2),
             layer_norm_eps=eps,
             gelu=GELU_FORMS[act],
+            pad_token_id=pad,
+            family=family,
+            position_offset=offset,
+        )
+
+    @classmethod
+    def _distilbert(cls, keys: _Keys, path: Path) -> "BertConfig":
+        """DistilBERT's own keys (dim, hidden_dim, n_heads, n_layers, activation); no token
+        types; LayerNorm eps fixed at 1e-12 by its modelling code."""
+        if keys.data.get("sinusoidal_pos_embds"):
+            raise ConfigError(f"{path}: sinusoidal_pos_embds=true is not supported (learned positions only)")
+        act = keys.optional("activation", str, "gelu")
+        if act not in GELU_FORMS:
+            raise ConfigError(f"{path}: activation {act!r} is not supported; supported: {', '.join(GELU_FORMS)}")
+        hidden, heads = keys.positive("dim"), keys.positive("n_heads")
+        if hidden % heads:
+            raise ConfigError(f"{path}: dim {hidden} is not divisible by n_heads {heads}")
+        return cls(
+            vocab_size=keys.positive("vocab_size"),
+            hidden_size=hidden,
+            num_hidden_layers=keys.positive("n_layers"),
+            num_attention_heads=heads,
+            intermediate_size=keys.positive("hidden_dim"),
+            max_position_embeddings=keys.positive("max_position_embeddings"),
+            type_vocab_size=1,
+            layer_norm_eps=1e-12,
+            gelu=GELU_FORMS[act],
             pad_token_id=keys.optional("pad_token_id", int, 0),
+            family="distilbert",
         )
 
 

@@ -7,6 +7,7 @@ sub-layer contributes visibly (errors in any op show up in the outputs).
 from __future__ import annotations
 
 import json
+import re
 import string
 from pathlib import Path
 
@@ -153,6 +154,109 @@ def write_sentence_transformers_files(folder: Path, *, pooling: dict, normalize:
     if max_seq_length is not None:
         (folder / "sentence_bert_config.json").write_text(
             json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}), encoding="utf-8")
+
+
+# ---------------------------------------------------------------- RoBERTa / XLM-R / DistilBERT
+
+ROBERTA_SPECIAL = ["<s>", "<pad>", "</s>", "<unk>"]  # ids 0..3, as RoBERTa and XLM-R number them
+ENCODER_TYPES = ("roberta", "xlm-roberta", "camembert", "distilbert")
+
+
+def write_bpe_tokenizer(folder: Path):
+    """RoBERTa-style tokenizer.json: byte-level BPE (every byte, plus merges learnt from the
+    fixture words), <s> $A </s> around each text, </s></s> between a pair."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors, trainers
+    from tokenizers.models import BPE
+    tok = Tokenizer(BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # as roberta-base's
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=ROBERTA_SPECIAL + ["<mask>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(WORDS)] * 3, trainer=trainer)
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    tok.save(str(folder / "tokenizer.json"))
+    _special_tokens_config(folder, "RobertaTokenizer")
+
+
+def write_unigram_tokenizer(folder: Path):
+    """XLM-R-style tokenizer.json: a sentencepiece Unigram model with Metaspace pre-tokenisation."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+    pieces = [(t, 0.0) for t in ROBERTA_SPECIAL]
+    pieces += [("\u2581" + w, -3.0 - len(w) / 10) for w in WORDS]
+    pieces += [(c, -8.0) for c in string.ascii_lowercase + string.digits + string.punctuation + "\u2581"]
+    pieces.append(("<mask>", 0.0))
+    tok = Tokenizer(Unigram(pieces, unk_id=3))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    tok.add_special_tokens(ROBERTA_SPECIAL + ["<mask>"])
+    tok.save(str(folder / "tokenizer.json"))
+    _special_tokens_config(folder, "XLMRobertaTokenizer")
+
+
+def _special_tokens_config(folder: Path, tokenizer_class: str):
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": tokenizer_class, "bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>",
+        "cls_token": "<s>", "unk_token": "<unk>", "pad_token": "<pad>", "mask_token": "<mask>",
+    }), encoding="utf-8")
+
+
+def write_encoder_checkpoint(folder, model_type: str, *, seed: int = 0, hidden=32, layers=2, heads=4,
+                             intermediate=37, max_positions=64, hidden_act="gelu", eps=1e-5, init: str = "stress",
+                             sentence_transformers: dict | None = None) -> Path:
+    """A random RoBERTa / XLM-RoBERTa / CamemBERT / DistilBERT folder with the tokenizer its
+    family ships (byte-level BPE, Unigram, Unigram, WordPiece). `max_positions` is the longest
+    input; RoBERTa-style tables hold pad_token_id + 1 more rows, as on the Hub."""
+    if model_type not in ENCODER_TYPES:
+        raise ValueError(f"model_type must be one of {ENCODER_TYPES}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if model_type == "roberta":
+        write_bpe_tokenizer(folder)
+    elif model_type == "distilbert":
+        write_wordpiece_tokenizer(folder, fixture_vocab())
+    else:
+        write_unigram_tokenizer(folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
+    bert = bert_config(hidden=hidden, layers=layers, heads=heads, intermediate=intermediate, hidden_act=hidden_act,
+                       max_positions=max_positions + (0 if model_type == "distilbert" else 2), type_vocab=1,
+                       vocab_size=len(vocab), eps=eps)
+    tensors = random_bert_tensors(bert, seed=seed, init=init)
+    if model_type == "distilbert":
+        config = {"architectures": ["DistilBertModel"], "model_type": "distilbert", "vocab_size": bert["vocab_size"],
+                  "dim": hidden, "hidden_dim": intermediate, "n_heads": heads, "n_layers": layers,
+                  "max_position_embeddings": max_positions, "activation": hidden_act, "sinusoidal_pos_embds": False,
+                  "dropout": 0.0, "attention_dropout": 0.0, "pad_token_id": 0}
+        tensors = {distilbert_name(name): t for name, t in tensors.items()
+                   if not name.startswith(("pooler.", "embeddings.token_type"))}
+    else:
+        arch = {"roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel", "camembert": "CamembertModel"}
+        config = dict(bert, architectures=[arch[model_type]], model_type=model_type, pad_token_id=1,
+                      bos_token_id=0, eos_token_id=2)
+        tensors = {"roberta." + name: t for name, t in tensors.items()} if model_type == "camembert" else tensors
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if sentence_transformers is not None:
+        write_sentence_transformers_files(folder, **sentence_transformers)
+    return folder
+
+
+def distilbert_name(name: str) -> str:
+    """A BERT tensor name as DistilBERT stores it."""
+    for bert_part, distil_part in (
+            (r"encoder\.layer\.(\d+)\.attention\.self\.query", r"transformer.layer.\1.attention.q_lin"),
+            (r"encoder\.layer\.(\d+)\.attention\.self\.key", r"transformer.layer.\1.attention.k_lin"),
+            (r"encoder\.layer\.(\d+)\.attention\.self\.value", r"transformer.layer.\1.attention.v_lin"),
+            (r"encoder\.layer\.(\d+)\.attention\.output\.dense", r"transformer.layer.\1.attention.out_lin"),
+            (r"encoder\.layer\.(\d+)\.attention\.output\.LayerNorm", r"transformer.layer.\1.sa_layer_norm"),
+            (r"encoder\.layer\.(\d+)\.intermediate\.dense", r"transformer.layer.\1.ffn.lin1"),
+            (r"encoder\.layer\.(\d+)\.output\.dense", r"transformer.layer.\1.ffn.lin2"),
+            (r"encoder\.layer\.(\d+)\.output\.LayerNorm", r"transformer.layer.\1.output_layer_norm")):
+        name = re.sub("^" + bert_part, distil_part, name)
+    return name
 
 
 # ---------------------------------------------------------------- GPT-2

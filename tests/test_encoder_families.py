@@ -1,0 +1,147 @@
+"""RoBERTa, XLM-RoBERTa, CamemBERT and DistilBERT: the encoder (NumPy reference, and CUDA where
+marked) against HF transformers' own classes, model level and through the whole Encoder
+(each family's tokenizer kind, pooling) on small random checkpoints."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ftengine import Encoder
+from ftengine.backends import numpy_ops
+from ftengine.checkpoint import load_bert_weights
+from ftengine.config import SUPPORTED_BERT_TYPES, load_bert_config
+from ftengine.errors import ConfigError
+from ftengine.models.bert import Batch, BertRunner
+from tests.tolerances import GPU_FP32_REL, HF_FP32_MAX_ABS, LOWP_ERROR_FACTOR
+from weights.fixtures import ENCODER_TYPES, write_encoder_checkpoint
+
+SHAPES = {  # layout -> fixture shape (packed needs head_dim 32, 64 or 128)
+    "packed": dict(hidden=64, layers=2, heads=2, intermediate=150),
+    "padded": dict(hidden=40, layers=2, heads=5, intermediate=64, hidden_act="gelu_new"),
+}
+TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world, this is a line of text!", "a",
+         "what some of them had was all there " * 12]
+
+
+def _runner(path, ops, layout, dtype="fp32"):
+    config = load_bert_config(path)
+    return BertRunner(config, load_bert_weights(path, config), ops, dtype=dtype, max_batch_tokens=1024,
+                      max_seq_len=config.max_position_embeddings, layout=layout)
+
+
+def _ids(rng, config, lengths):
+    """Random ids without the pad id: RoBERTa's HF position ids skip pad ids wherever they are."""
+    ids = [rng.integers(0, config.vocab_size - 1, n) for n in lengths]
+    return [np.where(x >= config.pad_token_id, x + 1, x).tolist() for x in ids]
+
+
+def _hf_hidden(path, ids, *, device="cpu", dtype="fp32"):
+    import torch
+    from transformers import AutoModel
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = AutoModel.from_pretrained(str(path), attn_implementation="eager").eval().to(device)
+    model = model.to({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype])
+    pad = model.config.pad_token_id
+    s = max(len(x) for x in ids)
+    padded = np.full((len(ids), s), pad, np.int64)
+    mask = np.zeros((len(ids), s), np.int64)
+    for i, x in enumerate(ids):
+        padded[i, :len(x)], mask[i, :len(x)] = x, 1
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(padded).to(device),
+                    attention_mask=torch.from_numpy(mask).to(device)).last_hidden_state
+    out = out.float().cpu().numpy()
+    return [out[i, :len(x)] for i, x in enumerate(ids)]
+
+
+def _max_err(a, b):
+    return max(np.abs(x - y).max() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("model_type", ENCODER_TYPES)
+def test_hidden_states_match_hf(tmp_path, rng, model_type, layout):
+    path = write_encoder_checkpoint(tmp_path, model_type, seed=3, **SHAPES[layout])
+    runner = _runner(path, numpy_ops, layout)
+    ids = _ids(rng, runner.config, [1, 7, 64, 33, 2])  # up to the longest input the model takes
+    ours = runner.hidden_states(Batch.from_lists(ids, [[0] * len(x) for x in ids]))
+    ref = _hf_hidden(path, ids)
+    assert max(np.abs(r).max() for r in ref) > 0.5
+    assert _max_err(ours, ref) <= HF_FP32_MAX_ABS, model_type
+
+
+@pytest.mark.parametrize("model_type", ENCODER_TYPES)
+def test_encoder_matches_hf_tokenizer_model_and_pooling(tmp_path, model_type):
+    """Texts through Encoder (the family's tokenizer.json) = HF AutoTokenizer + AutoModel + mean pooling."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+    path = write_encoder_checkpoint(tmp_path, model_type, seed=4, **SHAPES["packed"])
+    with Encoder.from_pretrained(path, device="cpu") as enc:
+        ours = enc.encode(TEXTS, pooling="mean", normalize=False)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    inputs = tok(TEXTS, padding=True, truncation=True, max_length=64, return_tensors="pt")
+    model = AutoModel.from_pretrained(str(path), attn_implementation="eager").eval()
+    with torch.no_grad():
+        hidden = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
+    mask = inputs["attention_mask"].unsqueeze(-1).float()
+    ref = ((hidden * mask).sum(1) / mask.sum(1)).numpy()
+    assert np.abs(ours - ref).max() <= HF_FP32_MAX_ABS, model_type
+
+
+def _edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("model_type, changes, message", [
+    ("distilbert", {"sinusoidal_pos_embds": True}, "sinusoidal_pos_embds=true is not supported"),
+    ("distilbert", {"activation": "relu"}, "activation 'relu' is not supported; supported: gelu"),
+    ("distilbert", {"dim": 33}, "dim 33 is not divisible by n_heads 2"),
+    ("roberta", {"max_position_embeddings": 3}, "max_position_embeddings 3 leaves no positions after the first 2"),
+    ("xlm-roberta", {"model_type": "deberta-v2"}, "model_type 'deberta-v2' is not supported by the encoder; "
+                                                   "supported: " + ", ".join(SUPPORTED_BERT_TYPES)),
+])
+def test_config_refusals_name_file_and_key(tmp_path, model_type, changes, message):
+    path = write_encoder_checkpoint(tmp_path, model_type, **SHAPES["packed"])
+    _edit_config(path, **changes)
+    with pytest.raises(ConfigError) as e:
+        load_bert_config(path)
+    assert str(path / "config.json") in str(e.value) and message in str(e.value)
+
+
+def test_distilbert_weight_names_are_checked(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    path = write_encoder_checkpoint(tmp_path, "distilbert", **SHAPES["packed"])
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["transformer.layer.1.ffn.lin3.weight"] = tensors.pop("transformer.layer.1.ffn.lin2.weight")
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(Exception, match=r"unexpected tensor\(s\) for a DistilBERT with 2 layers: "
+                                        r"transformer\.layer\.1\.ffn\.lin3\.weight"):
+        load_bert_weights(path, load_bert_config(path))
+
+
+@pytest.fixture(scope="module")
+def cu():
+    from ftengine.backends.cuda import ops
+    return ops
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("model_type", ENCODER_TYPES)
+def test_cuda_matches_hf_on_the_gpu(tmp_path, cu, model_type, layout, dtype):
+    shape = dict(hidden=256, layers=2, heads=4, intermediate=700) if layout == "packed" else SHAPES["padded"]
+    path = write_encoder_checkpoint(tmp_path, model_type, seed=9, max_positions=512, **shape)
+    runner = _runner(path, cu, layout, dtype)
+    ids = _ids(np.random.default_rng(2), runner.config, [512, 1, 77, 300, 3])
+    ours = runner.hidden_states(Batch.from_lists(ids, [[0] * len(x) for x in ids]))
+    exact = _hf_hidden(path, ids, device="cuda")
+    if dtype == "fp32":
+        scale = max(1.0, max(np.abs(x).max() for x in exact))
+        assert _max_err(ours, exact) / scale <= GPU_FP32_REL
+    else:
+        hf_err = _max_err(_hf_hidden(path, ids, device="cuda", dtype=dtype), exact)
+        assert _max_err(ours, exact) <= LOWP_ERROR_FACTOR * hf_err
