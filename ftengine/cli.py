@@ -18,6 +18,8 @@ import numpy as np
 from . import Encoder, FtengineError
 from .backends import DEVICES
 from .encoder import DTYPES, EncodeStats
+from .errors import InputError
+from .output import PRECISIONS, calibration_ranges, needs_ranges, output_dtype
 from .textio import FORMATS, EmbeddingWriter, check_writable, iter_lines, output_format, read_lines
 
 
@@ -84,9 +86,21 @@ def main():
                    "auto: packed when the model's head size is 32, 64 or 128.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay each batch shape as a captured CUDA graph (off: direct launches, for debugging).")
+@click.option("--prompt-name", default=None,
+              help="Put the model's prompt of this name (config_sentence_transformers.json) before each line.")
+@click.option("--prompt", default=None, help="Put this text before each line (instead of a named prompt).")
+@click.option("--dimensions", type=click.IntRange(min=1), default=None,
+              help="Keep the first N values of each embedding (Matryoshka models).")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="float32", show_default=True,
+              help="Output precision, as sentence-transformers' quantize_embeddings.")
+@click.option("--ranges", "ranges_path", default=None,
+              help="int8/uint8: a .npy of shape (2, dim), each dimension's min and max.")
+@click.option("--calibration", "calibration_path", default=None,
+              help="int8/uint8: a .npy of float embeddings (n, dim) to take the ranges from.")
 @click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
 def encode(input_path, output, model_path, device, dtype, batch_tokens, max_length, pooling,
-           normalize, fmt, errors, truncate, layout, cuda_graphs, quiet):
+           normalize, fmt, errors, truncate, layout, cuda_graphs, prompt_name, prompt, dimensions, precision,
+           ranges_path, calibration_path, quiet):
     """Embed each line of INPUT (a UTF-8 text file, or '-' for stdin): one row per line, in order.
     The input is read and the output written as the work goes, so memory does not grow with the file."""
     encoder = None
@@ -95,17 +109,21 @@ def encode(input_path, output, model_path, device, dtype, batch_tokens, max_leng
             fmt = output_format(output, fmt)
             check_writable(output)
             lines = iter_lines(input_path, errors=errors)
+            ranges = _ranges(precision, ranges_path, calibration_path)
             encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length,
                                               cuda_graphs=cuda_graphs, layout=layout)
+            post = dict(prompt_name=prompt_name, prompt=prompt, dimensions=dimensions, precision=precision,
+                        ranges=ranges)
             stats = EncodeStats()
             start = time.perf_counter()
             show_bar = not quiet and sys.stderr.isatty()
             from tqdm import tqdm
             with tqdm(unit="line", disable=not show_bar, file=sys.stderr) as bar, \
-                    EmbeddingWriter(output, fmt, encoder.output_dim(pooling)) as writer:
+                    EmbeddingWriter(output, fmt, encoder.output_dim(pooling, dimensions=dimensions, precision=precision),
+                                    output_dtype(precision)) as writer:
                 for chunk in encoder.encode_stream(lines, batch_tokens=batch_tokens, pooling=pooling,
                                                    normalize=normalize, truncate=truncate, stats=stats,
-                                                   progress=bar.update):
+                                                   progress=bar.update, **post):
                     writer.write(chunk)
             stats.seconds = time.perf_counter() - start
             encoder.close()
@@ -130,6 +148,31 @@ def encode(input_path, output, model_path, device, dtype, batch_tokens, max_leng
             f"-> {'stdout' if output == '-' else output}",
             err=True,
         )
+
+
+def _ranges(precision: str, ranges_path, calibration_path):
+    """The int8/uint8 ranges from --ranges or --calibration (checked against the model's
+    dimension when encoding starts); None for other precisions."""
+    if ranges_path and calibration_path:
+        _fail("give --ranges or --calibration, not both")
+    if not needs_ranges(precision):
+        if ranges_path or calibration_path:
+            _fail(f"--ranges and --calibration apply to int8 and uint8 only, not to --precision {precision}")
+        return None
+    if not (ranges_path or calibration_path):
+        _fail(f"--precision {precision} needs --ranges FILE.npy or --calibration FILE.npy: the ranges must be known "
+              "before the first line is written")
+    path = ranges_path or calibration_path
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot read {path} as a .npy array: {e}") from None
+    if ranges_path:
+        return array
+    try:
+        return calibration_ranges(array)
+    except InputError as e:
+        raise InputError(f"{path}: {e}") from None
 
 
 def _close(encoder):

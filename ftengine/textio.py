@@ -141,8 +141,9 @@ class EmbeddingWriter:
     """Rows of embeddings written as they come, in order. Use as a context manager: leaving
     it normally commits the output, leaving by any exception removes every trace of it."""
 
-    def __init__(self, path: str, fmt: str, dim: int):
+    def __init__(self, path: str, fmt: str, dim: int, dtype=np.float32):
         self.path, self.fmt, self.dim = path, fmt, dim
+        self.dtype = np.dtype(dtype).newbyteorder("<")
         self.rows = 0
         self._tmp = None
         self._spool = None
@@ -166,7 +167,7 @@ class EmbeddingWriter:
             self._write(self._header(0), spool=False)  # the row count is patched in commit()
 
     def _header(self, rows: int) -> bytes:
-        text = repr({"descr": "<f4", "fortran_order": False, "shape": (rows, self.dim)})
+        text = repr({"descr": self.dtype.str, "fortran_order": False, "shape": (rows, self.dim)})
         pad = NPY_HEADER_BYTES - 10 - len(text) - 1
         return b"\x93NUMPY\x01\x00" + (NPY_HEADER_BYTES - 10).to_bytes(2, "little") + \
             text.encode("latin1") + b" " * pad + b"\n"
@@ -181,7 +182,7 @@ class EmbeddingWriter:
     def write(self, embeddings: np.ndarray):
         """Append (n, dim) rows."""
         if self.fmt == "npy":
-            self._write(np.ascontiguousarray(embeddings, dtype="<f4").tobytes())
+            self._write(np.ascontiguousarray(embeddings, dtype=self.dtype).tobytes())
         else:
             self._write("".join(
                 json.dumps({"line": self.rows + i, "embedding": row}) + "\n"

@@ -10,7 +10,7 @@ A plain BERT folder without them: mean pooling, no normalisation, max length = m
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 
@@ -57,6 +57,9 @@ def _pooling_from_config(path: Path) -> tuple[str, ...]:
     cfg = read_json(path, "pooling config")
     if "pooling_mode" in cfg and not any(k in cfg for k in _LEGACY_POOLING_KEYS):
         return parse_pooling(cfg["pooling_mode"], str(path))
+    if cfg.get("include_prompt") is False:
+        raise ConfigError(f"{path}: include_prompt=false is not supported (the prompt's tokens would have to be "
+                          "left out of the pooling)")
     if cfg.get("pooling_mode_weightedmean_tokens"):
         raise ConfigError(
             f"{path}: weightedmean pooling is not supported; supported: {', '.join(POOLING_ORDER)}"
@@ -75,6 +78,24 @@ class FolderSettings:
     pooling: tuple[str, ...]
     normalize: bool
     lowercase_text: bool         # sentence-transformers' do_lower_case (text, before tokenising)
+    prompts: dict = field(default_factory=dict)  # name -> text put before each input
+    default_prompt_name: str | None = None
+
+
+def _read_prompts(folder: Path) -> tuple[dict, str | None]:
+    """config_sentence_transformers.json's `prompts` and `default_prompt_name`."""
+    path = folder / "config_sentence_transformers.json"
+    if not path.is_file():
+        return {}, None
+    cfg = read_json(path, "sentence-transformers config")
+    prompts = cfg.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+        raise ConfigError(f"{path}: prompts must map names to strings, found {prompts!r}")
+    default = cfg.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise ConfigError(f"{path}: default_prompt_name {default!r} is not one of the prompts "
+                          f"({', '.join(prompts) or 'none defined'})")
+    return prompts, default
 
 
 def read_folder_settings(folder: Path) -> FolderSettings:
@@ -115,7 +136,7 @@ def read_folder_settings(folder: Path) -> FolderSettings:
         if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
             raise ConfigError(f"{st_config}: max_seq_length must be an integer >= 2, found {max_length!r}")
         lowercase = bool(cfg.get("do_lower_case", False))
-    return FolderSettings(model_dir, max_length, pooling, normalize, lowercase)
+    return FolderSettings(model_dir, max_length, pooling, normalize, lowercase, *_read_prompts(folder))
 
 
 @dataclass

@@ -140,7 +140,8 @@ def write_bert_checkpoint(folder, *, seed: int = 0, sentence_transformers: dict 
 
 
 def write_sentence_transformers_files(folder: Path, *, pooling: dict, normalize: bool = False,
-                                      max_seq_length: int | None = None):
+                                      max_seq_length: int | None = None, prompts: dict | None = None,
+                                      default_prompt_name: str | None = None):
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -154,6 +155,10 @@ def write_sentence_transformers_files(folder: Path, *, pooling: dict, normalize:
     if max_seq_length is not None:
         (folder / "sentence_bert_config.json").write_text(
             json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}), encoding="utf-8")
+    if prompts is not None:
+        (folder / "config_sentence_transformers.json").write_text(json.dumps(
+            {"prompts": prompts, "default_prompt_name": default_prompt_name, "similarity_fn_name": "cosine"}),
+            encoding="utf-8")
 
 
 # ---------------------------------------------------------------- RoBERTa / XLM-R / DistilBERT
