@@ -26,7 +26,7 @@ TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world, this is a 
 
 def _runner(path, ops, layout, dtype="fp32"):
     config = load_bert_config(path)
-    return BertRunner(config, load_bert_weights(path, config), ops, dtype=dtype, max_batch_tokens=1024,
+    return BertRunner(config, load_bert_weights(path, config), ops, dtype=dtype, max_batch_tokens=4096,
                       max_seq_len=config.max_position_embeddings, layout=layout)
 
 

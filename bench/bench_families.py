@@ -1,0 +1,94 @@
+"""Encoder families on the GPU: ftengine against HF transformers in the same run, one row per
+family at BERT-base size (hidden 768, 12 layers, 12 heads, FFN 3072), 32 x 128 tokens, fp16.
+
+Each family's checkpoint is random (HF-like initialisation) in its own HF format, written by
+the test fixtures (its own config keys, weight names and tokenizer kind); ftengine runs its
+packed layout with mean pooling and normalisation, HF its AutoModel with sdpa attention.
+
+Usage: python bench/bench_families.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_encoder import median_ms  # noqa: E402
+from ftengine.checkpoint import load_bert_weights  # noqa: E402
+from ftengine.config import load_bert_config  # noqa: E402
+from ftengine.models.bert import Batch, BertRunner  # noqa: E402
+from weights.fixtures import ENCODER_TYPES, write_bert_checkpoint, write_encoder_checkpoint  # noqa: E402
+
+BATCH, SEQ = 32, 128
+BASE = dict(hidden=768, layers=12, heads=12, intermediate=3072, max_positions=512, init="hf")
+
+
+def write_checkpoint(model_type: str, folder: Path) -> Path:
+    if model_type == "bert":
+        return write_bert_checkpoint(folder, seed=1, **BASE)
+    return write_encoder_checkpoint(folder, model_type, seed=1, **BASE)
+
+
+def time_family(model_type: str, folder: Path) -> dict:
+    import torch
+    from transformers import AutoModel
+    from ftengine.backends.cuda import ops
+    config = load_bert_config(folder)
+    runner = BertRunner(config, load_bert_weights(folder, config), ops, dtype="fp16", max_batch_tokens=BATCH * SEQ,
+                        max_seq_len=SEQ, layout="packed")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(config.pad_token_id + 1, config.vocab_size, (BATCH, SEQ))
+    batch = Batch.from_lists(ids.tolist(), np.zeros_like(ids).tolist())
+    ours = median_ms(lambda: runner.embed(batch, pooling=("mean",), normalize=True), sync=ops.synchronize)
+    model = AutoModel.from_pretrained(str(folder), attn_implementation="sdpa").to(torch.float16).cuda().eval()
+    t_ids = torch.from_numpy(ids).cuda()
+    mask = torch.ones_like(t_ids)
+
+    def hf():
+        with torch.no_grad():
+            model(input_ids=t_ids, attention_mask=mask)
+    theirs = median_ms(hf, sync=torch.cuda.synchronize, repeat=20)
+    return {"model_type": model_type, "family": config.family, "batch": BATCH, "seq": SEQ, "dtype": "fp16",
+            "ftengine_ms": round(ours, 4), "hf_sdpa_ms": round(theirs, 4), "speedup": round(theirs / ours, 2)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    import cupy
+    import torch
+    import transformers
+    tmp = Path(tempfile.mkdtemp(prefix="ftengine-families-"))
+    rows = []
+    for model_type in ("bert",) + ENCODER_TYPES:
+        rows.append(time_family(model_type, write_checkpoint(model_type, tmp / model_type)))
+        print(json.dumps(rows[-1]), flush=True)
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    result = {"device": props["name"].decode(), "date": date.today().isoformat(),
+              "versions": {"python": platform.python_version(), "cupy": cupy.__version__, "torch": torch.__version__,
+                           "transformers": transformers.__version__}, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "families.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"# Encoder families — {result['device']}, {result['date']}", "",
+             f"BERT-base-sized random checkpoints, {BATCH} x {SEQ} tokens, fp16; ftengine packed layout (mean pooling, "
+             "normalised) vs HF AutoModel (sdpa) in the same run; median of 30 (HF: 20). Versions: "
+             + ", ".join(f"{k} {v}" for k, v in result["versions"].items()) + ".", "",
+             "| model_type | ftengine ms | HF sdpa ms | speed-up |", "|---|---|---|---|"]
+    lines += [f"| {r['model_type']} | {r['ftengine_ms']} | {r['hf_sdpa_ms']} | {r['speedup']}x |" for r in rows]
+    (args.out / "families.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
