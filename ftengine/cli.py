@@ -72,7 +72,7 @@ def main():
 @click.option("--max-length", type=click.IntRange(min=2), default=None,
               help="Longest tokenised text; longer texts are truncated. Default: the model folder's.")
 @click.option("--pooling", default=None,
-              help="cls, mean, max, mean_sqrt_len, lasttoken, or several joined by commas. Default: the model folder's.")
+              help="cls, mean, max, mean_sqrt_len, weightedmean, lasttoken, or several joined by commas. Default: the model folder's.")
 @click.option("--normalize/--no-normalize", default=None,
               help="L2-normalise embeddings. Default: the model folder's (Normalize module).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,

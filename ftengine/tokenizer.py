@@ -20,17 +20,18 @@ from .config import read_json
 from .errors import ConfigError, InputError
 
 # sentence-transformers concatenates pooled vectors in this order.
-POOLING_ORDER = ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")
+POOLING_ORDER = ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")  # sentence-transformers' order
 _LEGACY_POOLING_KEYS = {
     "pooling_mode_cls_token": "cls",
     "pooling_mode_max_tokens": "max",
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
     "pooling_mode_lasttoken": "lasttoken",
 }
 _POOLING_NAMES = {
     "cls": "cls", "max": "max", "mean": "mean", "lasttoken": "lasttoken",
-    "mean_sqrt_len": "mean_sqrt_len", "mean_sqrt_len_tokens": "mean_sqrt_len",
+    "mean_sqrt_len": "mean_sqrt_len", "mean_sqrt_len_tokens": "mean_sqrt_len", "weightedmean": "weightedmean",
 }
 ST_TRANSFORMER = "sentence_transformers.models.Transformer"
 ST_POOLING = "sentence_transformers.models.Pooling"
@@ -60,10 +61,6 @@ def _pooling_from_config(path: Path) -> tuple[str, ...]:
     if cfg.get("include_prompt") is False:
         raise ConfigError(f"{path}: include_prompt=false is not supported (the prompt's tokens would have to be "
                           "left out of the pooling)")
-    if cfg.get("pooling_mode_weightedmean_tokens"):
-        raise ConfigError(
-            f"{path}: weightedmean pooling is not supported; supported: {', '.join(POOLING_ORDER)}"
-        )
     modes = [mode for key, mode in _LEGACY_POOLING_KEYS.items() if cfg.get(key)]
     if not modes:
         raise ConfigError(f"{path}: no pooling mode is switched on")
@@ -188,6 +185,20 @@ def _single_text_types_are_zero(processor) -> bool:
     return False
 
 
+def _sentencepiece_whitespace(text: str) -> str:
+    """tokenizer.json with white space split off before a bare Metaspace pre-tokenizer.
+
+    Files converted from sentencepiece (XLM-R, CamemBERT, e5, bge-m3) pre-tokenise with Metaspace
+    alone, so a trailing or doubled space becomes a token of its own; sentencepiece itself, and
+    transformers (>= 5, what sentence-transformers tokenises with), drop such white space first."""
+    data = json.loads(text)
+    pre = data.get("pre_tokenizer")
+    if not (isinstance(pre, dict) and pre.get("type") == "Metaspace"):
+        return text
+    data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [{"type": "WhitespaceSplit"}, pre]}
+    return json.dumps(data)
+
+
 class Tokenizer:
     """`tokenizer.json` through HF `tokenizers`, or a WordPiece `vocab.txt` as a fallback."""
 
@@ -197,7 +208,7 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if path.is_file():
             try:
-                tok = HFTokenizer.from_file(str(path))
+                tok = HFTokenizer.from_str(_sentencepiece_whitespace(path.read_text(encoding="utf-8")))
             except Exception as e:  # tokenizers raises a bare Exception for malformed files
                 raise ConfigError(f"{path}: cannot load tokenizer ({e})") from None
         elif (model_dir / "vocab.txt").is_file():
@@ -222,7 +233,6 @@ class Tokenizer:
             from tokenizers import Tokenizer as HFTokenizer
             self._untruncated = HFTokenizer.from_str(self._tok.to_str())
             self._untruncated.no_truncation()
-        text = text.strip()
         return len(self._untruncated.encode(text.lower() if self.lowercase_text else text))
 
     @staticmethod
@@ -240,13 +250,12 @@ class Tokenizer:
         )._tokenizer
 
     def encode(self, texts: list[str], *, first: int = 1) -> TokenizedTexts:
-        """Tokenise stripped texts into flat arrays; over-long texts are cut to max_length and
-        flagged. No per-token Python object outlives the call. `first`: the 1-based number of
-        texts[0], for error messages."""
+        """Tokenise texts into flat arrays; over-long texts are cut to max_length and flagged.
+        Texts are not stripped: sentence-transformers (6.x) keeps their white space, which
+        byte-level BPE and sentencepiece tokenizers turn into tokens. No per-token Python object
+        outlives the call. `first`: the 1-based number of texts[0], for error messages."""
         check_texts(texts, first=first)
-        prepared = [t.strip() for t in texts]
-        if self.lowercase_text:
-            prepared = [t.lower() for t in prepared]
+        prepared = [t.lower() for t in texts] if self.lowercase_text else texts
         encodings = self._encode_batch(prepared)
         n = len(encodings)
         lengths = np.fromiter((len(e) for e in encodings), np.int32, n)

@@ -4,7 +4,8 @@
 // and rounding them to 16 bits would only add error.
 
 // One column of one sequence's hidden states (`len` rows, stride H) pooled with `mode`:
-// 0 cls, 1 max, 2 mean, 3 mean_sqrt_len, 4 lasttoken. An empty sequence pools to 0.
+// 0 cls, 1 max, 2 mean, 3 mean_sqrt_len, 4 lasttoken, 5 weightedmean (token s weighs s + 1).
+// An empty sequence pools to 0.
 template <typename T>
 __device__ __forceinline__ float pool_column(const T* x, int len, int H, int mode) {
     if (len <= 0) return 0.0f;
@@ -16,6 +17,10 @@ __device__ __forceinline__ float pool_column(const T* x, int len, int H, int mod
         return r;
     }
     float sum = 0.0f;
+    if (mode == 5) {
+        for (int s = 0; s < len; ++s) sum += (float)(s + 1) * to_float(x[(long)s * H]);
+        return sum / (0.5f * (float)len * (float)(len + 1));
+    }
     for (int s = 0; s < len; ++s) sum += to_float(x[(long)s * H]);
     return mode == 2 ? sum / len : sum / sqrtf((float)len);
 }

@@ -39,6 +39,9 @@ def st_pooling(hidden, lengths, modes):
             total = (x * mask).sum(1)
             count = mask.sum(1).clamp(min=1e-9)
             parts.append(total / count if mode == "mean" else total / count.sqrt())
+        elif mode == "weightedmean":  # position weights 1..n over the real tokens
+            weights = mask * torch.arange(1, x.shape[1] + 1, dtype=torch.float32)[None, :, None]
+            parts.append((x * weights).sum(1) / weights.sum(1).clamp(min=1e-9))
         elif mode == "lasttoken":
             parts.append(x[torch.arange(x.shape[0]), torch.from_numpy(lengths).long() - 1])
     return torch.cat(parts, dim=1).numpy()

@@ -67,8 +67,8 @@ def test_batch_neighbours_do_not_change_results(tmp_path, rng, layout):
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
-@pytest.mark.parametrize("modes", [("cls",), ("max",), ("mean",), ("mean_sqrt_len",), ("lasttoken",),
-                                   ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")])
+@pytest.mark.parametrize("modes", [("cls",), ("max",), ("mean",), ("mean_sqrt_len",), ("weightedmean",),
+                                   ("lasttoken",), ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")])
 def test_pooling_matches_sentence_transformers(tmp_path, rng, modes, layout):
     path = write_bert_checkpoint(tmp_path, seed=5, **CONFIGS["head-dim-64"][0])
     runner = _runner(path, layout)

@@ -196,7 +196,7 @@ def test_batched_matmul(cu, rng, dtype, transpose_b, nb, m, k, p):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch, seq, h", [(1, 1, 384), (3, 17, 768), (64, 9, 200), (2, 512, 1024)])
 def test_pool_and_normalize(cu, rng, dtype, batch, seq, h):
-    modes = ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")
+    modes = ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")
     lengths = rng.integers(1, seq + 1, batch)
     hidden, hh = quantize(cu, rng.standard_normal((batch * seq, h)), dtype)
     out = poisoned(cu, (batch, len(modes) * h), "fp32")  # pooled vectors are float32
@@ -269,7 +269,7 @@ def test_varlen_attention(cu, rng, dtype, d, case, causal):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lengths, h", [([1], 384), ([3, 17, 1, 40], 768), ([9] * 64, 200)])
 def test_pool_packed(cu, rng, dtype, lengths, h):
-    modes = ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")
+    modes = ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")
     lengths = list(lengths) + [0, 0]  # two empty sequences: batch padding
     t = sum(lengths) + 3
     cu_seqlens = _offsets(lengths)

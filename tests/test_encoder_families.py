@@ -145,3 +145,16 @@ def test_cuda_matches_hf_on_the_gpu(tmp_path, cu, model_type, layout, dtype):
     else:
         hf_err = _max_err(_hf_hidden(path, ids, device="cuda", dtype=dtype), exact)
         assert _max_err(ours, exact) <= LOWP_ERROR_FACTOR * hf_err
+
+
+@pytest.mark.parametrize("model_type", ENCODER_TYPES)
+def test_white_space_tokenised_as_transformers(tmp_path, model_type):
+    """Leading, trailing, doubled and tab white space: the ids HF's tokenizer (what
+    sentence-transformers uses; texts are not stripped) gives, for each tokenizer kind."""
+    from transformers import AutoTokenizer
+    path = write_encoder_checkpoint(tmp_path, model_type, **SHAPES["packed"])
+    texts = ["  hello world ", "the\tquick  brown\n fox", " a", "dog  ", "   "]
+    with Encoder.from_pretrained(path, device="cpu") as enc:
+        ours = enc.tokenizer.encode(texts)
+    ref = AutoTokenizer.from_pretrained(str(path))(texts)["input_ids"]
+    assert [x.tolist() for x in np.split(ours.ids, np.cumsum(ours.lengths)[:-1])] == ref

@@ -195,3 +195,15 @@ def test_serve_prompt_name(folder, encoder):
         assert info["prompts"] == ["passage", "query"] and info["default_prompt_name"] == "query"
     finally:
         assert server.stop()[0] == 0
+
+
+@pytest.mark.parametrize("pooling", [{"pooling_mode_weightedmean_tokens": True},
+                                     {"pooling_mode_mean_tokens": True, "pooling_mode_weightedmean_tokens": True,
+                                      "pooling_mode_lasttoken": True}])
+def test_weightedmean_pooling_as_sentence_transformers(tmp_path, pooling):
+    path = write_encoder_checkpoint(tmp_path, "roberta", seed=2, hidden=64, heads=2, init="hf", sentence_transformers={
+        "pooling": {"word_embedding_dimension": 64, **pooling}, "normalize": False, "max_seq_length": 64})
+    ref = st.SentenceTransformer(str(path), device="cpu").encode(TEXTS)
+    with Encoder.from_pretrained(path, device="cpu") as enc:
+        ours = enc.encode(TEXTS)
+    assert ours.shape == ref.shape and cosines(ours, ref).min() >= EMBEDDING_COSINE_FP32

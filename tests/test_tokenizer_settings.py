@@ -37,9 +37,9 @@ def test_pooling_mode_string_or_list(tmp_path, value, expected):
 
 def test_unsupported_pooling_is_named(tmp_path):
     folder = write_bert_checkpoint(tmp_path)
-    write_sentence_transformers_files(folder, pooling={"pooling_mode_weightedmean_tokens": True})
-    with pytest.raises(ConfigError, match="weightedmean pooling is not supported"):
-        read_folder_settings(folder)
+    write_sentence_transformers_files(folder, pooling={"pooling_mode_weightedmean_tokens": True,
+                                                       "pooling_mode_cls_token": True})
+    assert read_folder_settings(folder).pooling == ("cls", "weightedmean")
     with pytest.raises(ConfigError, match=r"pooling mode 'median' is not supported; supported: cls, max, mean"):
         parse_pooling("mean,median", "--pooling")
 

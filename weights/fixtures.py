@@ -184,15 +184,15 @@ def write_bpe_tokenizer(folder: Path):
 
 
 def write_unigram_tokenizer(folder: Path):
-    """XLM-R-style tokenizer.json: a sentencepiece Unigram model with Metaspace pre-tokenisation."""
-    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    """XLM-R-style tokenizer.json: a sentencepiece Unigram model with Metaspace pre-tokenisation
+    (as the Hub's converted files have it: no whitespace splitting before the Metaspace)."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import Unigram
     pieces = [(t, 0.0) for t in ROBERTA_SPECIAL]
     pieces += [("\u2581" + w, -3.0 - len(w) / 10) for w in WORDS]
     pieces += [(c, -8.0) for c in string.ascii_lowercase + string.digits + string.punctuation + "\u2581"]
     pieces.append(("<mask>", 0.0))
     tok = Tokenizer(Unigram(pieces, unk_id=3))
-    tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
     tok.post_processor = processors.TemplateProcessing(

@@ -211,6 +211,9 @@ def pool(out, hidden, lengths, *, seq, modes):
             parts.append(np.where(valid, x, 0.0).sum(axis=1) / count)
         elif mode == "mean_sqrt_len":
             parts.append(np.where(valid, x, 0.0).sum(axis=1) / np.sqrt(count))
+        elif mode == "weightedmean":  # token s weighs s + 1 (sentence-transformers)
+            weights = np.where(valid, np.arange(1, seq + 1, dtype=np.float32)[None, :, None], 0.0)
+            parts.append((x * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1.0))
         elif mode == "lasttoken":
             parts.append(x[np.arange(b), np.maximum(lengths - 1, 0)])
         else:

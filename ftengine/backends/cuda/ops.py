@@ -21,7 +21,7 @@ from .kernels import (ATTENTION_FLAGS, ATTENTION_THREADS, CUDA_TYPES, GEMV_COLS,
 
 name = "cuda"
 STORAGE = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
-POOL_CODES = {"cls": 0, "max": 1, "mean": 2, "mean_sqrt_len": 3, "lasttoken": 4}
+POOL_CODES = {"cls": 0, "max": 1, "mean": 2, "mean_sqrt_len": 3, "lasttoken": 4, "weightedmean": 5}
 ROW_THREADS = 256
 
 
