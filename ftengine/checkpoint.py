@@ -308,6 +308,27 @@ def _fuse_layer(p: dict) -> BertLayerWeights:
     )
 
 
+# ---------------------------------------------------------------- heads after pooling
+
+@dataclass
+class HeadLayer:
+    """One float32 layer applied to the pooled vector: activation(x @ weight^T + bias)."""
+    weight: np.ndarray  # (out, in)
+    bias: np.ndarray    # (out,): zeros for a layer without bias
+    activation: str     # "identity", "tanh", "relu" or "gelu"
+
+
+def load_dense_module(module) -> HeadLayer:
+    """A sentence-transformers Dense module's weights (linear.weight, linear.bias) from its folder."""
+    expected = {"linear.weight": (None, "weight", (module.out_features, module.in_features))}
+    if module.bias:
+        expected["linear.bias"] = (None, "bias", (module.out_features,))
+    arrays = _collect(module.path, SafetensorsFiles(module.path), expected, [], lambda name: name,
+                      f"a Dense module ({module.in_features} -> {module.out_features})")
+    bias = arrays.get("linear.bias", np.zeros(module.out_features, np.float32))
+    return HeadLayer(arrays["linear.weight"], bias, module.activation)
+
+
 # ---------------------------------------------------------------- GPT-2 name table
 
 # HF name (after an optional "transformer." prefix) -> (slot, shape). Conv1D weights are stored

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .backends import get_ops, resolve_device
-from .checkpoint import load_bert_weights
+from .checkpoint import load_bert_weights, load_dense_module
 from .config import load_bert_config
 from .errors import ConfigError, DeviceError, InputError, TooLongError
 from .engine import EncodeEngine, EncodeOptions
@@ -81,6 +81,12 @@ class Encoder:
         self.path = path
         self.config = load_bert_config(settings.model_dir)
         self.weights = load_bert_weights(settings.model_dir, self.config)
+        widths = (self.config.hidden_size * len(settings.pooling),) + tuple(m.out_features for m in settings.dense)
+        for before, module in zip(widths, settings.dense):
+            if module.in_features != before:
+                raise ConfigError(f"{module.path / 'config.json'}: in_features {module.in_features} does not match "
+                                  f"the {before} values before it")
+        self.head = tuple(load_dense_module(m) for m in settings.dense)
         limit = self.config.max_position_embeddings
         if max_length is None:
             max_length = min(settings.max_length or limit, limit)
@@ -103,8 +109,9 @@ class Encoder:
             # called by the engine's worker thread, which then owns the runner; holds no
             # reference to this Encoder, so dropping the Encoder closes the engine
             make_runner=partial(BertRunner, self.config, self.weights, self.ops, dtype=dtype,
-                                max_seq_len=self.max_length, layout=layout, graphs=cuda_graphs), max_length=self.max_length,
-            dim=self.config.hidden_size, vocab_size=self.config.vocab_size,
+                                max_seq_len=self.max_length, layout=layout, graphs=cuda_graphs, head=self.head),
+            max_length=self.max_length, vocab_size=self.config.vocab_size,
+            output_dim=partial(_pooled_width, self.config.hidden_size, self.head[-1].weight.shape[0] if self.head else None),
             type_vocab_size=self.config.type_vocab_size)
         self._finalizer = weakref.finalize(self, self._engine.close, cancel=True)
 
@@ -129,8 +136,11 @@ class Encoder:
         """Values per embedding with `pooling` (None: the folder's), cut to `dimensions`, in
         `precision` (binary: one byte per eight dimensions)."""
         modes = self.pooling if pooling is None else parse_pooling(pooling, "pooling")
-        dim = len(modes) * self.config.hidden_size
-        return output_width(self._dimensions(dimensions, dim), precision)
+        return output_width(self._dimensions(dimensions, self._pooled_dim(modes)), precision)
+
+    def _pooled_dim(self, modes: tuple) -> int:
+        """Values per embedding before `dimensions`: the pooled modes, or the last Dense module's."""
+        return _pooled_width(self.config.hidden_size, self.head[-1].weight.shape[0] if self.head else None, modes)
 
     def _dimensions(self, dimensions, dim: int) -> int:
         if dimensions is None:
@@ -156,14 +166,15 @@ class Encoder:
 
     def _finisher(self, options: EncodeOptions, dimensions, precision: str, ranges, *, stream: bool):
         """rows -> rows cut to `dimensions` and quantized to `precision` (None: nothing to do)."""
-        dim = self._dimensions(dimensions, len(options.pooling) * self.config.hidden_size)
+        full = self._pooled_dim(options.pooling)
+        dim = self._dimensions(dimensions, full)
         check_precision(precision)
         if ranges is not None:
             ranges = check_ranges(ranges, dim)
         elif stream and needs_ranges(precision):
             raise InputError(f"precision {precision} on a stream needs ranges (each dimension's min and max, shape "
                              f"(2, {dim})): compute them once with ftengine.output.calibration_ranges on a sample")
-        if dim == len(options.pooling) * self.config.hidden_size and precision == "float32":
+        if dim == full and precision == "float32":
             return None
 
         def finish(rows):
@@ -182,6 +193,9 @@ class Encoder:
         if batch_tokens < self.max_length:
             raise InputError(f"batch_tokens {batch_tokens} must be at least max_length {self.max_length}")
         modes = self.pooling if pooling is None else parse_pooling(pooling, "pooling")
+        if self.head and len(modes) * self.config.hidden_size != self.head[0].weight.shape[1]:
+            raise InputError(f"pooling {','.join(modes)} gives {len(modes) * self.config.hidden_size} values; the "
+                             f"model's Dense module takes {self.head[0].weight.shape[1]}")
         normalize = self.normalize if normalize is None else bool(normalize)
         return EncodeOptions(modes, normalize, int(batch_tokens))
 
@@ -220,8 +234,7 @@ class Encoder:
         texts = _with_prompt(texts, self.prompt_text(prompt_name, prompt))
         stats = EncodeStats()
         chunks = list(self._stream(texts, options, truncate=truncate, progress=progress, stats=stats))
-        out = np.concatenate(chunks) if chunks else np.zeros((0, len(options.pooling) * self.config.hidden_size),
-                                                              np.float32)
+        out = np.concatenate(chunks) if chunks else np.zeros((0, self._pooled_dim(options.pooling)), np.float32)
         if finish is not None:
             if needs_ranges(precision) and ranges is None and len(out) < 2:
                 raise InputError(f"precision {precision} needs ranges, or at least two embeddings to take them from")
@@ -336,6 +349,10 @@ class Encoder:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _pooled_width(hidden: int, head_out: int | None, modes: tuple) -> int:
+    return head_out if head_out is not None else len(modes) * hidden
 
 
 def _with_prompt(texts, prompt: str):

@@ -83,7 +83,7 @@ class EncodeEngine:
     """Batches requests for one loaded encoder. `make_runner(max_batch_tokens)` builds the
     runner; it and `runner.resize` are only ever called from the worker thread."""
 
-    def __init__(self, *, tokenizer, make_runner, layout: str, max_length: int, dim: int,
+    def __init__(self, *, tokenizer, make_runner, layout: str, max_length: int, output_dim,
                  vocab_size: int, type_vocab_size: int, name: str = "ftengine"):
         self.tokenizer = tokenizer
         self.on_batch = None          # optional observer: on_batch(texts, requests, tokens), worker thread
@@ -93,7 +93,7 @@ class EncodeEngine:
         self.vocab_size = vocab_size
         self.type_vocab_size = type_vocab_size
         self.name = name
-        self._dims = dim              # hidden size: a request's row is len(pooling) * dim
+        self._dim = output_dim        # output_dim(pooling modes): the width of a request's rows
         self._inbox = queue.SimpleQueue()     # raw requests -> tokenizer thread
         self._ready = queue.SimpleQueue()     # tokenised requests -> worker thread
         self._lock = threading.Lock()
@@ -126,7 +126,7 @@ class EncodeEngine:
                 self._start()
         if not texts:  # answered here (outside the lock: the done callback takes it)
             future.set_running_or_notify_cancel()
-            future.set_result(EncodeResult(np.zeros((0, len(options.pooling) * self._dims), np.float32), 0, 0, 0.0))
+            future.set_result(EncodeResult(np.zeros((0, self._dim(options.pooling)), np.float32), 0, 0, 0.0))
             return future
         self._inbox.put(request)
         return future

@@ -33,9 +33,53 @@ _POOLING_NAMES = {
     "cls": "cls", "max": "max", "mean": "mean", "lasttoken": "lasttoken",
     "mean_sqrt_len": "mean_sqrt_len", "mean_sqrt_len_tokens": "mean_sqrt_len", "weightedmean": "weightedmean",
 }
-ST_TRANSFORMER = "sentence_transformers.models.Transformer"
-ST_POOLING = "sentence_transformers.models.Pooling"
-ST_NORMALIZE = "sentence_transformers.models.Normalize"
+# modules.json "type" -> module kind: the classic names, and where sentence-transformers 5+ saves them
+ST_MODULES = {
+    "sentence_transformers.models.Transformer": "Transformer",
+    "sentence_transformers.models.Pooling": "Pooling",
+    "sentence_transformers.models.Dense": "Dense",
+    "sentence_transformers.models.Normalize": "Normalize",
+    "sentence_transformers.base.modules.transformer.Transformer": "Transformer",
+    "sentence_transformers.sentence_transformer.modules.pooling.Pooling": "Pooling",
+    "sentence_transformers.base.modules.dense.Dense": "Dense",
+    "sentence_transformers.sentence_transformer.modules.normalize.Normalize": "Normalize",
+}
+# Dense "activation_function" -> the head activation the ops apply
+DENSE_ACTIVATIONS = {
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.ReLU": "relu",
+    "torch.nn.modules.activation.GELU": "gelu",
+}
+
+
+@dataclass(frozen=True)
+class DenseModule:
+    """A sentence-transformers Dense module: its folder (weights in model.safetensors) and config."""
+    path: Path
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str   # a DENSE_ACTIVATIONS value
+
+
+def _dense_from_config(folder: Path) -> DenseModule:
+    path = folder / "config.json"
+    cfg = read_json(path, "Dense module config")
+    sizes = {}
+    for key in ("in_features", "out_features"):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{path}: {key} must be an integer >= 1, found {value!r}")
+        sizes[key] = value
+    act = cfg.get("activation_function", "torch.nn.modules.activation.Tanh")
+    if act not in DENSE_ACTIVATIONS:
+        raise ConfigError(f"{path}: activation_function {act!r} is not supported; supported: "
+                          f"{', '.join(DENSE_ACTIVATIONS)}")
+    if cfg.get("use_residual"):
+        raise ConfigError(f"{path}: use_residual=true is not supported")
+    return DenseModule(folder, sizes["in_features"], sizes["out_features"], bool(cfg.get("bias", True)),
+                       DENSE_ACTIVATIONS[act])
 
 
 def parse_pooling(value, where: str) -> tuple[str, ...]:
@@ -77,6 +121,7 @@ class FolderSettings:
     lowercase_text: bool         # sentence-transformers' do_lower_case (text, before tokenising)
     prompts: dict = field(default_factory=dict)  # name -> text put before each input
     default_prompt_name: str | None = None
+    dense: tuple = ()            # DenseModule, in order, between pooling and normalisation
 
 
 def _read_prompts(folder: Path) -> tuple[dict, str | None]:
@@ -100,6 +145,7 @@ def read_folder_settings(folder: Path) -> FolderSettings:
     model_dir = folder
     pooling = ("mean",)
     normalize = False
+    dense = []
     modules_path = folder / "modules.json"
     if modules_path.is_file():
         try:
@@ -109,18 +155,21 @@ def read_folder_settings(folder: Path) -> FolderSettings:
         if not isinstance(modules, list):
             raise ConfigError(f"{modules_path} must hold a list of modules")
         for m in modules:
-            kind = m.get("type", "") if isinstance(m, dict) else ""
+            name = m.get("type", "") if isinstance(m, dict) else ""
+            kind = ST_MODULES.get(name)
             sub = folder / (m.get("path") or "") if isinstance(m, dict) else folder
-            if kind == ST_TRANSFORMER:
+            if kind == "Transformer":
                 model_dir = sub
-            elif kind == ST_POOLING:
+            elif kind == "Pooling":
                 pooling = _pooling_from_config(sub / "config.json")
-            elif kind == ST_NORMALIZE:
+            elif kind == "Dense" and not normalize:
+                dense.append(_dense_from_config(sub))
+            elif kind == "Normalize":
                 normalize = True
             else:
                 raise ConfigError(
-                    f"{modules_path}: module {kind or m!r} is not supported; ftengine runs "
-                    "Transformer, Pooling and Normalize modules"
+                    f"{modules_path}: module {name or m!r} is not supported{' after Normalize' if kind else ''}; "
+                    "ftengine runs Transformer, Pooling, Dense and Normalize modules, in that order"
                 )
     max_length = None
     lowercase = False
@@ -133,7 +182,7 @@ def read_folder_settings(folder: Path) -> FolderSettings:
         if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
             raise ConfigError(f"{st_config}: max_seq_length must be an integer >= 2, found {max_length!r}")
         lowercase = bool(cfg.get("do_lower_case", False))
-    return FolderSettings(model_dir, max_length, pooling, normalize, lowercase, *_read_prompts(folder))
+    return FolderSettings(model_dir, max_length, pooling, normalize, lowercase, *_read_prompts(folder), tuple(dense))
 
 
 @dataclass

@@ -16,3 +16,18 @@ __global__ void add_bias_gelu(T* out, const T* x,          // (T, I)
         store_floats<T, VEC>(out + base + col, a);
     }
 }
+
+// Bias + activation on the float32 rows of a head after pooling (sentence-transformers Dense
+// modules, classification heads): 0 identity, 1 tanh, 2 relu, 3 gelu (erf).
+// Reference: ftengine/backends/numpy_ops.py dense. grid (rows), `out` may alias `x`.
+template <typename T>
+__global__ void add_bias_act(T* out, const T* x, const T* __restrict__ bias, int N, int act) {
+    const long base = (long)blockIdx.x * N;
+    for (int col = threadIdx.x; col < N; col += blockDim.x) {
+        float v = to_float(x[base + col]) + to_float(bias[col]);
+        if (act == 1) v = tanhf(v);
+        else if (act == 2) v = fmaxf(v, 0.0f);
+        else if (act == 3) v = gelu(v, 0);
+        out[base + col] = from_float<T>(v);
+    }
+}

@@ -216,7 +216,8 @@ def test_device_failure_fails_everything_once_and_refuses_more(st_model):
         raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
 
     engine = EncodeEngine(tokenizer=Tokenizer(st_model, max_length=48), make_runner=broken_runner,
-                          layout="padded", max_length=48, dim=32, vocab_size=200, type_vocab_size=2)
+                          layout="padded", max_length=48, output_dim=lambda modes: 32 * len(modes), vocab_size=200,
+                          type_vocab_size=2)
     options = EncodeOptions(("mean",), True, 4096)
     futures = [engine.submit(texts_for(i, 10), options) for i in range(5)]
     for f in futures:

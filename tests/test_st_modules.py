@@ -207,3 +207,62 @@ def test_weightedmean_pooling_as_sentence_transformers(tmp_path, pooling):
     with Encoder.from_pretrained(path, device="cpu") as enc:
         ours = enc.encode(TEXTS)
     assert ours.shape == ref.shape and cosines(ours, ref).min() >= EMBEDDING_COSINE_FP32
+
+
+TANH, IDENTITY, RELU = ("torch.nn.modules.activation.Tanh", "torch.nn.modules.linear.Identity",
+                        "torch.nn.modules.activation.ReLU")
+
+
+@pytest.mark.parametrize("dense, normalize", [
+    ([{"out_features": 48, "activation": TANH, "bias": True}], True),          # LaBSE / distiluse style
+    ([{"out_features": 96, "activation": IDENTITY, "bias": False}], False),
+    ([{"out_features": 80, "activation": RELU, "bias": True},
+      {"out_features": 24, "activation": TANH, "bias": True}], True),
+])
+def test_dense_modules_as_sentence_transformers(tmp_path, dense, normalize):
+    path = write_encoder_checkpoint(tmp_path, "distilbert", seed=5, hidden=64, heads=2, init="hf",
+                                    sentence_transformers={"pooling": {"word_embedding_dimension": 64,
+                                                                       "pooling_mode_mean_tokens": True},
+                                                           "normalize": normalize, "dense": dense})
+    ref = st.SentenceTransformer(str(path), device="cpu").encode(TEXTS)
+    with Encoder.from_pretrained(path, device="cpu") as enc:
+        ours = enc.encode(TEXTS)
+        assert enc.dim == dense[-1]["out_features"] == ours.shape[1] == ref.shape[1]
+        assert enc.encode(TEXTS, dimensions=8).shape == (len(TEXTS), 8)
+        with pytest.raises(InputError, match=r"pooling cls,mean gives 128 values; the model's Dense module takes 64"):
+            enc.encode(TEXTS, pooling="cls,mean")
+    assert cosines(ours, ref).min() >= EMBEDDING_COSINE_FP32 and np.abs(ours - ref).max() <= 1e-5
+
+
+def test_dense_module_refusals(tmp_path):
+    path = write_encoder_checkpoint(tmp_path, "roberta", hidden=64, heads=2, sentence_transformers={
+        "pooling": {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True},
+        "dense": [{"out_features": 8, "activation": "mypackage.Swish", "bias": True}]})
+    with pytest.raises(ConfigError, match=r"2_Dense/config.json: activation_function 'mypackage.Swish' is not supported"):
+        Encoder.from_pretrained(path, device="cpu")
+    cfg = json.loads((path / "2_Dense" / "config.json").read_text())
+    (path / "2_Dense" / "config.json").write_text(json.dumps(dict(cfg, activation_function=TANH, in_features=65)))
+    with pytest.raises(ConfigError, match=r"in_features 65 does not match the 64 values before it"):
+        Encoder.from_pretrained(path, device="cpu")
+    (path / "2_Dense" / "config.json").write_text(json.dumps(dict(cfg, activation_function=TANH)))
+    (path / "2_Dense" / "model.safetensors").unlink()
+    with pytest.raises(Exception, match=r"no \*\.safetensors weights in .*2_Dense"):
+        Encoder.from_pretrained(path, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_dense_weightedmean_and_prompts_on_the_gpu(tmp_path, dtype):
+    """The whole sentence-transformers pipeline on the CUDA backend (weightedmean pooling, two
+    Dense layers, Normalize, a prompt) against SentenceTransformer on the same GPU in fp32."""
+    from tests.tolerances import EMBEDDING_COSINE_LOWP
+    path = write_encoder_checkpoint(tmp_path, "xlm-roberta", seed=6, hidden=256, heads=4, intermediate=700, init="hf",
+                                    max_positions=128, sentence_transformers={
+                                        "pooling": {"word_embedding_dimension": 256, "pooling_mode_weightedmean_tokens": True},
+                                        "normalize": True, "prompts": PROMPTS, "dense": [
+                                            {"out_features": 300, "activation": RELU, "bias": True},
+                                            {"out_features": 128, "activation": TANH, "bias": True}]})
+    ref = st.SentenceTransformer(str(path), device="cuda").encode(TEXTS * 8, prompt_name="passage")
+    with Encoder.from_pretrained(path, device="cuda", dtype=dtype) as enc:
+        ours = enc.encode(TEXTS * 8, prompt_name="passage")
+    assert cosines(ours, ref).min() >= (EMBEDDING_COSINE_FP32 if dtype == "fp32" else EMBEDDING_COSINE_LOWP)

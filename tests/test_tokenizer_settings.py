@@ -46,8 +46,13 @@ def test_unsupported_pooling_is_named(tmp_path):
 
 def test_unsupported_module_is_named(tmp_path):
     folder = write_bert_checkpoint(tmp_path)
-    (folder / "modules.json").write_text(json.dumps([{"idx": 0, "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
-    with pytest.raises(ConfigError, match="module 'sentence_transformers.models.Dense' is not supported"):
+    (folder / "modules.json").write_text(json.dumps([{"idx": 0, "path": "2_CNN", "type": "sentence_transformers.models.CNN"}]))
+    with pytest.raises(ConfigError, match="module 'sentence_transformers.models.CNN' is not supported; ftengine runs "
+                                          "Transformer, Pooling, Dense and Normalize modules, in that order"):
+        read_folder_settings(folder)
+    (folder / "modules.json").write_text(json.dumps([{"idx": 0, "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+                                                     {"idx": 1, "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ConfigError, match="module 'sentence_transformers.models.Dense' is not supported after Normalize"):
         read_folder_settings(folder)
 
 

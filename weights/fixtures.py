@@ -141,13 +141,33 @@ def write_bert_checkpoint(folder, *, seed: int = 0, sentence_transformers: dict 
 
 def write_sentence_transformers_files(folder: Path, *, pooling: dict, normalize: bool = False,
                                       max_seq_length: int | None = None, prompts: dict | None = None,
-                                      default_prompt_name: str | None = None):
+                                      default_prompt_name: str | None = None, dense: list | None = None,
+                                      seed: int = 0):
+    """modules.json and the module folders. dense: Dense modules after pooling, each a dict
+    with out_features, activation (a torch.nn class path) and bias; random weights."""
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
     ]
+    rng = np.random.default_rng(seed)
+    width = pooling.get("word_embedding_dimension", 0) * sum(1 for k, v in pooling.items()
+                                                             if k.startswith("pooling_mode") and v)
+    for spec in dense or []:
+        idx = len(modules)
+        sub = folder / f"{idx}_Dense"
+        sub.mkdir(exist_ok=True)
+        out = spec["out_features"]
+        (sub / "config.json").write_text(json.dumps({"in_features": width, "out_features": out, "bias": spec["bias"],
+                                                     "activation_function": spec["activation"]}), encoding="utf-8")
+        tensors = {"linear.weight": (rng.standard_normal((out, width)) / np.sqrt(width)).astype(np.float32)}
+        if spec["bias"]:
+            tensors["linear.bias"] = (0.1 * rng.standard_normal(out)).astype(np.float32)
+        save_file(tensors, str(sub / "model.safetensors"))
+        modules.append({"idx": idx, "name": str(idx), "path": sub.name, "type": "sentence_transformers.models.Dense"})
+        width = out
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+        idx = len(modules)
+        modules.append({"idx": idx, "name": str(idx), "path": f"{idx}_Normalize",
                         "type": "sentence_transformers.models.Normalize"})
     (folder / "modules.json").write_text(json.dumps(modules), encoding="utf-8")
     (folder / "1_Pooling").mkdir(exist_ok=True)

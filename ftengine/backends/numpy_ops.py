@@ -188,6 +188,20 @@ def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
     out[...] = _layernorm(x + bias + residual, gamma, beta, eps)
 
 
+def dense(out, x, weight, bias, *, activation):
+    """out (M, N) = activation(x @ weight^T + bias): a layer of the head after pooling."""
+    y = x @ weight.T + bias
+    if activation == "tanh":
+        y = np.tanh(y)
+    elif activation == "relu":
+        y = np.maximum(y, 0.0)
+    elif activation == "gelu":
+        y = _gelu(y, "erf")
+    elif activation != "identity":
+        raise ValueError(f"unknown activation {activation!r}")
+    out[...] = y
+
+
 def add_bias_gelu(out, x, bias, *, form):
     """out (T, I) = GELU(x + bias), erf or tanh form. out may alias x."""
     out[...] = _gelu(x + bias, form)

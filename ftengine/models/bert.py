@@ -139,7 +139,8 @@ class BertRunner:
     batch shape run as one captured graph on the CUDA backend (graphs=False: direct)."""
 
     def __init__(self, config: BertConfig, weights: BertWeights, ops, *, dtype: str,
-                 max_batch_tokens: int, max_seq_len: int, layout: str = "packed", graphs: bool = True):
+                 max_batch_tokens: int, max_seq_len: int, layout: str = "packed", graphs: bool = True,
+                 head: tuple = ()):
         if max_seq_len > config.max_position_embeddings:
             raise InputError(
                 f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
@@ -158,6 +159,9 @@ class BertRunner:
         self.type_emb = up(weights.type_emb)        # (TV, H)
         self.emb_ln = (up(weights.emb_ln_gamma), up(weights.emb_ln_beta))
         self.layers = [{k: up(v) for k, v in vars(layer).items()} for layer in weights.layers]
+        # float32 layers after pooling (sentence-transformers Dense modules), in every dtype
+        self.head = [(ops.to_device(layer.weight, np.float32), ops.to_device(layer.bias, np.float32), layer.activation)
+                     for layer in head]
         self._graphs_enabled = graphs
         self.resize(max_batch_tokens)
 
@@ -176,6 +180,9 @@ class BertRunner:
             "inter": (t * c.intermediate_size, act),   # (T, I)
             "pooled": (t * len(POOLING_ORDER) * h, np.float32),  # (B, modes*H), float32 on every backend
         }
+        if self.head:  # the head's layers, ping-ponging between two (B, widest layer) buffers
+            widest = max(w.shape[0] for w, _, _ in self.head)
+            table.update({"head_a": (t * widest, np.float32), "head_b": (t * widest, np.float32)})
         if self.layout == "padded":
             table.update({
                 "q": (t * h, act),                         # (B*heads, S, D)
@@ -323,6 +330,13 @@ class BertRunner:
             ops.add_bias_residual_layernorm(hidden, proj, w["ffn_out_bias"], attn_ln,
                                             w["ffn_ln_gamma"], w["ffn_ln_beta"], eps=c.layer_norm_eps)
 
+    def _output(self, b: int, pooling: tuple):
+        """The (B, dim) float32 buffer a batch's embeddings end in: the pooled vectors, or the
+        last head layer's output."""
+        if not self.head:
+            return self.ws.view("pooled", (b, len(pooling) * self.config.hidden_size))
+        return self.ws.view("head_b" if len(self.head) % 2 == 0 else "head_a", (b, self.head[-1][0].shape[0]))
+
     def _pool(self, t: int, b: int, s: int, pooling: tuple, normalize: bool):
         h = self.config.hidden_size
         pooled = self.ws.view("pooled", (b, len(pooling) * h))
@@ -332,8 +346,13 @@ class BertRunner:
             self.ops.pool_packed(pooled, hidden, cu_seqlens, modes=pooling)
         else:
             self.ops.pool(pooled, hidden, lengths, seq=s, modes=pooling)
+        x = pooled
+        for i, (weight, bias, activation) in enumerate(self.head):
+            out = self.ws.view("head_b" if i % 2 else "head_a", (b, weight.shape[0]))
+            self.ops.dense(out, x, weight, bias, activation=activation)
+            x = out
         if normalize:
-            self.ops.l2_normalize(pooled, pooled)
+            self.ops.l2_normalize(x, x)
 
     def hidden_states(self, batch: Batch) -> list:
         """Last hidden states as float32 host arrays, one (length, H) array per sequence."""
@@ -350,6 +369,9 @@ class BertRunner:
         """Queue one batch on the device and return at once; .wait() gives its pooled (and
         optionally L2-normalised) embeddings, (B, len(pooling)*H) float32 on the host. At most
         two batches are in flight: a third waits for the oldest (its staging slot is reused)."""
+        if self.head and len(pooling) * self.config.hidden_size != self.head[0][0].shape[1]:
+            raise InputError(f"pooling {','.join(pooling)} gives {len(pooling) * self.config.hidden_size} values; "
+                             f"the model's Dense module takes {self.head[0][0].shape[1]}")
         if len(self._in_flight) == 2:
             self._in_flight.popleft().wait()
         timer = self.ops.DeviceTimer()
@@ -360,9 +382,8 @@ class BertRunner:
             self._pool(t, b, s, pooling, normalize)
 
         self.graphs.run(("embed", t, b, s, pooling, normalize), forward)
-        pooled = self.ws.view("pooled", (b, len(pooling) * self.config.hidden_size))
         timer.stop()
-        pending = PendingEmbeddings(self.ops.copy_to_host_async(pooled), len(batch.lengths), timer)
+        pending = PendingEmbeddings(self.ops.copy_to_host_async(self._output(b, pooling)), len(batch.lengths), timer)
         self._in_flight.append(pending)
         return pending
 

@@ -239,6 +239,21 @@ def matmul_bias_gelu(out, x, weight, bias, *, form):
         add_bias_gelu(out, out, bias, form=form)
 
 
+HEAD_ACTIVATIONS = {"identity": 0, "tanh": 1, "relu": 2, "gelu": 3}
+
+
+def dense(out, x, weight, bias, *, activation):
+    """out (M, N) = activation(x (M, K) @ weight (N, K)^T + bias), all float32: the layers of a
+    head after pooling (cuBLAS, then one bias + activation pass)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    with context().stream:
+        context().blas.gemm(cb.OP_T, cb.OP_N, n, m, k, weight.data.ptr, cb.DATA_TYPES["float32"], k, x.data.ptr,
+                            cb.DATA_TYPES["float32"], k, out.data.ptr, cb.DATA_TYPES["float32"], n)
+    _launch("activation.cu", "add_bias_act<float>", (m,), (_threads(n, 256),),
+            (out, out, bias, np.int32(n), np.int32(HEAD_ACTIVATIONS[activation])))
+
+
 def add_qkv_bias_split_heads(q, k, v, qkv, bias, *, batch, seq, heads):
     t, h3 = qkv.shape
     d = q.shape[-1]
