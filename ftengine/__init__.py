@@ -5,17 +5,21 @@ Public API:
     Encoder.encode(texts, *, batch_tokens=None, pooling=None, normalize=None) -> np.ndarray
     Encoder.encode_stream(iterable, ...) -> iterator of np.ndarray chunks, in input order
     await Encoder.encode_async(texts, ...); Encoder.submit(texts, ...) -> Future
+    Reranker.from_pretrained(path, device="auto", dtype=None)
+    Reranker.predict(pairs) -> np.ndarray; Reranker.rank(query, documents, top_k=None) -> list[dict]
     Generator.from_pretrained(path, device="auto", dtype=None)
     Generator.generate(prompts, *, max_new_tokens, ...) -> list[GenerationResult]
 """
 
 from .encoder import EncodeStats, Encoder
 from .generator import GenerationResult, Generator
+from .reranker import Reranker
 from .errors import CheckpointError, ConfigError, DeviceError, FtengineError, InputError, OutputError
 
 __all__ = [
     "Encoder",
     "EncodeStats",
+    "Reranker",
     "Generator",
     "GenerationResult",
     "FtengineError",

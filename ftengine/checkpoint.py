@@ -329,6 +329,35 @@ def load_dense_module(module) -> HeadLayer:
     return HeadLayer(arrays["linear.weight"], bias, module.activation)
 
 
+# family -> the ...ForSequenceClassification head on the first token: (tensor name, activation)
+CLASSIFIER_HEADS = {
+    "bert": (("pooler.dense", "tanh"), ("classifier", "identity")),
+    "roberta": (("classifier.dense", "tanh"), ("classifier.out_proj", "identity")),
+    "distilbert": (("pre_classifier", "relu"), ("classifier", "identity")),
+}
+
+
+def load_classification_head(model_dir: Path, config: BertConfig) -> tuple:
+    """The HeadLayers of a sequence-classification checkpoint (BERT: pooler + classifier;
+    RoBERTa: classifier.dense + out_proj; DistilBERT: pre_classifier + classifier)."""
+    files = SafetensorsFiles(model_dir)
+    stored = set(files.names())
+    prefix = ENCODER_NAME_TABLES[config.family][3]
+    layers, width = [], config.hidden_size
+    for base, activation in CLASSIFIER_HEADS[config.family]:
+        name = next((n for n in (base, prefix + base) if n + ".weight" in stored and n + ".bias" in stored), None)
+        if name is None:
+            raise CheckpointError(f"{model_dir}: {base}.weight / {base}.bias are missing: not a "
+                                  f"{FAMILY_NAMES[config.family]} sequence-classification (cross-encoder) checkpoint")
+        weight, bias = files.float32(name + ".weight"), files.float32(name + ".bias")
+        if weight.ndim != 2 or weight.shape[1] != width or bias.shape != (weight.shape[0],):
+            raise CheckpointError(f"{model_dir}: {name}.weight is {list(weight.shape)} and {name}.bias "
+                                  f"{list(bias.shape)}; expected [N, {width}] and [N]")
+        layers.append(HeadLayer(weight, bias, activation))
+        width = weight.shape[0]
+    return tuple(layers)
+
+
 # ---------------------------------------------------------------- GPT-2 name table
 
 # HF name (after an optional "transformer." prefix) -> (slot, shape). Conv1D weights are stored

@@ -11,11 +11,12 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
+from itertools import islice
 
 import click
 import numpy as np
 
-from . import Encoder, FtengineError
+from . import Encoder, FtengineError, Reranker
 from .backends import DEVICES
 from .encoder import DTYPES, EncodeStats
 from .errors import InputError
@@ -223,6 +224,47 @@ def serve(model_path, host, port, device, dtype, max_batch_tokens, max_client_ba
         run_service(encoder, host=host, port=port, model_name=name, limits=limits)
     except FtengineError as e:
         _fail(str(e))
+
+
+RERANK_WINDOW = 4096  # documents scored per call: only their scores are kept
+
+
+@main.command()
+@click.argument("input_path", metavar="[INPUT|-]", default="-")
+@click.option("--query", required=True, help="The query every document (one per input line) is scored against.")
+@click.option("--model", "model_path", required=True, help="Cross-encoder folder (...ForSequenceClassification).")
+@click.option("--top-k", type=click.IntRange(min=1), default=None, help="Print only the best K documents.")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=None)
+@click.option("--max-length", type=click.IntRange(min=2), default=None,
+              help="Longest query + document in tokens (longer pairs are cut longest-first).")
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=None)
+@click.option("--errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True)
+def rerank(input_path, query, model_path, top_k, device, dtype, max_length, batch_tokens, errors):
+    """Score each line of INPUT against --query with a cross-encoder; print JSONL
+    {"index": line number from 0, "score": ...}, best first (CrossEncoder.rank's order)."""
+    reranker = None
+    try:
+        lines = iter_lines(input_path, errors=errors)
+        reranker = Reranker.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
+        if reranker.num_labels != 1:
+            raise InputError(f"{model_path}: rerank needs one score per pair; this model has {reranker.num_labels} labels")
+        parts = []
+        while window := list(islice(lines, RERANK_WINDOW)):
+            parts.append(reranker.predict([(query, d) for d in window], batch_tokens=batch_tokens))
+        reranker.close()
+    except FtengineError as e:
+        if reranker is not None:
+            reranker.close(cancel=True)
+        _fail(str(e))
+    except KeyboardInterrupt:
+        if reranker is not None:
+            reranker.close(cancel=True)
+        click.echo("ftengine: interrupted", err=True)
+        sys.exit(130)
+    scores = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    order = np.argsort(-scores, kind="stable")[:top_k]
+    sys.stdout.write("".join(json.dumps({"index": int(i), "score": float(scores[i])}) + "\n" for i in order))
 
 
 @main.command()

@@ -7,7 +7,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .backends import get_ops, resolve_device
-from .checkpoint import load_bert_weights, load_dense_module
+from .checkpoint import load_bert_weights, load_classification_head, load_dense_module
 from .config import load_bert_config
 from .errors import ConfigError, DeviceError, InputError, TooLongError
 from .engine import EncodeEngine, EncodeOptions
@@ -65,7 +65,10 @@ class Encoder:
     an Encoder dropped or left open at interpreter exit is closed then."""
 
     def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None,
-                 max_length: int | None = None, cuda_graphs: bool = True, layout: str = "auto"):
+                 max_length: int | None = None, cuda_graphs: bool = True, layout: str = "auto",
+                 classifier: bool = False):
+        """classifier=True (the Reranker's encoder): the first token through the checkpoint's
+        sequence-classification head gives each row's logits, instead of sentence embeddings."""
         path = Path(path)
         if not path.is_dir():
             raise ConfigError(f"model folder not found: {path}")
@@ -80,13 +83,19 @@ class Encoder:
         settings = read_folder_settings(path)
         self.path = path
         self.config = load_bert_config(settings.model_dir)
+        self.config_path = settings.model_dir / "config.json"
         self.weights = load_bert_weights(settings.model_dir, self.config)
-        widths = (self.config.hidden_size * len(settings.pooling),) + tuple(m.out_features for m in settings.dense)
-        for before, module in zip(widths, settings.dense):
-            if module.in_features != before:
-                raise ConfigError(f"{module.path / 'config.json'}: in_features {module.in_features} does not match "
-                                  f"the {before} values before it")
-        self.head = tuple(load_dense_module(m) for m in settings.dense)
+        if classifier:
+            self.head = load_classification_head(settings.model_dir, self.config)
+            settings = replace(settings, pooling=("cls",), normalize=False, dense=(), prompts={},
+                               default_prompt_name=None)
+        else:
+            widths = (self.config.hidden_size * len(settings.pooling),) + tuple(m.out_features for m in settings.dense)
+            for before, module in zip(widths, settings.dense):
+                if module.in_features != before:
+                    raise ConfigError(f"{module.path / 'config.json'}: in_features {module.in_features} does not "
+                                      f"match the {before} values before it")
+            self.head = tuple(load_dense_module(m) for m in settings.dense)
         limit = self.config.max_position_embeddings
         if max_length is None:
             max_length = min(settings.max_length or limit, limit)
@@ -338,6 +347,17 @@ class Encoder:
         ids = np.fromiter((t for seq in token_ids for t in seq), np.int64, int(lengths.sum()))
         tokens = TokenizedTexts(ids, np.zeros(len(ids), np.int32), lengths, np.zeros(len(lengths), bool))
         return self._engine.submit([None] * len(token_ids), options, tokens=tokens)
+
+    def submit_tokens(self, tokens: TokenizedTexts, *, batch_tokens: int | None = None, truncate: bool = True,
+                      first: int = 1) -> Future:
+        """The engine's future for texts already tokenised (ids, token types, lengths), e.g.
+        text pairs; checked like tokenised texts before any kernel reads them."""
+        options = self._options(batch_tokens, None, None)
+        if not truncate and tokens.truncated.any():
+            i = int(np.flatnonzero(tokens.truncated)[0])
+            raise TooLongError(f"input {first + i} is longer than max_length {self.max_length} tokens", index=i,
+                               max_length=self.max_length)
+        return self._engine.submit([None] * len(tokens.lengths), options, tokens=tokens, first=first)
 
     def close(self, *, cancel: bool = False):
         """Finish the work already queued (cancel=True: fail it instead), then stop the engine's

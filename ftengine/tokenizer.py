@@ -305,12 +305,24 @@ class Tokenizer:
         outlives the call. `first`: the 1-based number of texts[0], for error messages."""
         check_texts(texts, first=first)
         prepared = [t.lower() for t in texts] if self.lowercase_text else texts
-        encodings = self._encode_batch(prepared)
+        return self._arrays(self._encode_batch(prepared), zero_types=self._zero_types)
+
+    def encode_pairs(self, pairs: list, *, first: int = 1) -> TokenizedTexts:
+        """Tokenise (text, text) pairs as the model's tokenizer joins them (BERT: [CLS] a [SEP] b
+        [SEP] with token types 0 and 1; RoBERTa: <s> a </s></s> b </s>); an over-long pair is
+        cut longest-first to max_length, as transformers' truncation=True does."""
+        for i, pair in enumerate(pairs):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+                raise InputError(f"pair {first + i} must be two strings, found {pair!r}"[:200])
+        prepared = [(a.lower(), b.lower()) if self.lowercase_text else (a, b) for a, b in pairs]
+        return self._arrays(self._encode_batch(prepared), zero_types=False)
+
+    def _arrays(self, encodings, *, zero_types: bool) -> TokenizedTexts:
         n = len(encodings)
         lengths = np.fromiter((len(e) for e in encodings), np.int32, n)
         total = int(lengths.sum())
         ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), np.int32, total)
-        if self._zero_types:
+        if zero_types:
             type_ids = np.zeros(total, dtype=np.int32)
         else:
             type_ids = np.fromiter(chain.from_iterable(e.type_ids for e in encodings), np.int32, total)

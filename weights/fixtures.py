@@ -269,6 +269,34 @@ def write_encoder_checkpoint(folder, model_type: str, *, seed: int = 0, hidden=3
     return folder
 
 
+def add_classification_head(folder, *, num_labels: int = 1, seed: int = 0) -> Path:
+    """Make the encoder in `folder` a ...ForSequenceClassification checkpoint (a cross-encoder):
+    the family's head tensors (BERT: pooler + classifier; RoBERTa: classifier.dense + out_proj;
+    DistilBERT: pre_classifier + classifier), random and large enough to spread the scores."""
+    from safetensors.numpy import load_file
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    kind = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert",
+            "distilbert": "DistilBert"}[config["model_type"]]
+    h = config.get("hidden_size", config.get("dim"))
+    rng = np.random.default_rng(seed)
+
+    def mat(*shape):
+        return (rng.standard_normal(shape) * 2.0 / np.sqrt(shape[-1])).astype(np.float32)
+
+    names = {"Bert": ("pooler.dense", "classifier"), "DistilBert": ("pre_classifier", "classifier")}.get(
+        kind, ("classifier.dense", "classifier.out_proj"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors.update({names[0] + ".weight": mat(h, h), names[0] + ".bias": mat(h),
+                    names[1] + ".weight": mat(num_labels, h), names[1] + ".bias": mat(num_labels)})
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config.update(architectures=[f"{kind}ForSequenceClassification"],
+                  id2label={str(i): f"LABEL_{i}" for i in range(num_labels)},
+                  label2id={f"LABEL_{i}": i for i in range(num_labels)})
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return folder
+
+
 def distilbert_name(name: str) -> str:
     """A BERT tensor name as DistilBERT stores it."""
     for bert_part, distil_part in (

@@ -1,0 +1,84 @@
+"""Reranker: cross-encoder relevance scores for (query, document) pairs, sentence-transformers'
+CrossEncoder on ftengine's encoder (BERT, RoBERTa / XLM-R, DistilBERT ...ForSequenceClassification)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import read_json
+from .encoder import Encoder, _as_list
+from .errors import ConfigError, InputError
+
+# CrossEncoder's activation_fn (config.json "sentence_transformers") -> what predict applies
+ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity"}
+
+
+class Reranker:
+    """Scores for text pairs. Thread-safe like Encoder (calls share one engine); close it, or
+    use it as a context manager, to stop the engine's threads."""
+
+    def __init__(self, path, *, device: str = "auto", dtype: str | None = None, max_length: int | None = None,
+                 cuda_graphs: bool = True, layout: str = "auto"):
+        self._encoder = Encoder(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs,
+                                layout=layout, classifier=True)
+        self.path, self.device, self.dtype = self._encoder.path, self._encoder.device, self._encoder.dtype
+        self.max_length = self._encoder.max_length
+        self.num_labels = self._encoder.dim
+        self.activation = _activation(self._encoder.config_path, self.num_labels)
+
+    @classmethod
+    def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *, max_length: int | None = None,
+                        cuda_graphs: bool = True, layout: str = "auto") -> "Reranker":
+        """Load a cross-encoder folder (config.json, model.safetensors, tokenizer.json)."""
+        return cls(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs, layout=layout)
+
+    def predict(self, pairs, *, batch_tokens: int | None = None, activation: bool = True) -> np.ndarray:
+        """Scores of (text, text) pairs, in input order: (N,) with one label, else (N, num_labels).
+        activation=False gives the raw logits (no sigmoid)."""
+        pairs = _as_list(pairs)
+        if not pairs:
+            return np.zeros((0,) if self.num_labels == 1 else (0, self.num_labels), np.float32)
+        tokens = self._encoder.tokenizer.encode_pairs(pairs)
+        if self._encoder.config.type_vocab_size == 1:  # DistilBERT, RoBERTa: no token types to give
+            tokens.type_ids[:] = 0
+        logits = self._encoder.submit_tokens(tokens, batch_tokens=batch_tokens).result().embeddings
+        scores = 1.0 / (1.0 + np.exp(-logits)) if activation and self.activation == "sigmoid" else logits
+        return (scores[:, 0] if self.num_labels == 1 else scores).astype(np.float32)
+
+    def rank(self, query: str, documents, *, top_k: int | None = None, return_documents: bool = False,
+             batch_tokens: int | None = None) -> list[dict]:
+        """The documents by score for `query`, best first: [{"corpus_id", "score"(, "text")}], as
+        CrossEncoder.rank gives them; top_k keeps the first k."""
+        if not isinstance(query, str):
+            raise InputError(f"query must be a string, found {type(query).__name__}")
+        documents = _as_list(documents)
+        if self.num_labels != 1:
+            raise InputError(f"rank needs a model with one score per pair; this one has {self.num_labels} labels")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise InputError(f"top_k must be an integer >= 1, found {top_k!r}")
+        scores = self.predict([(query, d) for d in documents], batch_tokens=batch_tokens)
+        order = np.argsort(-scores, kind="stable")[:top_k]
+        return [{"corpus_id": int(i), "score": float(scores[i]), **({"text": documents[i]} if return_documents else {})}
+                for i in order]
+
+    def close(self, *, cancel: bool = False):
+        self._encoder.close(cancel=cancel)
+
+    def __enter__(self) -> "Reranker":
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _activation(config_path, num_labels: int) -> str:
+    """CrossEncoder's choice: config.json's sentence_transformers.activation_fn, else sigmoid for
+    one label and identity for more."""
+    config = read_json(config_path, "model config")
+    name = (config.get("sentence_transformers") or {}).get("activation_fn") or \
+        config.get("sbert_ce_default_activation_function")
+    if name is None:
+        return "sigmoid" if num_labels == 1 else "identity"
+    if name not in ACTIVATIONS:
+        raise ConfigError(f"{config_path}: activation_fn {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]

@@ -1,0 +1,106 @@
+"""Reranker (cross-encoders) against sentence-transformers' CrossEncoder, for every encoder
+family's ...ForSequenceClassification checkpoint; pairs tokenised as each tokenizer pairs them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ftengine import Reranker
+from ftengine.errors import CheckpointError, InputError
+from tests.tolerances import HF_FP32_MAX_ABS
+from weights.fixtures import ENCODER_TYPES, add_classification_head, write_bert_checkpoint, write_encoder_checkpoint
+
+st = pytest.importorskip("sentence_transformers")
+
+QUERY = "what is a quick fox"
+DOCS = ["the quick brown fox jumps over the lazy dog", "hello world", "dog " * 40, "", "a fox, a dog and a line"]
+PAIRS = [(QUERY, d) for d in DOCS] + [("hello", "world"), ("the dog " * 30, "the fox " * 30)]
+EXE = str(Path(sys.executable).with_name("ftengine"))
+
+
+def cross_encoder(folder, model_type, num_labels=1):
+    if model_type == "bert":
+        write_bert_checkpoint(folder, seed=3, hidden=64, heads=2, layers=2, intermediate=100)
+    else:
+        write_encoder_checkpoint(folder, model_type, seed=3, hidden=64, heads=2, intermediate=100)
+    return add_classification_head(folder, num_labels=num_labels, seed=4)
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+@pytest.mark.parametrize("model_type", ("bert",) + ENCODER_TYPES)
+def test_predict_as_cross_encoder(tmp_path, model_type, num_labels):
+    path = cross_encoder(tmp_path, model_type, num_labels)
+    ref = st.CrossEncoder(str(path), device="cpu", max_length=64).predict(PAIRS)
+    with Reranker.from_pretrained(path, device="cpu") as r:
+        ours = r.predict(PAIRS)
+        assert ours.shape == ref.shape
+        assert np.abs(ours - ref).max() <= HF_FP32_MAX_ABS and np.ptp(ref) > 0.1, model_type
+        if num_labels == 1:
+            logits = r.predict(PAIRS, activation=False)
+            assert np.abs(1 / (1 + np.exp(-logits)) - ours).max() <= 1e-6
+
+
+@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta"])
+def test_rank_as_cross_encoder(tmp_path, model_type):
+    path = cross_encoder(tmp_path, model_type)
+    ref = st.CrossEncoder(str(path), device="cpu", max_length=64).rank(QUERY, DOCS, top_k=3, return_documents=True)
+    with Reranker.from_pretrained(path, device="cpu") as r:
+        ours = r.rank(QUERY, DOCS, top_k=3, return_documents=True)
+        assert [d["corpus_id"] for d in ours] == [d["corpus_id"] for d in ref]
+        assert [d["text"] for d in ours] == [d["text"] for d in ref]
+        assert np.allclose([d["score"] for d in ours], [d["score"] for d in ref], atol=HF_FP32_MAX_ABS)
+        assert len(r.rank(QUERY, DOCS)) == len(DOCS)
+
+
+def test_refusals(tmp_path):
+    plain = write_bert_checkpoint(tmp_path / "plain", hidden=64, heads=2)
+    with pytest.raises(CheckpointError, match="not a BERT sequence-classification"):
+        Reranker.from_pretrained(plain, device="cpu")
+    with Reranker.from_pretrained(cross_encoder(tmp_path / "three", "bert", 3), device="cpu") as r:
+        with pytest.raises(InputError, match="rank needs a model with one score per pair; this one has 3 labels"):
+            r.rank(QUERY, DOCS)
+    with Reranker.from_pretrained(cross_encoder(tmp_path / "one", "roberta"), device="cpu") as r:
+        with pytest.raises(InputError, match="pair 2 must be two strings"):
+            r.predict([("a", "b"), ("a",)])
+        with pytest.raises(InputError, match="top_k must be an integer >= 1, found 0"):
+            r.rank(QUERY, DOCS, top_k=0)
+        assert r.predict([]).shape == (0,)
+
+
+def test_cli_rerank(tmp_path):
+    path = cross_encoder(tmp_path / "m", "distilbert")
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n".join(DOCS) + "\n")
+    done = subprocess.run([EXE, "rerank", "--model", str(path), "--device", "cpu", "--query", QUERY, str(docs),
+                           "--top-k", "4"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    ref = st.CrossEncoder(str(path), device="cpu", max_length=64).rank(QUERY, DOCS, top_k=4)
+    assert [r["index"] for r in rows] == [r["corpus_id"] for r in ref]
+    assert np.allclose([r["score"] for r in rows], [r["score"] for r in ref], atol=HF_FP32_MAX_ABS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta", "distilbert"])
+def test_cuda_reranker_as_cross_encoder(tmp_path, model_type, dtype):
+    """fp32: CrossEncoder's scores on the same GPU; fp16: an error at most LOWP_ERROR_FACTOR
+    times CrossEncoder's own in fp16."""
+    from tests.tolerances import LOWP_ERROR_FACTOR
+    path = cross_encoder(tmp_path, model_type)
+    model = st.CrossEncoder(str(path), device="cuda", max_length=64)
+    exact = model.predict(PAIRS * 5)
+    with Reranker.from_pretrained(path, device="cuda", dtype=dtype) as r:
+        ours = r.predict(PAIRS * 5)
+    if dtype == "fp32":
+        assert np.abs(ours - exact).max() <= HF_FP32_MAX_ABS
+    else:
+        model.model.half()
+        theirs = np.abs(model.predict(PAIRS * 5) - exact).max()
+        assert np.abs(ours - exact).max() <= LOWP_ERROR_FACTOR * theirs
