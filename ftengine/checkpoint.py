@@ -196,12 +196,46 @@ DISTILBERT_IGNORED = [re.compile(p) for p in (
     r"classifier\..+",
     r"qa_outputs\..+",
 )]
-FAMILY_NAMES = {"bert": "BERT", "roberta": "RoBERTa", "distilbert": "DistilBERT"}
+# MPNet: BERT's layer under other names, no token types, one relative-position bias table
+MPNET_EMBEDDING_NAMES = {
+    "embeddings.word_embeddings.weight": ("word_emb", lambda c: (c.vocab_size, c.hidden_size)),
+    "embeddings.position_embeddings.weight": ("pos_emb", lambda c: (c.max_position_embeddings + c.position_offset,
+                                                                     c.hidden_size)),
+    "embeddings.LayerNorm.weight": ("emb_ln_gamma", lambda c: (c.hidden_size,)),
+    "embeddings.LayerNorm.bias": ("emb_ln_beta", lambda c: (c.hidden_size,)),
+    "encoder.relative_attention_bias.weight": ("rel_bias", lambda c: (c.relative_buckets, c.num_attention_heads)),
+}
+MPNET_LAYER_NAMES = {
+    "encoder.layer.{i}.attention.attn.q.weight": ("q_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "encoder.layer.{i}.attention.attn.q.bias": ("q_bias", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.attention.attn.k.weight": ("k_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "encoder.layer.{i}.attention.attn.k.bias": ("k_bias", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.attention.attn.v.weight": ("v_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "encoder.layer.{i}.attention.attn.v.bias": ("v_bias", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.attention.attn.o.weight": ("attn_out_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "encoder.layer.{i}.attention.attn.o.bias": ("attn_out_bias", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.attention.LayerNorm.weight": ("attn_ln_gamma", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.attention.LayerNorm.bias": ("attn_ln_beta", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.intermediate.dense.weight": ("ffn_in_weight", lambda c: (c.intermediate_size, c.hidden_size)),
+    "encoder.layer.{i}.intermediate.dense.bias": ("ffn_in_bias", lambda c: (c.intermediate_size,)),
+    "encoder.layer.{i}.output.dense.weight": ("ffn_out_weight", lambda c: (c.hidden_size, c.intermediate_size)),
+    "encoder.layer.{i}.output.dense.bias": ("ffn_out_bias", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.output.LayerNorm.weight": ("ffn_ln_gamma", lambda c: (c.hidden_size,)),
+    "encoder.layer.{i}.output.LayerNorm.bias": ("ffn_ln_beta", lambda c: (c.hidden_size,)),
+}
+MPNET_IGNORED = [re.compile(p) for p in (
+    r"(mpnet\.)?embeddings\.position_ids",
+    r"(mpnet\.)?pooler\..+",
+    r"lm_head\..+",
+    r"classifier\..+",
+)]
+FAMILY_NAMES = {"bert": "BERT", "roberta": "RoBERTa", "distilbert": "DistilBERT", "mpnet": "MPNet"}
 # family -> (embedding names, layer names, ignored patterns, the prefix a task model adds)
 ENCODER_NAME_TABLES = {
     "bert": (BERT_EMBEDDING_NAMES, BERT_LAYER_NAMES, BERT_IGNORED, "bert."),
     "roberta": (BERT_EMBEDDING_NAMES, BERT_LAYER_NAMES, BERT_IGNORED, "roberta."),
     "distilbert": (DISTILBERT_EMBEDDING_NAMES, DISTILBERT_LAYER_NAMES, DISTILBERT_IGNORED, "distilbert."),
+    "mpnet": (MPNET_EMBEDDING_NAMES, MPNET_LAYER_NAMES, MPNET_IGNORED, "mpnet."),
 }
 # Checkpoints converted from TensorFlow name LayerNorm parameters gamma/beta.
 _LEGACY_LN = re.compile(r"LayerNorm\.(gamma|beta)$")
@@ -231,6 +265,7 @@ class BertWeights:
     emb_ln_gamma: np.ndarray  # (H,)
     emb_ln_beta: np.ndarray   # (H,)
     layers: list              # num_hidden_layers x BertLayerWeights
+    rel_bias: np.ndarray | None = None  # (buckets, heads): MPNet's relative position bias
 
 
 def _canonical(name: str, prefix: str) -> str:
@@ -334,6 +369,7 @@ CLASSIFIER_HEADS = {
     "bert": (("pooler.dense", "tanh"), ("classifier", "identity")),
     "roberta": (("classifier.dense", "tanh"), ("classifier.out_proj", "identity")),
     "distilbert": (("pre_classifier", "relu"), ("classifier", "identity")),
+    "mpnet": (("classifier.dense", "tanh"), ("classifier.out_proj", "identity")),
 }
 
 

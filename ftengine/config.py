@@ -16,6 +16,7 @@ ENCODER_FAMILIES = {
     "xlm-roberta": "roberta",
     "camembert": "roberta",
     "distilbert": "distilbert",
+    "mpnet": "mpnet",
 }
 SUPPORTED_BERT_TYPES = tuple(ENCODER_FAMILIES)
 # hidden_act value -> the GELU form the ops implement
@@ -97,6 +98,8 @@ class BertConfig:
     # RoBERTa numbers positions from pad_token_id + 1: token i reads row i + position_offset of
     # the stored table, which has max_position_embeddings + position_offset rows
     position_offset: int = 0
+    # MPNet: buckets of the relative position bias added to every layer's attention scores (0: none)
+    relative_buckets: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -132,8 +135,9 @@ class BertConfig:
                 f"{path}: hidden_size {hidden} is not divisible by num_attention_heads {heads}"
             )
         eps = keys.positive_float("layer_norm_eps", 1e-12)
-        pad = keys.optional("pad_token_id", int, 1 if family == "roberta" else 0)
-        offset = pad + 1 if family == "roberta" else 0
+        numbered_from_pad = family in ("roberta", "mpnet")
+        pad = keys.optional("pad_token_id", int, 1 if numbered_from_pad else 0)
+        offset = pad + 1 if numbered_from_pad else 0
         positions = keys.positive("max_position_embeddings")
         if positions <= offset + 1:
             raise ConfigError(f"{path}: max_position_embeddings {positions} leaves no positions after the "
@@ -145,12 +149,14 @@ class BertConfig:
             num_attention_heads=heads,
             intermediate_size=keys.positive("intermediate_size"),
             max_position_embeddings=positions - offset,
-            type_vocab_size=keys.optional("type_vocab_size", int, 1 if family == "roberta" else 2),
+            type_vocab_size=1 if family == "mpnet" else keys.optional("type_vocab_size", int,
+                                                                      1 if family == "roberta" else 2),
             layer_norm_eps=eps,
             gelu=GELU_FORMS[act],
             pad_token_id=pad,
             family=family,
             position_offset=offset,
+            relative_buckets=keys.positive("relative_attention_num_buckets") if family == "mpnet" else 0,
         )
 
     @classmethod

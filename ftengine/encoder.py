@@ -110,7 +110,8 @@ class Encoder:
                                    lowercase_text=settings.lowercase_text)
         self.cuda_graphs = cuda_graphs
         if layout == "auto":
-            layout = "packed" if self.config.head_dim in PACKED_HEAD_DIMS else "padded"
+            packable = self.config.head_dim in PACKED_HEAD_DIMS and not self.config.relative_buckets
+            layout = "packed" if packable else "padded"
         check_layout(self.config, layout)
         self.layout = layout
         self._engine = EncodeEngine(

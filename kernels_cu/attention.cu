@@ -111,3 +111,19 @@ __global__ void masked_softmax_block(T* out, const T* in, const int* __restrict_
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     for (int i = threadIdx.x; i < S; i += blockDim.x) dst[i] = from_float<T>(buf[i] * inv);
 }
+
+// MPNet's relative position bias, added to the scaled scores before the softmax:
+// scores[n, q, k] += table[buckets[k - q + max_len - 1] * heads + n % heads].
+// Reference: ftengine/backends/numpy_ops.py add_relative_bias. grid (B*heads*S rows).
+template <typename T>
+__global__ void add_relative_bias(T* scores,                      // (B*heads, S, S)
+                                  const float* __restrict__ table,  // (buckets, heads)
+                                  const int* __restrict__ buckets,  // (2*max_len - 1,)
+                                  int S, int heads, int max_len) {
+    const long row = blockIdx.x;                 // n * S + q
+    const int q = (int)(row % S);
+    const int h = (int)((row / S) % heads);
+    T* out = scores + row * S;
+    for (int k = threadIdx.x; k < S; k += blockDim.x)
+        out[k] = from_float<T>(to_float(out[k]) + table[buckets[k - q + max_len - 1] * heads + h]);
+}

@@ -158,3 +158,53 @@ def test_white_space_tokenised_as_transformers(tmp_path, model_type):
         ours = enc.tokenizer.encode(texts)
     ref = AutoTokenizer.from_pretrained(str(path))(texts)["input_ids"]
     assert [x.tolist() for x in np.split(ours.ids, np.cumsum(ours.lengths)[:-1])] == ref
+
+
+# ---------------------------------------------------------------- MPNet (relative position bias)
+
+MPNET_SHAPE = dict(hidden=64, layers=2, heads=2, intermediate=100, max_positions=300)
+
+
+def test_mpnet_hidden_states_match_hf(tmp_path, rng):
+    """Lengths past the bias's max distance (128), ragged: the bucketed bias of every layer."""
+    path = write_encoder_checkpoint(tmp_path, "mpnet", seed=5, **MPNET_SHAPE)
+    runner = _runner(path, numpy_ops, "padded")
+    ids = _ids(rng, runner.config, [5, 300, 17, 140, 1])
+    ours = runner.hidden_states(Batch.from_lists(ids, [[0] * len(x) for x in ids]))
+    assert _max_err(ours, _hf_hidden(path, ids)) <= HF_FP32_MAX_ABS
+
+
+def test_mpnet_encoder_and_layout(tmp_path):
+    from ftengine.models.bert import relative_position_buckets
+    import torch
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+    path = write_encoder_checkpoint(tmp_path, "mpnet", seed=6, **MPNET_SHAPE)
+    # the buckets against HF's own function, over every relative position of 300 tokens
+    rel = torch.arange(-299, 300)
+    assert np.array_equal(relative_position_buckets(300, 32), MPNetEncoder.relative_position_bucket(rel).numpy())
+    with Encoder.from_pretrained(path, device="cpu") as enc:
+        assert enc.layout == "padded"
+        ours = enc.encode(TEXTS, pooling="mean", normalize=False)
+        tokens = enc.tokenizer.encode(TEXTS)
+    ids = [x.tolist() for x in np.split(tokens.ids, np.cumsum(tokens.lengths)[:-1])]
+    ref = np.stack([h.mean(axis=0) for h in _hf_hidden(path, ids)])
+    assert np.abs(ours - ref).max() <= HF_FP32_MAX_ABS
+    with pytest.raises(Exception, match="packed layout's fused attention does not add MPNet's relative position bias"):
+        Encoder.from_pretrained(path, device="cpu", layout="packed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_mpnet_cuda_matches_hf_on_the_gpu(tmp_path, cu, dtype):
+    path = write_encoder_checkpoint(tmp_path, "mpnet", seed=9, hidden=256, layers=2, heads=4, intermediate=700,
+                                    max_positions=512)
+    runner = _runner(path, cu, "padded", dtype)
+    ids = _ids(np.random.default_rng(3), runner.config, [512, 1, 77, 300, 3])
+    ours = runner.hidden_states(Batch.from_lists(ids, [[0] * len(x) for x in ids]))
+    exact = _hf_hidden(path, ids, device="cuda")
+    if dtype == "fp32":
+        scale = max(1.0, max(np.abs(x).max() for x in exact))
+        assert _max_err(ours, exact) / scale <= GPU_FP32_REL
+    else:
+        assert _max_err(ours, exact) <= LOWP_ERROR_FACTOR * _max_err(_hf_hidden(path, ids, device="cuda", dtype=dtype),
+                                                                     exact)

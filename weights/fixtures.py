@@ -185,6 +185,7 @@ def write_sentence_transformers_files(folder: Path, *, pooling: dict, normalize:
 
 ROBERTA_SPECIAL = ["<s>", "<pad>", "</s>", "<unk>"]  # ids 0..3, as RoBERTa and XLM-R number them
 ENCODER_TYPES = ("roberta", "xlm-roberta", "camembert", "distilbert")
+MPNET_BUCKETS = 32
 
 
 def write_bpe_tokenizer(folder: Path):
@@ -235,13 +236,13 @@ def write_encoder_checkpoint(folder, model_type: str, *, seed: int = 0, hidden=3
     """A random RoBERTa / XLM-RoBERTa / CamemBERT / DistilBERT folder with the tokenizer its
     family ships (byte-level BPE, Unigram, Unigram, WordPiece). `max_positions` is the longest
     input; RoBERTa-style tables hold pad_token_id + 1 more rows, as on the Hub."""
-    if model_type not in ENCODER_TYPES:
-        raise ValueError(f"model_type must be one of {ENCODER_TYPES}")
+    if model_type not in ENCODER_TYPES + ("mpnet",):
+        raise ValueError(f"model_type must be one of {ENCODER_TYPES + ('mpnet',)}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if model_type == "roberta":
         write_bpe_tokenizer(folder)
-    elif model_type == "distilbert":
+    elif model_type in ("distilbert", "mpnet"):
         write_wordpiece_tokenizer(folder, fixture_vocab())
     else:
         write_unigram_tokenizer(folder)
@@ -257,6 +258,13 @@ def write_encoder_checkpoint(folder, model_type: str, *, seed: int = 0, hidden=3
                   "dropout": 0.0, "attention_dropout": 0.0, "pad_token_id": 0}
         tensors = {distilbert_name(name): t for name, t in tensors.items()
                    if not name.startswith(("pooler.", "embeddings.token_type"))}
+    elif model_type == "mpnet":
+        config = {k: v for k, v in bert.items() if k not in ("type_vocab_size", "position_embedding_type")}
+        config.update(architectures=["MPNetModel"], model_type="mpnet", pad_token_id=1, bos_token_id=0,
+                      eos_token_id=2, relative_attention_num_buckets=MPNET_BUCKETS)
+        tensors = {mpnet_name(name): t for name, t in tensors.items() if not name.startswith("embeddings.token_type")}
+        rng = np.random.default_rng(seed + 1)
+        tensors["encoder.relative_attention_bias.weight"] = rng.standard_normal((MPNET_BUCKETS, heads)).astype(np.float32)
     else:
         arch = {"roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel", "camembert": "CamembertModel"}
         config = dict(bert, architectures=[arch[model_type]], model_type=model_type, pad_token_id=1,
@@ -295,6 +303,15 @@ def add_classification_head(folder, *, num_labels: int = 1, seed: int = 0) -> Pa
                   label2id={f"LABEL_{i}": i for i in range(num_labels)})
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return folder
+
+
+def mpnet_name(name: str) -> str:
+    """A BERT tensor name as MPNet stores it."""
+    name = re.sub(r"^encoder\.layer\.(\d+)\.attention\.self\.(query|key|value)",
+                  lambda m: f"encoder.layer.{m.group(1)}.attention.attn.{m.group(2)[0]}", name)
+    name = re.sub(r"^encoder\.layer\.(\d+)\.attention\.output\.dense", r"encoder.layer.\1.attention.attn.o", name)
+    return re.sub(r"^encoder\.layer\.(\d+)\.attention\.output\.LayerNorm", r"encoder.layer.\1.attention.LayerNorm",
+                  name)
 
 
 def distilbert_name(name: str) -> str:

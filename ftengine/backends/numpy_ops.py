@@ -132,6 +132,14 @@ def batched_matmul(out, a, b, *, transpose_b, alpha=1.0):
     out[...] = alpha * np.matmul(a, b.transpose(0, 2, 1) if transpose_b else b)
 
 
+def add_relative_bias(scores, table, buckets, *, heads, max_len):
+    """scores (B*heads, S, S) += table[buckets[k - q + max_len - 1], head] (MPNet), in place."""
+    n, s, _ = scores.shape
+    rel = np.arange(s)[None, :] - np.arange(s)[:, None]                  # (S, S): k - q
+    bias = table[buckets[rel + max_len - 1]].transpose(2, 0, 1)          # (heads, S, S)
+    scores += np.tile(bias, (n // heads, 1, 1)).astype(scores.dtype)
+
+
 def masked_softmax(probs, scores, lengths, *, heads):
     """Softmax over the last axis of scores (B*heads, S, S); keys at or past a sequence's
     length get zero weight. A row with no valid key (length 0) is all zeros."""

@@ -80,9 +80,28 @@ def padded_arrays(batch: Batch, *, b: int, s: int, pad_id: int):
     return ids, types, lengths
 
 
+def relative_position_buckets(max_len: int, num_buckets: int, max_distance: int = 128) -> np.ndarray:
+    """MPNet's bucket of each relative position k - q, for k - q = -(max_len-1)..max_len-1 (index
+    k - q + max_len - 1): HF's bidirectional bucketing, exact below num_buckets / 4, logarithmic
+    up to max_distance, computed in float32 as torch does."""
+    rel = np.arange(-(max_len - 1), max_len, dtype=np.int64)
+    n = -rel
+    half = num_buckets // 2
+    ret = (n < 0).astype(np.int64) * half
+    n = np.abs(n)
+    max_exact = half // 2
+    scaled = (np.log(np.maximum(n, 1).astype(np.float32) / np.float32(max_exact))
+              / np.float32(np.log(max_distance / max_exact)) * np.float32(half - max_exact))
+    large = np.minimum(max_exact + scaled.astype(np.int64), half - 1)
+    return (ret + np.where(n < max_exact, n, large)).astype(np.int32)
+
+
 def check_layout(config: BertConfig, layout: str):
     if layout not in LAYOUTS:
         raise InputError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if layout == "packed" and config.relative_buckets:
+        raise InputError("the packed layout's fused attention does not add MPNet's relative position bias yet; "
+                         "use the padded layout")
     if layout == "packed" and config.head_dim not in PACKED_HEAD_DIMS:
         raise InputError(f"the packed layout needs head_dim in {PACKED_HEAD_DIMS}, this model has "
                          f"{config.head_dim}; use the padded layout")
@@ -162,6 +181,9 @@ class BertRunner:
         # float32 layers after pooling (sentence-transformers Dense modules), in every dtype
         self.head = [(ops.to_device(layer.weight, np.float32), ops.to_device(layer.bias, np.float32), layer.activation)
                      for layer in head]
+        if config.relative_buckets:  # MPNet: bias table (buckets, heads) and each relative position's bucket
+            self.rel_bias = ops.to_device(weights.rel_bias, np.float32)
+            self.rel_buckets = ops.to_device(relative_position_buckets(max_seq_len, config.relative_buckets))
         self._graphs_enabled = graphs
         self.resize(max_batch_tokens)
 
@@ -291,6 +313,8 @@ class BertRunner:
         ctx = ws.view("ctx", (t, c.hidden_size))
         ops.add_qkv_bias_split_heads(q, k, v, qkv, w["qkv_bias"], batch=b, seq=s, heads=heads)
         ops.batched_matmul(scores, q, k, transpose_b=True, alpha=1.0 / float(np.sqrt(d)))
+        if c.relative_buckets:
+            ops.add_relative_bias(scores, self.rel_bias, self.rel_buckets, heads=heads, max_len=self.max_seq_len)
         ops.masked_softmax(scores, scores, lengths, heads=heads)
         ops.batched_matmul(heads_out, scores, v, transpose_b=False)
         ops.merge_heads(ctx, heads_out, batch=b, seq=s, heads=heads)

@@ -53,7 +53,7 @@ FAMILIES = {
     "layernorm.cu": lambda t: _row_variants("add_bias_residual_layernorm", t),
     "activation.cu": lambda t: _vec_variants("add_bias_gelu", t),
     "attention.cu": lambda t: (_vec_variants("add_qkv_bias_split_heads", t) + _vec_variants("merge_heads", t)
-                               + _softmax_variants(t)),
+                               + _softmax_variants(t) + [f"add_relative_bias<{t}>"]),
     "attention_varlen.cu": lambda t: [f"varlen_attention_simt<{d}>" if t == "float" else
                                       f"varlen_attention_mma<{t}, {d}>" for d in VARLEN_HEAD_DIMS],
     "pooling.cu": lambda t: [f"pool<{t}>", f"pool_packed<{t}>"],

@@ -274,6 +274,13 @@ def batched_matmul(out, a, b, *, transpose_b, alpha=1.0):
                                             alpha=alpha)
 
 
+def add_relative_bias(scores, table, buckets, *, heads, max_len):
+    """scores (B*heads, S, S) += table[buckets[k - q + max_len - 1], head] (MPNet), in place."""
+    n, s, _ = scores.shape
+    _launch("attention.cu", f"add_relative_bias<{_ctype(scores)}>", (n * s,), (_threads(s, 256),),
+            (scores, table, buckets, np.int32(s), np.int32(heads), np.int32(max_len)))
+
+
 def masked_softmax(probs, scores, lengths, *, heads):
     n, s, _ = scores.shape
     rows = n * s
