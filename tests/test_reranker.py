@@ -12,7 +12,7 @@ import pytest
 
 from ftengine import Reranker
 from ftengine.errors import CheckpointError, InputError
-from tests.tolerances import HF_FP32_MAX_ABS
+from tests.tolerances import BATCHING_INVARIANCE_FP32, HF_FP32_MAX_ABS
 from weights.fixtures import ENCODER_TYPES, add_classification_head, write_bert_checkpoint, write_encoder_checkpoint
 
 st = pytest.importorskip("sentence_transformers")
@@ -104,3 +104,15 @@ def test_cuda_reranker_as_cross_encoder(tmp_path, model_type, dtype):
         model.model.half()
         theirs = np.abs(model.predict(PAIRS * 5) - exact).max()
         assert np.abs(ours - exact).max() <= LOWP_ERROR_FACTOR * theirs
+
+
+def test_predict_from_threads_equals_sequential(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+    path = cross_encoder(tmp_path, "bert")
+    calls = [[(f"{QUERY} {i}", d) for d in DOCS[i % len(DOCS):] + DOCS[:i % 3]] for i in range(24)]
+    with Reranker.from_pretrained(path, device="cpu") as r:
+        expected = [r.predict(c) for c in calls]
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(r.predict, calls))
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and np.abs(g - e).max() <= BATCHING_INVARIANCE_FP32
