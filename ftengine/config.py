@@ -75,6 +75,12 @@ class _Keys:
             raise ConfigError(f"{self.path}: key {key!r} must be a number > 0, found {value!r}")
         return float(value)
 
+    def width_and_heads(self, width_key: str, heads_key: str) -> tuple[int, int]:
+        width, heads = self.positive(width_key), self.positive(heads_key)
+        if width % heads:
+            raise ConfigError(f"{self.path}: {width_key} {width} is not divisible by {heads_key} {heads}")
+        return width, heads
+
     def positive(self, key):
         value = self.required(key, int)
         if value < 1:
@@ -128,12 +134,7 @@ class BertConfig:
                 f"{path}: position_embedding_type {position_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_POSITION_TYPES)}"
             )
-        hidden = keys.positive("hidden_size")
-        heads = keys.positive("num_attention_heads")
-        if hidden % heads:
-            raise ConfigError(
-                f"{path}: hidden_size {hidden} is not divisible by num_attention_heads {heads}"
-            )
+        hidden, heads = keys.width_and_heads("hidden_size", "num_attention_heads")
         eps = keys.positive_float("layer_norm_eps", 1e-12)
         numbered_from_pad = family in ("roberta", "mpnet")
         pad = keys.optional("pad_token_id", int, 1 if numbered_from_pad else 0)
@@ -168,9 +169,7 @@ class BertConfig:
         act = keys.optional("activation", str, "gelu")
         if act not in GELU_FORMS:
             raise ConfigError(f"{path}: activation {act!r} is not supported; supported: {', '.join(GELU_FORMS)}")
-        hidden, heads = keys.positive("dim"), keys.positive("n_heads")
-        if hidden % heads:
-            raise ConfigError(f"{path}: dim {hidden} is not divisible by n_heads {heads}")
+        hidden, heads = keys.width_and_heads("dim", "n_heads")
         return cls(
             vocab_size=keys.positive("vocab_size"),
             hidden_size=hidden,
@@ -228,9 +227,7 @@ class GPT2Config:
                 raise ConfigError(f"{path}: {flag}=true is not supported")
         if data.get("scale_attn_weights") is False:
             raise ConfigError(f"{path}: scale_attn_weights=false is not supported")
-        n_embd, n_head = keys.positive("n_embd"), keys.positive("n_head")
-        if n_embd % n_head:
-            raise ConfigError(f"{path}: n_embd {n_embd} is not divisible by n_head {n_head}")
+        n_embd, n_head = keys.width_and_heads("n_embd", "n_head")
         inner = data.get("n_inner")
         if inner is not None and (not isinstance(inner, int) or isinstance(inner, bool) or inner < 1):
             raise ConfigError(f"{path}: key 'n_inner' must be a positive int or null, found {inner!r}")
