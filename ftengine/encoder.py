@@ -104,6 +104,7 @@ class Encoder:
         self.max_length = max_length
         self.pooling = settings.pooling
         self.normalize = settings.normalize
+        self._head_out = self.head[-1].weight.shape[0] if self.head else None  # the last head layer's width
         self.prompts = dict(settings.prompts)
         self.default_prompt_name = settings.default_prompt_name
         self.tokenizer = Tokenizer(settings.model_dir, max_length=self.max_length,
@@ -121,7 +122,7 @@ class Encoder:
             make_runner=partial(BertRunner, self.config, self.weights, self.ops, dtype=dtype,
                                 max_seq_len=self.max_length, layout=layout, graphs=cuda_graphs, head=self.head),
             max_length=self.max_length, vocab_size=self.config.vocab_size,
-            output_dim=partial(_pooled_width, self.config.hidden_size, self.head[-1].weight.shape[0] if self.head else None),
+            output_dim=partial(_pooled_width, self.config.hidden_size, self._head_out),
             type_vocab_size=self.config.type_vocab_size)
         self._finalizer = weakref.finalize(self, self._engine.close, cancel=True)
 
@@ -150,7 +151,7 @@ class Encoder:
 
     def _pooled_dim(self, modes: tuple) -> int:
         """Values per embedding before `dimensions`: the pooled modes, or the last Dense module's."""
-        return _pooled_width(self.config.hidden_size, self.head[-1].weight.shape[0] if self.head else None, modes)
+        return _pooled_width(self.config.hidden_size, self._head_out, modes)
 
     def _dimensions(self, dimensions, dim: int) -> int:
         if dimensions is None:
