@@ -229,13 +229,52 @@ MPNET_IGNORED = [re.compile(p) for p in (
     r"lm_head\..+",
     r"classifier\..+",
 )]
-FAMILY_NAMES = {"bert": "BERT", "roberta": "RoBERTa", "distilbert": "DistilBERT", "mpnet": "MPNet"}
+# ModernBERT: pre-LayerNorm layers (layer 0 has no attention norm), fused Wqkv, GeGLU Wi (2I rows:
+# input half, then gate half), no position or type tables, a final norm; biases only where the
+# config says (absent ones are zeros in the slots). Slots as BERT's, plus final_ln; attn_ln is
+# the norm before attention, ffn_ln the norm before the MLP.
+MODERNBERT_EMBEDDING_NAMES = {
+    "embeddings.tok_embeddings.weight": ("word_emb", lambda c: (c.vocab_size, c.hidden_size)),
+    "embeddings.norm.weight": ("emb_ln_gamma", lambda c: (c.hidden_size,)),
+    "final_norm.weight": ("final_ln_gamma", lambda c: (c.hidden_size,)),
+}
+MODERNBERT_EMBEDDING_BIASES = {
+    "embeddings.norm.bias": ("emb_ln_beta", lambda c: (c.hidden_size,)),
+    "final_norm.bias": ("final_ln_beta", lambda c: (c.hidden_size,)),
+}
+MODERNBERT_LAYER_NAMES = {
+    "layers.{i}.attn_norm.weight": ("attn_ln_gamma", lambda c: (c.hidden_size,)),
+    "layers.{i}.attn.Wqkv.weight": ("qkv_weight", lambda c: (3 * c.hidden_size, c.hidden_size)),
+    "layers.{i}.attn.Wo.weight": ("attn_out_weight", lambda c: (c.hidden_size, c.hidden_size)),
+    "layers.{i}.mlp_norm.weight": ("ffn_ln_gamma", lambda c: (c.hidden_size,)),
+    "layers.{i}.mlp.Wi.weight": ("ffn_in_weight", lambda c: (2 * c.intermediate_size, c.hidden_size)),
+    "layers.{i}.mlp.Wo.weight": ("ffn_out_weight", lambda c: (c.hidden_size, c.intermediate_size)),
+}
+# config flag -> the layer biases it adds
+MODERNBERT_LAYER_BIASES = {
+    "attention_bias": {
+        "layers.{i}.attn.Wqkv.bias": ("qkv_bias", lambda c: (3 * c.hidden_size,)),
+        "layers.{i}.attn.Wo.bias": ("attn_out_bias", lambda c: (c.hidden_size,)),
+    },
+    "mlp_bias": {
+        "layers.{i}.mlp.Wi.bias": ("ffn_in_bias", lambda c: (2 * c.intermediate_size,)),
+        "layers.{i}.mlp.Wo.bias": ("ffn_out_bias", lambda c: (c.hidden_size,)),
+    },
+    "norm_bias": {
+        "layers.{i}.attn_norm.bias": ("attn_ln_beta", lambda c: (c.hidden_size,)),
+        "layers.{i}.mlp_norm.bias": ("ffn_ln_beta", lambda c: (c.hidden_size,)),
+    },
+}
+MODERNBERT_IGNORED = [re.compile(p) for p in (r"head\..+", r"decoder\..+", r"classifier\..+")]
+FAMILY_NAMES = {"bert": "BERT", "roberta": "RoBERTa", "distilbert": "DistilBERT", "mpnet": "MPNet",
+                "modernbert": "ModernBERT"}
 # family -> (embedding names, layer names, ignored patterns, the prefix a task model adds)
 ENCODER_NAME_TABLES = {
     "bert": (BERT_EMBEDDING_NAMES, BERT_LAYER_NAMES, BERT_IGNORED, "bert."),
     "roberta": (BERT_EMBEDDING_NAMES, BERT_LAYER_NAMES, BERT_IGNORED, "roberta."),
     "distilbert": (DISTILBERT_EMBEDDING_NAMES, DISTILBERT_LAYER_NAMES, DISTILBERT_IGNORED, "distilbert."),
     "mpnet": (MPNET_EMBEDDING_NAMES, MPNET_LAYER_NAMES, MPNET_IGNORED, "mpnet."),
+    "modernbert": (MODERNBERT_EMBEDDING_NAMES, MODERNBERT_LAYER_NAMES, MODERNBERT_IGNORED, "model."),
 }
 # Checkpoints converted from TensorFlow name LayerNorm parameters gamma/beta.
 _LEGACY_LN = re.compile(r"LayerNorm\.(gamma|beta)$")
@@ -266,6 +305,8 @@ class BertWeights:
     emb_ln_beta: np.ndarray   # (H,)
     layers: list              # num_hidden_layers x BertLayerWeights
     rel_bias: np.ndarray | None = None  # (buckets, heads): MPNet's relative position bias
+    final_ln_gamma: np.ndarray | None = None  # (H,): ModernBERT's final norm
+    final_ln_beta: np.ndarray | None = None   # (H,)
 
 
 def _canonical(name: str, prefix: str) -> str:
@@ -322,9 +363,22 @@ def _slots(arrays: dict, expected: dict, layers: int) -> tuple[dict, list]:
     return top, per_layer
 
 
+def _modernbert_tables(config: BertConfig) -> tuple[dict, dict]:
+    """ModernBERT's embedding and layer names with the biases its config has."""
+    embedding_names, layer_names = dict(MODERNBERT_EMBEDDING_NAMES), dict(MODERNBERT_LAYER_NAMES)
+    if config.norm_bias:
+        embedding_names.update(MODERNBERT_EMBEDDING_BIASES)
+    for flag, names in MODERNBERT_LAYER_BIASES.items():
+        if getattr(config, flag):
+            layer_names.update(names)
+    return embedding_names, layer_names
+
+
 def load_bert_weights(model_dir: Path, config: BertConfig) -> BertWeights:
     """The weights of any encoder family (config.family), in BERT's slots."""
     embedding_names, layer_names, ignored, prefix = ENCODER_NAME_TABLES[config.family]
+    if config.family == "modernbert":
+        return _load_modernbert(model_dir, config, ignored, prefix)
     expected = _expected(embedding_names, layer_names, config.num_hidden_layers, config)
     arrays = _collect(model_dir, SafetensorsFiles(model_dir), expected, ignored,
                       lambda name: _canonical(name, prefix),
@@ -333,6 +387,30 @@ def load_bert_weights(model_dir: Path, config: BertConfig) -> BertWeights:
     top["pos_emb"] = np.ascontiguousarray(top["pos_emb"][config.position_offset:])
     top.setdefault("type_emb", np.zeros((config.type_vocab_size, config.hidden_size), np.float32))
     return BertWeights(layers=[_fuse_layer(parts) for parts in layers], **top)
+
+
+def _load_modernbert(model_dir: Path, config: BertConfig, ignored: list, prefix: str) -> BertWeights:
+    embedding_names, layer_names = _modernbert_tables(config)
+    expected = _expected(embedding_names, layer_names, config.num_hidden_layers, config)
+    for name in ("layers.0.attn_norm.weight", "layers.0.attn_norm.bias"):  # layer 0 attends to the embeddings
+        expected.pop(name, None)
+    arrays = _collect(model_dir, SafetensorsFiles(model_dir), expected, ignored,
+                      lambda name: _canonical(name, prefix),
+                      f"a ModernBERT with {config.num_hidden_layers} layers")
+    top, layers = _slots(arrays, expected, config.num_hidden_layers)
+    h, i = config.hidden_size, config.intermediate_size
+    zeros = lambda n: np.zeros((n,), np.float32)  # noqa: E731
+    absent = {"qkv_bias": zeros(3 * h), "attn_out_bias": zeros(h), "ffn_in_bias": zeros(2 * i),
+              "ffn_out_bias": zeros(h), "attn_ln_beta": zeros(h), "ffn_ln_beta": zeros(h),
+              "attn_ln_gamma": np.ones((h,), np.float32)}
+    for parts in layers:
+        for slot, value in absent.items():
+            parts.setdefault(slot, value)
+    top.setdefault("emb_ln_beta", zeros(h))
+    top.setdefault("final_ln_beta", zeros(h))
+    # no position or type tables: one zero row each, read by every token
+    top["pos_emb"] = top["type_emb"] = np.zeros((1, h), np.float32)
+    return BertWeights(layers=[BertLayerWeights(**parts) for parts in layers], **top)
 
 
 def _fuse_layer(p: dict) -> BertLayerWeights:
@@ -347,10 +425,12 @@ def _fuse_layer(p: dict) -> BertLayerWeights:
 
 @dataclass
 class HeadLayer:
-    """One float32 layer applied to the pooled vector: activation(x @ weight^T + bias)."""
+    """One float32 layer applied to the pooled vector: activation(x @ weight^T + bias), then
+    LayerNorm(gamma, beta, eps) where `norm` has them."""
     weight: np.ndarray  # (out, in)
     bias: np.ndarray    # (out,): zeros for a layer without bias
     activation: str     # "identity", "tanh", "relu" or "gelu"
+    norm: tuple = ()    # (gamma (out,), beta (out,), eps): ModernBERT's head norm
 
 
 def load_dense_module(module) -> HeadLayer:
@@ -375,8 +455,11 @@ CLASSIFIER_HEADS = {
 
 def load_classification_head(model_dir: Path, config: BertConfig) -> tuple:
     """The HeadLayers of a sequence-classification checkpoint (BERT: pooler + classifier;
-    RoBERTa: classifier.dense + out_proj; DistilBERT: pre_classifier + classifier)."""
+    RoBERTa: classifier.dense + out_proj; DistilBERT: pre_classifier + classifier; ModernBERT:
+    head.dense + head.norm, classifier)."""
     files = SafetensorsFiles(model_dir)
+    if config.family == "modernbert":
+        return _modernbert_head(model_dir, files, config)
     stored = set(files.names())
     prefix = ENCODER_NAME_TABLES[config.family][3]
     layers, width = [], config.hidden_size
@@ -392,6 +475,46 @@ def load_classification_head(model_dir: Path, config: BertConfig) -> tuple:
         layers.append(HeadLayer(weight, bias, activation))
         width = weight.shape[0]
     return tuple(layers)
+
+
+def _modernbert_head(model_dir: Path, files: SafetensorsFiles, config: BertConfig) -> tuple:
+    h = config.hidden_size
+    stored = set(files.names())
+    labels = files.shape_and_dtype("classifier.weight")[0][0] if "classifier.weight" in stored else 1
+    expected = {"head.dense.weight": (None, "dense_w", (h, h)), "head.norm.weight": (None, "gamma", (h,)),
+                "classifier.weight": (None, "out_w", (labels, h)), "classifier.bias": (None, "out_b", (labels,))}
+    if config.classifier_bias:
+        expected["head.dense.bias"] = (None, "dense_b", (h,))
+    if config.norm_bias:
+        expected["head.norm.bias"] = (None, "beta", (h,))
+    missing = [n for n in expected if n not in stored]
+    if missing:
+        raise CheckpointError(f"{model_dir}: {', '.join(missing)} missing: not a ModernBERT sequence-classification "
+                              f"(cross-encoder) checkpoint")
+    head_files = _OnlyNames(files, expected)
+    arrays = _collect(model_dir, head_files, expected, [], lambda name: name, "a ModernBERT classification head")
+    zeros = np.zeros((h,), np.float32)
+    norm = (arrays["head.norm.weight"], arrays.get("head.norm.bias", zeros), config.layer_norm_eps)
+    return (HeadLayer(arrays["head.dense.weight"], arrays.get("head.dense.bias", zeros),
+                      config.classifier_activation, norm),
+            HeadLayer(arrays["classifier.weight"], arrays["classifier.bias"], "identity"))
+
+
+class _OnlyNames:
+    """The tensors of `files` that `names` lists (the rest belong to the encoder)."""
+
+    def __init__(self, files: SafetensorsFiles, names):
+        self._files = files
+        self._names = [n for n in files.names() if n in names]
+
+    def names(self) -> list[str]:
+        return self._names
+
+    def shape_and_dtype(self, name: str):
+        return self._files.shape_and_dtype(name)
+
+    def float32(self, name: str) -> np.ndarray:
+        return self._files.float32(name)
 
 
 # ---------------------------------------------------------------- GPT-2 name table

@@ -17,6 +17,7 @@ ENCODER_FAMILIES = {
     "camembert": "roberta",
     "distilbert": "distilbert",
     "mpnet": "mpnet",
+    "modernbert": "modernbert",
 }
 SUPPORTED_BERT_TYPES = tuple(ENCODER_FAMILIES)
 # hidden_act value -> the GELU form the ops implement
@@ -26,6 +27,10 @@ GELU_FORMS = {
     "gelu_pytorch_tanh": "tanh",
 }
 SUPPORTED_POSITION_TYPES = ("absolute",)
+# ModernBERT's classifier_pooling values -> the pooling mode its ...ForSequenceClassification uses
+CLASSIFIER_POOLING = {"cls": "cls", "mean": "mean"}
+# its classifier_activation values -> the head activation (ops.dense)
+CLASSIFIER_ACTIVATIONS = {"gelu": "gelu", "tanh": "tanh", "relu": "relu"}
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -100,12 +105,25 @@ class BertConfig:
     layer_norm_eps: float          # 1e-12
     gelu: str                      # "erf" or "tanh", from hidden_act
     pad_token_id: int              # 0
-    family: str = "bert"           # "bert", "roberta" or "distilbert" (ENCODER_FAMILIES)
+    family: str = "bert"           # a value of ENCODER_FAMILIES
     # RoBERTa numbers positions from pad_token_id + 1: token i reads row i + position_offset of
     # the stored table, which has max_position_embeddings + position_offset rows
     position_offset: int = 0
     # MPNet: buckets of the relative position bias added to every layer's attention scores (0: none)
     relative_buckets: int = 0
+    # ModernBERT: pre-LayerNorm layers with a GeGLU MLP, rotary positions (theta of the global
+    # and of the local layers), layer i local (sliding window) where local_layers[i]: query q sees
+    # keys k with |k - q| <= window; which linears and LayerNorms have a bias; the
+    # ...ForSequenceClassification head's pooling, activation and dense bias
+    rotary_theta: tuple = ()
+    local_layers: tuple = ()
+    window: int = 0
+    attention_bias: bool = True
+    mlp_bias: bool = True
+    norm_bias: bool = True
+    classifier_pooling: str = "cls"
+    classifier_activation: str = "tanh"
+    classifier_bias: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -123,6 +141,8 @@ class BertConfig:
         family = ENCODER_FAMILIES[model_type]
         if family == "distilbert":
             return cls._distilbert(keys, path)
+        if family == "modernbert":
+            return cls._modernbert(keys, path)
         act = keys.required("hidden_act", str)
         if act not in GELU_FORMS:
             raise ConfigError(
@@ -182,6 +202,80 @@ class BertConfig:
             gelu=GELU_FORMS[act],
             pad_token_id=keys.optional("pad_token_id", int, 0),
             family="distilbert",
+        )
+
+
+    @classmethod
+    def _modernbert(cls, keys: _Keys, path: Path) -> "BertConfig":
+        """ModernBERT's keys as the Hub's config.json files have them (global_attn_every_n_layers,
+        local_attention, global_rope_theta / local_rope_theta), or as transformers 5 saves them
+        (layer_types, rope_parameters); HF's defaults for absent keys."""
+        data = keys.data
+        act = keys.optional("hidden_activation", str, "gelu")
+        if act not in GELU_FORMS:
+            raise ConfigError(f"{path}: hidden_activation {act!r} is not supported; supported: {', '.join(GELU_FORMS)}")
+        hidden, heads = keys.width_and_heads("hidden_size", "num_attention_heads")
+        layers = keys.positive("num_hidden_layers")
+        if data.get("rope_scaling") is not None:
+            raise ConfigError(f"{path}: rope_scaling is not supported (default rotary embeddings only)")
+        types = data.get("layer_types")
+        if types is None:
+            every = keys.optional("global_attn_every_n_layers", int, 3)
+            if every < 1:
+                raise ConfigError(f"{path}: key 'global_attn_every_n_layers' must be >= 1, found {every}")
+            types = ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
+        layer_kinds = ("full_attention", "sliding_attention")
+        if not isinstance(types, list) or len(types) != layers or any(t not in layer_kinds for t in types):
+            raise ConfigError(f"{path}: key 'layer_types' must list {layers} of {', '.join(layer_kinds)}, "
+                              f"found {types!r}")
+        theta = {"full_attention": keys.positive_float("global_rope_theta", 160000.0),
+                 "sliding_attention": keys.positive_float("local_rope_theta", 10000.0)}
+        rope = keys.optional("rope_parameters", dict, {})
+        for kind, params in rope.items():
+            if kind not in layer_kinds or not isinstance(params, dict):
+                raise ConfigError(f"{path}: rope_parameters[{kind!r}] is not supported; supported: "
+                                  f"{', '.join(layer_kinds)}, each an object")
+            if params.get("rope_type", "default") != "default":
+                raise ConfigError(f"{path}: rope_parameters[{kind!r}] rope_type {params['rope_type']!r} is not "
+                                  f"supported; supported: default")
+            value = params.get("rope_theta", theta[kind])
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{path}: rope_parameters[{kind!r}] rope_theta must be a number > 0, found {value!r}")
+            theta[kind] = float(value)
+        local = keys.optional("local_attention", int, 128)
+        if local < 2:
+            raise ConfigError(f"{path}: key 'local_attention' must be >= 2, found {local}")
+        pooling = keys.optional("classifier_pooling", str, "cls")
+        if pooling not in CLASSIFIER_POOLING:
+            raise ConfigError(f"{path}: classifier_pooling {pooling!r} is not supported; supported: "
+                              f"{', '.join(CLASSIFIER_POOLING)}")
+        head_act = keys.optional("classifier_activation", str, "gelu")
+        if head_act not in CLASSIFIER_ACTIVATIONS:
+            raise ConfigError(f"{path}: classifier_activation {head_act!r} is not supported; supported: "
+                              f"{', '.join(CLASSIFIER_ACTIVATIONS)}")
+        positions = keys.optional("max_position_embeddings", int, 8192)
+        if positions < 2:
+            raise ConfigError(f"{path}: key 'max_position_embeddings' must be >= 2, found {positions}")
+        flags = {k: keys.optional(k, bool, False) for k in ("attention_bias", "mlp_bias", "norm_bias",
+                                                             "classifier_bias")}
+        return cls(
+            vocab_size=keys.positive("vocab_size"),
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=keys.positive("intermediate_size"),
+            max_position_embeddings=positions,
+            type_vocab_size=1,
+            layer_norm_eps=keys.positive_float("norm_eps", 1e-5),
+            gelu=GELU_FORMS[act],
+            pad_token_id=keys.optional("pad_token_id", int, 50283),
+            family="modernbert",
+            rotary_theta=(theta["full_attention"], theta["sliding_attention"]),
+            local_layers=tuple(t == "sliding_attention" for t in types),
+            window=local // 2,
+            classifier_pooling=CLASSIFIER_POOLING[pooling],
+            classifier_activation=CLASSIFIER_ACTIVATIONS[head_act],
+            **flags,
         )
 
 

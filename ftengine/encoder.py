@@ -67,8 +67,9 @@ class Encoder:
     def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None,
                  max_length: int | None = None, cuda_graphs: bool = True, layout: str = "auto",
                  classifier: bool = False):
-        """classifier=True (the Reranker's encoder): the first token through the checkpoint's
-        sequence-classification head gives each row's logits, instead of sentence embeddings."""
+        """classifier=True (the Reranker's encoder): the first token (ModernBERT: its
+        classifier_pooling) through the checkpoint's sequence-classification head gives each
+        row's logits, instead of sentence embeddings."""
         path = Path(path)
         if not path.is_dir():
             raise ConfigError(f"model folder not found: {path}")
@@ -87,8 +88,8 @@ class Encoder:
         self.weights = load_bert_weights(settings.model_dir, self.config)
         if classifier:
             self.head = load_classification_head(settings.model_dir, self.config)
-            settings = replace(settings, pooling=("cls",), normalize=False, dense=(), prompts={},
-                               default_prompt_name=None)
+            settings = replace(settings, pooling=(self.config.classifier_pooling,), normalize=False, dense=(),
+                               prompts={}, default_prompt_name=None)
         else:
             widths = (self.config.hidden_size * len(settings.pooling),) + tuple(m.out_features for m in settings.dense)
             for before, module in zip(widths, settings.dense):
@@ -111,8 +112,7 @@ class Encoder:
                                    lowercase_text=settings.lowercase_text)
         self.cuda_graphs = cuda_graphs
         if layout == "auto":
-            packable = self.config.head_dim in PACKED_HEAD_DIMS and not self.config.relative_buckets
-            layout = "packed" if packable else "padded"
+            layout = "packed" if self.config.head_dim in PACKED_HEAD_DIMS else "padded"
         check_layout(self.config, layout)
         self.layout = layout
         self._engine = EncodeEngine(

@@ -17,17 +17,50 @@ __global__ void add_bias_gelu(T* out, const T* x,          // (T, I)
     }
 }
 
+// GeGLU: out (T, I) = GELU(x[:, :I] + bias[:I]) * (x[:, I:] + bias[I:]), x (T, 2I).
+// Reference: ftengine/backends/numpy_ops.py gated_gelu. grid (rows).
+template <typename T, int VEC>
+__global__ void gated_gelu(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ bias, int I, int form) {
+    const T* in = x + (long)blockIdx.x * 2 * I;
+    for (int col = threadIdx.x * VEC; col < I; col += blockDim.x * VEC) {
+        float a[VEC], g[VEC], ba[VEC], bg[VEC];
+        load_floats<T, VEC>(a, in + col);
+        load_floats<T, VEC>(g, in + I + col);
+        load_floats<T, VEC>(ba, bias + col);
+        load_floats<T, VEC>(bg, bias + I + col);
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) a[j] = gelu(a[j] + ba[j], form) * (g[j] + bg[j]);
+        store_floats<T, VEC>(out + (long)blockIdx.x * I + col, a);
+    }
+}
+
 // Bias + activation on the float32 rows of a head after pooling (sentence-transformers Dense
-// modules, classification heads): 0 identity, 1 tanh, 2 relu, 3 gelu (erf).
+// modules, classification heads): 0 identity, 1 tanh, 2 relu, 3 gelu (erf); then, where `norm`
+// is 1, LayerNorm(gamma, beta, eps) of the row (ModernBERT's head).
 // Reference: ftengine/backends/numpy_ops.py dense. grid (rows), `out` may alias `x`.
 template <typename T>
-__global__ void add_bias_act(T* out, const T* x, const T* __restrict__ bias, int N, int act) {
+__global__ void add_bias_act(T* out, const T* x, const T* __restrict__ bias, int N, int act, int norm,
+                             const float* __restrict__ gamma, const float* __restrict__ beta, float eps) {
+    __shared__ float scratch[32];
     const long base = (long)blockIdx.x * N;
+    float sum = 0.0f;
     for (int col = threadIdx.x; col < N; col += blockDim.x) {
         float v = to_float(x[base + col]) + to_float(bias[col]);
         if (act == 1) v = tanhf(v);
         else if (act == 2) v = fmaxf(v, 0.0f);
         else if (act == 3) v = gelu(v, 0);
         out[base + col] = from_float<T>(v);
+        sum += v;
     }
+    if (!norm) return;
+    // each thread re-reads only the columns it wrote
+    const float mean = block_sum(sum, scratch) / N;
+    float sq = 0.0f;
+    for (int col = threadIdx.x; col < N; col += blockDim.x) {
+        const float d = to_float(out[base + col]) - mean;
+        sq += d * d;
+    }
+    const float rstd = rsqrtf(block_sum(sq, scratch) / N + eps);
+    for (int col = threadIdx.x; col < N; col += blockDim.x)
+        out[base + col] = from_float<T>((to_float(out[base + col]) - mean) * rstd * gamma[col] + beta[col]);
 }

@@ -39,14 +39,20 @@ __global__ void merge_heads(T* __restrict__ out, const T* __restrict__ ctx, int 
 // Softmax over rows of S scores, keys at or past the sequence's length masked.
 // Warp per row: each lane holds PER_LANE scores in registers, read and written VEC at a time
 // (VEC * sizeof(T) == 16 when the row length allows it). Rows: B*heads*S; row r belongs to
-// sequence r / (heads * S). A row with length 0 is written as zeros.
+// sequence r / (heads * S) and is query r % S. Keys at or past the length, and with window > 0
+// those farther than `window` from the query, get zero weight. A row with no key is zeros.
+__device__ __forceinline__ bool key_visible(int key, int len, int query, int window) {
+    return key < len && (window <= 0 || abs(key - query) <= window);
+}
+
 template <typename T, int PER_LANE, int VEC>
 __global__ void masked_softmax_warp(T* out, const T* in, const int* __restrict__ lengths,
-                                    long rows, int S, int heads) {
+                                    long rows, int S, int heads, int window) {
     const int lane = threadIdx.x & 31;
     const long row = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int len = min(lengths[row / ((long)heads * S)], S);
+    const int query = (int)(row % S);
     const T* src = in + row * S;
     T* dst = out + row * S;
     float x[PER_LANE];
@@ -58,7 +64,7 @@ __global__ void masked_softmax_warp(T* out, const T* in, const int* __restrict__
         if (col < S) p = *reinterpret_cast<const Pack<T, VEC>*>(src + col);
         #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            const float val = (col + j < len) ? to_float(p.v[j]) : -FT_INFINITY;
+            const float val = key_visible(col + j, len, query, window) ? to_float(p.v[j]) : -FT_INFINITY;
             x[c * VEC + j] = val;
             mx = fmaxf(mx, val);
         }
@@ -87,16 +93,17 @@ __global__ void masked_softmax_warp(T* out, const T* in, const int* __restrict__
 // Block per row, for rows too long for registers: the row is staged in shared memory (S floats).
 template <typename T>
 __global__ void masked_softmax_block(T* out, const T* in, const int* __restrict__ lengths,
-                                     long rows, int S, int heads) {
+                                     long rows, int S, int heads, int window) {
     extern __shared__ float buf[];
     __shared__ float scratch[32];
     const long row = blockIdx.x;
     const int len = min(lengths[row / ((long)heads * S)], S);
+    const int query = (int)(row % S);
     const T* src = in + row * S;
     T* dst = out + row * S;
     float mx = -FT_INFINITY;
     for (int i = threadIdx.x; i < S; i += blockDim.x) {
-        const float val = i < len ? to_float(src[i]) : -FT_INFINITY;
+        const float val = key_visible(i, len, query, window) ? to_float(src[i]) : -FT_INFINITY;
         buf[i] = val;
         mx = fmaxf(mx, val);
     }

@@ -1,8 +1,11 @@
 // Fused variable-length attention over the padding-free token layout.
 // Reference: ftengine/backends/numpy_ops.py varlen_attention.
 //
-// ctx (T, H) = softmax(Q K^T * scale) V per (sequence, head) (causal: query i sees keys 0..i only,
-// as a decoder's prefill), where Q, K, V are column blocks
+// ctx (T, H) = softmax(Q K^T * scale + bias) V per (sequence, head), where query i sees key j if
+// j < len, and j <= i when causal (a decoder's prefill), and |j - i| <= window when window > 0
+// (ModernBERT's local layers); bias: MPNet's relative position bias
+// rel_table[rel_buckets[j - i + rel_max_len - 1] * heads + head] when rel_max_len > 0 (no S x S
+// bias tensor). Q, K, V are column blocks
 // of the fused QKV GEMM output qkv (T, 3H) plus their bias, and sequence b owns tokens
 // cu_seqlens[b] .. cu_seqlens[b+1]. The S x S scores never leave the chip: each block takes
 // 64 queries of one (sequence, head), streams K/V tiles through shared memory and keeps a
@@ -14,6 +17,32 @@
 
 #define VARLEN_BLOCK_M 64
 #define VARLEN_BLOCK_N 64
+#define LOG2E 1.4426950408889634f
+
+// What a block of queries q0 .. q0 + 63 attends to: key tiles [first, end) and each score's mask/bias.
+struct KeyRange {
+    int len, causal, window, rel_max_len, heads, head;
+    const float* rel_table;
+    const int* rel_buckets;
+    __device__ __forceinline__ int first_key(int q0) const { return window > 0 ? max(0, q0 - window) : 0; }
+    __device__ __forceinline__ int end_key(int q0, int block_m) const {
+        int end = len;
+        if (causal) end = min(end, q0 + block_m);
+        if (window > 0) end = min(end, q0 + block_m + window);
+        return end;
+    }
+    // rows past the sequence (a block's tail) see nothing: their relative positions would index
+    // past the bias table, and their outputs are never stored
+    __device__ __forceinline__ bool visible(int key, int row) const {
+        return key < len && row < len && (!causal || key <= row) && (window <= 0 || abs(key - row) <= window);
+    }
+    // the score in log2 units: qk * scale_log2 plus the relative bias
+    __device__ __forceinline__ float score(float qk, float scale_log2, int key, int row) const {
+        float s = qk * scale_log2;
+        if (rel_max_len > 0) s += rel_table[rel_buckets[key - row + rel_max_len - 1] * heads + head] * LOG2E;
+        return s;
+    }
+};
 
 // Blocks of the extra grid row: zero ctx rows cu_seqlens[batch] .. n_tokens. True if this block did.
 template <typename T>
@@ -97,7 +126,8 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
         const T* __restrict__ qkv,        // (T, 3H)
         const T* __restrict__ bias,       // (3H,)
         const int* __restrict__ cu_seqlens,  // (B + 1,)
-        int batch, int heads, int n_tokens, float scale_log2, int causal) {
+        int batch, int heads, int n_tokens, float scale_log2, int causal, int window,
+        const float* __restrict__ rel_table, const int* __restrict__ rel_buckets, int rel_max_len) {
     constexpr int LD = D + 8;  // padded smem rows: conflict-free ldmatrix
     constexpr int TILE = VARLEN_BLOCK_N * LD;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -111,14 +141,15 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
     const T* base = qkv + (long)start * row_stride;
-    // causal: query i sees keys 0..i, so the tiles past this block's last query are skipped
-    const int n_tiles = min((len + VARLEN_BLOCK_N - 1) / VARLEN_BLOCK_N,
-                            causal ? (q0 + VARLEN_BLOCK_M + VARLEN_BLOCK_N - 1) / VARLEN_BLOCK_N : len);
+    const KeyRange keys{len, causal, window, rel_max_len, heads, h, rel_table, rel_buckets};
+    // only the tiles holding a key some query of this block sees (causal, window)
+    const int tile0 = keys.first_key(q0) / VARLEN_BLOCK_N;
+    const int n_tiles = (keys.end_key(q0, VARLEN_BLOCK_M) + VARLEN_BLOCK_N - 1) / VARLEN_BLOCK_N - tile0;
 
     // K/V tile 0 in flight while Q + bias (rounded to T, as the unfused path stores it) is
     // staged through the stage-1 buffers and read into A fragments.
-    stage_async<T, D, LD>(smem, base + H + h * D, 0, len, row_stride);
-    stage_async<T, D, LD>(smem + TILE, base + 2 * H + h * D, 0, len, row_stride);
+    stage_async<T, D, LD>(smem, base + H + h * D, tile0 * VARLEN_BLOCK_N, len, row_stride);
+    stage_async<T, D, LD>(smem + TILE, base + 2 * H + h * D, tile0 * VARLEN_BLOCK_N, len, row_stride);
     cp_async_commit();
     T* qs = smem + 2 * TILE;
     for (int i = threadIdx.x; i < VARLEN_BLOCK_M * (D / 8); i += blockDim.x) {
@@ -147,7 +178,7 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
     float m[2] = {-FT_INFINITY, -FT_INFINITY}, l[2] = {0.0f, 0.0f};
 
     for (int it = 0; it < n_tiles; ++it) {
-        const int n0 = it * VARLEN_BLOCK_N;
+        const int n0 = (tile0 + it) * VARLEN_BLOCK_N;
         __syncthreads();  // every warp is done with the stage the next copy overwrites (and with qs)
         if (it + 1 < n_tiles) {
             T* next = smem + ((it + 1) & 1) * 2 * TILE;
@@ -175,7 +206,7 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
                 MmaOp<T>::run(s[j], qa[kk + 1], kb[2], kb[3]);
             }
         }
-        // scale (in log2 units), mask keys past the sequence (and, causal, past the query), row
+        // scale (in log2 units), add the relative bias, mask the keys a row does not see, row
         // maxima over the 4 threads of a row
         float mx[2] = {-FT_INFINITY, -FT_INFINITY};
         const int row_lo = q0 + warp * 16 + g;  // this thread's rows: row_lo (e < 2), row_lo + 8
@@ -183,19 +214,21 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
         for (int j = 0; j < VARLEN_BLOCK_N / 8; ++j) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = n0 + j * 8 + t4 * 2 + (e & 1);
-                const bool visible = key < len && (!causal || key <= row_lo + (e >> 1) * 8);
-                s[j][e] = visible ? s[j][e] * scale_log2 : -FT_INFINITY;
+                const int key = n0 + j * 8 + t4 * 2 + (e & 1), row = row_lo + (e >> 1) * 8;
+                s[j][e] = keys.visible(key, row) ? keys.score(s[j][e], scale_log2, key, row) : -FT_INFINITY;
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
             }
         }
-        float alpha[2];
+        float alpha[2], m_use[2];
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m[r], mx[r]);   // finite: key n0 <= q0 is visible to every row
-            alpha[r] = exp2f(m[r] - m_new);
+            const float m_new = fmaxf(m[r], mx[r]);
+            // a row that has seen no key yet (a window starting past this tile) keeps m = -inf:
+            // exponents are taken against 0 then, so every weight and alpha is 0, never NaN
+            m_use[r] = m_new == -FT_INFINITY ? 0.0f : m_new;
+            alpha[r] = exp2f(m[r] - m_use[r]);
             m[r] = m_new;
             l[r] *= alpha[r];
         }
@@ -208,7 +241,7 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
         for (int j = 0; j < VARLEN_BLOCK_N / 8; ++j) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[j][e] = exp2f(s[j][e] - m[e >> 1]);
+                s[j][e] = exp2f(s[j][e] - m_use[e >> 1]);
                 l[e >> 1] += s[j][e];
             }
         }
@@ -258,7 +291,8 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
 template <int D>
 __global__ void __launch_bounds__(128) varlen_attention_simt(
         float* __restrict__ ctx, const float* __restrict__ qkv, const float* __restrict__ bias,
-        const int* __restrict__ cu_seqlens, int batch, int heads, int n_tokens, float scale_log2, int causal) {
+        const int* __restrict__ cu_seqlens, int batch, int heads, int n_tokens, float scale_log2, int causal,
+        int window, const float* __restrict__ rel_table, const int* __restrict__ rel_buckets, int rel_max_len) {
     constexpr int HALF = D / 2;
     __shared__ float Ks[VARLEN_SIMT_N][D];
     __shared__ float Vs[VARLEN_SIMT_N][D];
@@ -278,8 +312,9 @@ __global__ void __launch_bounds__(128) varlen_attention_simt(
         o[i] = 0.0f;
     }
     float m = -FT_INFINITY, l = 0.0f;
-    const int kv_end = causal ? min(len, q0 + VARLEN_BLOCK_M) : len;
-    for (int n0 = 0; n0 < kv_end; n0 += VARLEN_SIMT_N) {
+    const KeyRange keys{len, causal, window, rel_max_len, heads, h, rel_table, rel_buckets};
+    const int kv_end = keys.end_key(q0, VARLEN_BLOCK_M);
+    for (int n0 = keys.first_key(q0) / VARLEN_SIMT_N * VARLEN_SIMT_N; n0 < kv_end; n0 += VARLEN_SIMT_N) {
         __syncthreads();
         for (int i = threadIdx.x; i < VARLEN_SIMT_N * D; i += blockDim.x) {
             const int r = i / D, c = i - r * D;
@@ -296,18 +331,19 @@ __global__ void __launch_bounds__(128) varlen_attention_simt(
             #pragma unroll
             for (int i = 0; i < HALF; ++i) dot += q[i] * Ks[j][part * HALF + i];
             dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-            s[j] = n0 + j < len && (!causal || n0 + j <= row) ? dot * scale_log2 : -FT_INFINITY;
+            s[j] = keys.visible(n0 + j, row) ? keys.score(dot, scale_log2, n0 + j, row) : -FT_INFINITY;
             mx = fmaxf(mx, s[j]);
         }
         const float m_new = fmaxf(m, mx);
-        const float alpha = exp2f(m - m_new);
+        const float m_use = m_new == -FT_INFINITY ? 0.0f : m_new;  // no key seen yet: weights 0, not NaN
+        const float alpha = exp2f(m - m_use);
         m = m_new;
         l *= alpha;
         #pragma unroll
         for (int i = 0; i < HALF; ++i) o[i] *= alpha;
         #pragma unroll
         for (int j = 0; j < VARLEN_SIMT_N; ++j) {
-            const float p = exp2f(s[j] - m);
+            const float p = exp2f(s[j] - m_use);
             l += p;
             #pragma unroll
             for (int i = 0; i < HALF; ++i) o[i] += p * Vs[j][part * HALF + i];

@@ -279,3 +279,91 @@ def test_pool_packed(cu, rng, dtype, lengths, h):
     expected = np.empty((len(lengths), len(modes) * h), np.float32)
     ref.pool_packed(expected, hh, cu_seqlens, modes=modes)
     assert_close(cu, out, expected, "fp32")
+
+
+# ModernBERT's local layers (window) and MPNet's relative bias inside the fused kernel, lengths 1..4096
+WINDOWED = [([1, 63, 64, 65, 200], 16), ([4096, 130, 1], 64), ([1000, 2047], 200), ([300, 5], 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("lengths, window", WINDOWED)
+@pytest.mark.parametrize("relative", [False, True])
+def test_varlen_attention_window_and_relative_bias(cu, rng, dtype, d, lengths, window, relative):
+    from ftengine.models.bert import relative_position_buckets
+    heads = 2
+    h = heads * d
+    t = sum(lengths) + 3
+    cu_seqlens = _offsets(lengths)
+    qkv, qkvh = quantize(cu, rng.standard_normal((t, 3 * h)), dtype)
+    bias, biash = quantize(cu, 0.5 * rng.standard_normal(3 * h), dtype)
+    rel_dev = rel_host = None
+    if relative:
+        max_len = max(lengths) + 7
+        table = 2 * rng.standard_normal((32, heads)).astype(np.float32)
+        buckets = relative_position_buckets(max_len, 32)
+        rel_dev = (cu.to_device(table), ints(cu, buckets), max_len)
+        rel_host = (table, buckets, max_len)
+        window = 0 if window == 1 else window  # also the bias alone
+    out = poisoned(cu, (t, h), dtype)
+    cu.varlen_attention(out, qkv, bias, ints(cu, cu_seqlens), heads=heads, max_seqlen=max(lengths), window=window,
+                        rel_bias=rel_dev)
+    expected = np.empty((t, h), np.float32)
+    ref.varlen_attention(expected, qkvh, biash, cu_seqlens, heads=heads, max_seqlen=max(lengths), window=window,
+                         rel_bias=rel_host)
+    assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq, window", [(40, 3), (300, 64), (1100, 16)])
+def test_masked_softmax_window(cu, rng, dtype, seq, window):
+    heads, lengths = 2, np.array([seq, seq // 2 + 1, 1])
+    scores, sh = quantize(cu, 4 * rng.standard_normal((3 * heads, seq, seq)), dtype)
+    out = poisoned(cu, scores.shape, dtype)
+    cu.masked_softmax(out, scores, ints(cu, lengths), heads=heads, window=window)
+    expected = np.empty(sh.shape, np.float32)
+    ref.masked_softmax(expected, sh, lengths, heads=heads, window=window)
+    assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, d", [(12, 64), (4, 32), (2, 128), (3, 16)])
+def test_rotary_qkv(cu, rng, dtype, heads, d):
+    from ftengine.models.bert import rotary_tables
+    t, h = 37, heads * d
+    positions = rng.integers(0, 4096, t)
+    cos, sin = rotary_tables(4096, d, 160000.0)
+    x, xh = quantize(cu, rng.standard_normal((t, 3 * h)), dtype)
+    bias, biash = quantize(cu, rng.standard_normal(3 * h), dtype)
+    cu.rotary_qkv(x, bias, ints(cu, positions), cu.to_device(cos), cu.to_device(sin), heads=heads)
+    ref.rotary_qkv(xh, biash, positions, cos, sin, heads=heads)
+    assert_close(cu, x, xh, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", ["erf", "tanh"])
+@pytest.mark.parametrize("inter", [1152, 2560, 37])
+def test_gated_gelu(cu, rng, dtype, form, inter):
+    x, xh = quantize(cu, 3 * rng.standard_normal((29, 2 * inter)), dtype)
+    bias, biash = quantize(cu, rng.standard_normal(2 * inter), dtype)
+    out = poisoned(cu, (29, inter), dtype)
+    cu.gated_gelu(out, x, bias, form=form)
+    expected = np.empty((29, inter), np.float32)
+    ref.gated_gelu(expected, xh, biash, form=form)
+    assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("activation", ["identity", "tanh", "relu", "gelu"])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("m, k, n", [(1, 768, 768), (37, 384, 3), (64, 200, 1000)])
+def test_dense_head_layer(cu, rng, activation, norm, m, k, n):
+    x, w, b = (rng.standard_normal(s) for s in ((m, k), (n, k), (n,)))
+    w = w / np.sqrt(k)
+    gamma, beta = 1 + 0.2 * rng.standard_normal(n), rng.standard_normal(n)
+    x, w, b, gamma, beta = (a.astype(np.float32) for a in (x, w, b, gamma, beta))
+    out = poisoned(cu, (m, n), "fp32")
+    up = cu.to_device
+    cu.dense(out, up(x), up(w), up(b), activation=activation, norm=(up(gamma), up(beta), 1e-5) if norm else ())
+    expected = np.empty((m, n), np.float32)
+    ref.dense(expected, x, w, b, activation=activation, norm=(gamma, beta, 1e-5) if norm else ())
+    assert_close(cu, out, expected, "fp32")

@@ -1,6 +1,6 @@
-"""RoBERTa, XLM-RoBERTa, CamemBERT and DistilBERT: the encoder (NumPy reference, and CUDA where
-marked) against HF transformers' own classes, model level and through the whole Encoder
-(each family's tokenizer kind, pooling) on small random checkpoints."""
+"""RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT, MPNet and ModernBERT: the encoder (NumPy
+reference, and CUDA where marked) against HF transformers' own classes, model level and through
+the whole Encoder (each family's tokenizer kind, pooling) on small random checkpoints."""
 
 import json
 
@@ -14,7 +14,7 @@ from ftengine.config import SUPPORTED_BERT_TYPES, load_bert_config
 from ftengine.errors import ConfigError
 from ftengine.models.bert import Batch, BertRunner
 from tests.tolerances import GPU_FP32_REL, HF_FP32_MAX_ABS, LOWP_ERROR_FACTOR
-from weights.fixtures import ENCODER_TYPES, write_encoder_checkpoint
+from weights.fixtures import ENCODER_TYPES, write_encoder_checkpoint, write_modernbert_checkpoint
 
 SHAPES = {  # layout -> fixture shape (packed needs head_dim 32, 64 or 128)
     "packed": dict(hidden=64, layers=2, heads=2, intermediate=150),
@@ -24,9 +24,9 @@ TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world, this is a 
          "what some of them had was all there " * 12]
 
 
-def _runner(path, ops, layout, dtype="fp32"):
+def _runner(path, ops, layout, dtype="fp32", max_batch_tokens=4096):
     config = load_bert_config(path)
-    return BertRunner(config, load_bert_weights(path, config), ops, dtype=dtype, max_batch_tokens=4096,
+    return BertRunner(config, load_bert_weights(path, config), ops, dtype=dtype, max_batch_tokens=max_batch_tokens,
                       max_seq_len=config.max_position_embeddings, layout=layout)
 
 
@@ -71,16 +71,21 @@ def test_hidden_states_match_hf(tmp_path, rng, model_type, layout):
     assert _max_err(ours, ref) <= HF_FP32_MAX_ABS, model_type
 
 
-@pytest.mark.parametrize("model_type", ENCODER_TYPES)
+@pytest.mark.parametrize("model_type", ENCODER_TYPES + ("modernbert",))
 def test_encoder_matches_hf_tokenizer_model_and_pooling(tmp_path, model_type):
     """Texts through Encoder (the family's tokenizer.json) = HF AutoTokenizer + AutoModel + mean pooling."""
     import torch
     from transformers import AutoModel, AutoTokenizer
-    path = write_encoder_checkpoint(tmp_path, model_type, seed=4, **SHAPES["packed"])
+    if model_type == "modernbert":  # byte-level BPE, [CLS] ... [SEP]
+        path = write_modernbert_checkpoint(tmp_path, seed=4, max_positions=512)
+    else:
+        path = write_encoder_checkpoint(tmp_path, model_type, seed=4, **SHAPES["packed"])
     with Encoder.from_pretrained(path, device="cpu") as enc:
+        assert enc.layout == "packed"
         ours = enc.encode(TEXTS, pooling="mean", normalize=False)
+        max_length = enc.max_length
     tok = AutoTokenizer.from_pretrained(str(path))
-    inputs = tok(TEXTS, padding=True, truncation=True, max_length=64, return_tensors="pt")
+    inputs = tok(TEXTS, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
     model = AutoModel.from_pretrained(str(path), attn_implementation="eager").eval()
     with torch.no_grad():
         hidden = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
@@ -139,10 +144,13 @@ def test_cuda_matches_hf_on_the_gpu(tmp_path, cu, model_type, layout, dtype):
 
 
 def _gpu_parity(cu, path, layout, dtype):
+    _gpu_parity_runner(_runner(path, cu, layout, dtype), path, [512, 1, 77, 300, 3], dtype)
+
+
+def _gpu_parity_runner(runner, path, lengths, dtype):
     """CUDA hidden states against HF on the GPU: fp32 within GPU_FP32_REL; fp16/bf16 with at
     most LOWP_ERROR_FACTOR times HF's own error in that dtype."""
-    runner = _runner(path, cu, layout, dtype)
-    ids = _ids(np.random.default_rng(2), runner.config, [512, 1, 77, 300, 3])
+    ids = _ids(np.random.default_rng(2), runner.config, lengths)
     ours = runner.hidden_states(Batch.from_lists(ids, [[0] * len(x) for x in ids]))
     exact = _hf_hidden(path, ids, device="cuda")
     if dtype == "fp32":
@@ -171,10 +179,12 @@ def test_white_space_tokenised_as_transformers(tmp_path, model_type):
 MPNET_SHAPE = dict(hidden=64, layers=2, heads=2, intermediate=100, max_positions=300)
 
 
-def test_mpnet_hidden_states_match_hf(tmp_path, rng):
-    """Lengths past the bias's max distance (128), ragged: the bucketed bias of every layer."""
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_mpnet_hidden_states_match_hf(tmp_path, rng, layout):
+    """Lengths past the bias's max distance (128), ragged: the bucketed bias of every layer,
+    added inside the fused attention (packed) or to the scores (padded)."""
     path = write_encoder_checkpoint(tmp_path, "mpnet", seed=5, **MPNET_SHAPE)
-    runner = _runner(path, numpy_ops, "padded")
+    runner = _runner(path, numpy_ops, layout)
     ids = _ids(rng, runner.config, [5, 300, 17, 140, 1])
     ours = runner.hidden_states(Batch.from_lists(ids, [[0] * len(x) for x in ids]))
     assert _max_err(ours, _hf_hidden(path, ids)) <= HF_FP32_MAX_ABS
@@ -189,19 +199,80 @@ def test_mpnet_encoder_and_layout(tmp_path):
     rel = torch.arange(-299, 300)
     assert np.array_equal(relative_position_buckets(300, 32), MPNetEncoder.relative_position_bucket(rel).numpy())
     with Encoder.from_pretrained(path, device="cpu") as enc:
-        assert enc.layout == "padded"
+        assert enc.layout == "packed"
         ours = enc.encode(TEXTS, pooling="mean", normalize=False)
         tokens = enc.tokenizer.encode(TEXTS)
     ids = [x.tolist() for x in np.split(tokens.ids, np.cumsum(tokens.lengths)[:-1])]
     ref = np.stack([h.mean(axis=0) for h in _hf_hidden(path, ids)])
     assert np.abs(ours - ref).max() <= HF_FP32_MAX_ABS
-    with pytest.raises(Exception, match="packed layout's fused attention does not add MPNet's relative position bias"):
-        Encoder.from_pretrained(path, device="cpu", layout="packed")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-def test_mpnet_cuda_matches_hf_on_the_gpu(tmp_path, cu, dtype):
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_mpnet_cuda_matches_hf_on_the_gpu(tmp_path, cu, layout, dtype):
     path = write_encoder_checkpoint(tmp_path, "mpnet", seed=9, hidden=256, layers=2, heads=4, intermediate=700,
                                     max_positions=512)
-    _gpu_parity(cu, path, "padded", dtype)
+    _gpu_parity(cu, path, layout, dtype)
+
+
+# ---------------------------------------------------------------- ModernBERT (rotary, GeGLU, local windows)
+
+# lengths past the local window (local_attention 32: |k - q| <= 16) and into the thousands
+MODERNBERT_LENGTHS = {"packed": [1, 7, 64, 33, 2500, 300], "padded": [1, 40, 2500]}
+
+
+@pytest.mark.parametrize("bias, style", [(False, "hub"), (True, "transformers5")])
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_modernbert_hidden_states_match_hf(tmp_path, rng, layout, bias, style):
+    """Bias-free (as the Hub's models) and with every bias; both config styles; global and local
+    layers with their own rotary theta."""
+    path = write_modernbert_checkpoint(tmp_path, seed=5, bias=bias, style=style)
+    runner = _runner(path, numpy_ops, layout, max_batch_tokens=8192)
+    config = runner.config
+    assert config.local_layers == (False, True, True) and config.window == 16
+    assert config.rotary_theta == (160000.0, 10000.0)
+    ids = _ids(rng, config, MODERNBERT_LENGTHS[layout])
+    ours = runner.hidden_states(Batch.from_lists(ids, [[0] * len(x) for x in ids]))
+    ref = _hf_hidden(path, ids)
+    assert max(np.abs(r).max() for r in ref) > 0.5
+    assert _max_err(ours, ref) <= HF_FP32_MAX_ABS
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling is not supported"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1.0}}},
+     "rope_parameters['full_attention'] rope_type 'yarn' is not supported; supported: default"),
+    ({"layer_types": ["full_attention"]}, "key 'layer_types' must list 3 of full_attention, sliding_attention"),
+    ({"hidden_activation": "silu"}, "hidden_activation 'silu' is not supported; supported: gelu"),
+    ({"classifier_pooling": "max"}, "classifier_pooling 'max' is not supported; supported: cls, mean"),
+    ({"local_attention": 1}, "key 'local_attention' must be >= 2, found 1"),
+    ({"norm_bias": "no"}, "key 'norm_bias' must be bool, found 'no'"),
+])
+def test_modernbert_config_refusals_name_file_and_key(tmp_path, changes, message):
+    path = write_modernbert_checkpoint(tmp_path)
+    _edit_config(path, **changes)
+    with pytest.raises(ConfigError) as e:
+        load_bert_config(path)
+    assert str(path / "config.json") in str(e.value) and message in str(e.value)
+
+
+def test_modernbert_bias_flags_decide_the_expected_tensors(tmp_path):
+    """A checkpoint with biases under a config that says it has none: each is named."""
+    path = write_modernbert_checkpoint(tmp_path, bias=True)
+    _edit_config(path, attention_bias=False)
+    with pytest.raises(Exception, match=r"unexpected tensor\(s\) for a ModernBERT with 3 layers: "
+                                        r"layers\.0\.attn\.Wo\.bias"):
+        load_bert_weights(path, load_bert_config(path))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_modernbert_cuda_matches_hf_on_the_gpu(tmp_path, cu, layout, dtype):
+    """Up to 4096 tokens, the local window (64 each side) far smaller than the sequences."""
+    path = write_modernbert_checkpoint(tmp_path, seed=9, hidden=256, layers=3, heads=4, intermediate=384,
+                                       max_positions=4096, local_attention=128, bias=layout == "padded")
+    runner = _runner(path, cu, layout, dtype, max_batch_tokens=8192)
+    lengths = [4096, 1, 77, 1500, 3] if layout == "packed" else [1500, 1, 77, 3]
+    _gpu_parity_runner(runner, path, lengths, dtype)

@@ -13,7 +13,8 @@ import pytest
 from ftengine import Reranker
 from ftengine.errors import CheckpointError, InputError
 from tests.tolerances import BATCHING_INVARIANCE_FP32, HF_FP32_MAX_ABS
-from weights.fixtures import ENCODER_TYPES, add_classification_head, write_bert_checkpoint, write_encoder_checkpoint
+from weights.fixtures import (ENCODER_TYPES, add_classification_head, write_bert_checkpoint, write_encoder_checkpoint,
+                               write_modernbert_checkpoint)
 
 st = pytest.importorskip("sentence_transformers")
 
@@ -26,13 +27,18 @@ EXE = str(Path(sys.executable).with_name("ftengine"))
 def cross_encoder(folder, model_type, num_labels=1):
     if model_type == "bert":
         write_bert_checkpoint(folder, seed=3, hidden=64, heads=2, layers=2, intermediate=100)
+    elif model_type.startswith("modernbert"):  # "modernbert-cls": its head on the first token, else the mean
+        write_modernbert_checkpoint(folder, seed=3, max_positions=64, local_attention=16)
+        config = json.loads((folder / "config.json").read_text())
+        config["classifier_pooling"] = model_type.partition("-")[2] or "mean"
+        (folder / "config.json").write_text(json.dumps(config))
     else:
         write_encoder_checkpoint(folder, model_type, seed=3, hidden=64, heads=2, intermediate=100)
     return add_classification_head(folder, num_labels=num_labels, seed=4)
 
 
 @pytest.mark.parametrize("num_labels", [1, 3])
-@pytest.mark.parametrize("model_type", ("bert",) + ENCODER_TYPES)
+@pytest.mark.parametrize("model_type", ("bert",) + ENCODER_TYPES + ("modernbert", "modernbert-cls"))
 def test_predict_as_cross_encoder(tmp_path, model_type, num_labels):
     path = cross_encoder(tmp_path, model_type, num_labels)
     ref = st.CrossEncoder(str(path), device="cpu", max_length=64).predict(PAIRS)
@@ -88,7 +94,7 @@ def test_cli_rerank(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta", "distilbert"])
+@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta", "distilbert", "modernbert"])
 def test_cuda_reranker_as_cross_encoder(tmp_path, model_type, dtype):
     """fp32: CrossEncoder's scores on the same GPU; fp16: an error at most LOWP_ERROR_FACTOR
     times CrossEncoder's own in fp16."""

@@ -15,7 +15,7 @@ from ftengine import Encoder
 from ftengine.errors import ConfigError, InputError
 from ftengine.output import calibration_ranges, quantize
 from tests.tolerances import EMBEDDING_COSINE_FP32
-from weights.fixtures import write_encoder_checkpoint
+from weights.fixtures import write_encoder_checkpoint, write_modernbert_checkpoint
 
 st = pytest.importorskip("sentence_transformers")
 
@@ -207,6 +207,19 @@ def test_weightedmean_pooling_as_sentence_transformers(tmp_path, pooling):
     with Encoder.from_pretrained(path, device="cpu") as enc:
         ours = enc.encode(TEXTS)
     assert ours.shape == ref.shape and cosines(ours, ref).min() >= EMBEDDING_COSINE_FP32
+
+
+def test_modernbert_folder_as_sentence_transformers(tmp_path):
+    """A modernbert-embed-style folder: mean pooling, Normalize, query / document prompts."""
+    path = write_modernbert_checkpoint(tmp_path, seed=2, max_positions=512, sentence_transformers={
+        "pooling": {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}, "normalize": True,
+        "max_seq_length": 512, "prompts": {"query": "search_query: ", "document": "search_document: "}})
+    model = st.SentenceTransformer(str(path), device="cpu")
+    texts = TEXTS + ["word " * 200]  # past the local window
+    with Encoder.from_pretrained(path, device="cpu") as enc:
+        for kwargs in ({}, {"prompt_name": "query"}):
+            ours, ref = enc.encode(texts, **kwargs), model.encode(texts, **kwargs)
+            assert ours.shape == ref.shape and cosines(ours, ref).min() >= EMBEDDING_COSINE_FP32
 
 
 TANH, IDENTITY, RELU = ("torch.nn.modules.activation.Tanh", "torch.nn.modules.linear.Identity",

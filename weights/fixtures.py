@@ -188,20 +188,103 @@ ENCODER_TYPES = ("roberta", "xlm-roberta", "camembert", "distilbert")
 MPNET_BUCKETS = 32
 
 
+def _byte_level_bpe(special: list):
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+    tok = Tokenizer(BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # as roberta-base's and ModernBERT's
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(WORDS)] * 3, trainer=trainer)
+    return tok
+
+
 def write_bpe_tokenizer(folder: Path):
     """RoBERTa-style tokenizer.json: byte-level BPE (every byte, plus merges learnt from the
     fixture words), <s> $A </s> around each text, </s></s> between a pair."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors, trainers
-    from tokenizers.models import BPE
-    tok = Tokenizer(BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # as roberta-base's
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=ROBERTA_SPECIAL + ["<mask>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([" ".join(WORDS)] * 3, trainer=trainer)
+    from tokenizers import processors
+    tok = _byte_level_bpe(ROBERTA_SPECIAL + ["<mask>"])
     tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
     tok.save(str(folder / "tokenizer.json"))
     _special_tokens_config(folder, "RobertaTokenizer")
+
+
+MODERNBERT_SPECIAL = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]  # ids 0..4
+
+
+def write_modernbert_tokenizer(folder: Path):
+    """ModernBERT-style tokenizer.json: byte-level BPE, [CLS] $A [SEP], pairs [CLS] $A [SEP] $B [SEP]."""
+    from tokenizers import processors
+    tok = _byte_level_bpe(MODERNBERT_SPECIAL)
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "cls_token": "[CLS]", "sep_token": "[SEP]",
+        "unk_token": "[UNK]", "pad_token": "[PAD]", "mask_token": "[MASK]",
+        "model_input_names": ["input_ids", "attention_mask"]}), encoding="utf-8")
+
+
+def write_modernbert_checkpoint(folder, *, seed: int = 0, hidden=64, layers=3, heads=2, intermediate=96,
+                                max_positions=4096, local_attention=32, global_every=3, bias=False,
+                                hidden_act="gelu", eps=1e-5, thetas=(160000.0, 10000.0), style="hub",
+                                sentence_transformers: dict | None = None) -> Path:
+    """A random ModernBERT folder (ModernBertModel tensors, byte-level BPE tokenizer).
+    bias=True gives every linear and LayerNorm a bias (the Hub's models have none).
+    style "hub": config keys as the Hub's files (global_attn_every_n_layers, global_rope_theta,
+    local_rope_theta); "transformers5": layer_types and rope_parameters, as transformers 5 saves."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_modernbert_tokenizer(folder)
+    vocab = len(json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"])
+    config = {"architectures": ["ModernBertModel"], "model_type": "modernbert", "vocab_size": vocab,
+              "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "intermediate_size": intermediate, "max_position_embeddings": max_positions,
+              "hidden_activation": hidden_act, "norm_eps": eps, "norm_bias": bias, "attention_bias": bias,
+              "mlp_bias": bias, "local_attention": local_attention, "pad_token_id": 3, "bos_token_id": 1,
+              "cls_token_id": 1, "eos_token_id": 2, "sep_token_id": 2, "embedding_dropout": 0.0,
+              "attention_dropout": 0.0, "mlp_dropout": 0.0, "classifier_pooling": "mean", "classifier_bias": bias,
+              "classifier_activation": "gelu", "tie_word_embeddings": True}
+    if style == "hub":
+        config.update(global_attn_every_n_layers=global_every, global_rope_theta=thetas[0],
+                      local_rope_theta=thetas[1])
+    else:
+        config.update(layer_types=["sliding_attention" if i % global_every else "full_attention"
+                                   for i in range(layers)],
+                      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": thetas[0]},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": thetas[1]}})
+    rng = np.random.default_rng(seed)
+
+    def mat(*shape, gain=1.5):
+        return (rng.standard_normal(shape) * gain / np.sqrt(shape[-1])).astype(np.float32)
+
+    def norm(name, tensors):
+        tensors[name + ".weight"] = (1.0 + 0.2 * rng.standard_normal(hidden)).astype(np.float32)
+        if bias:
+            tensors[name + ".bias"] = (0.1 * rng.standard_normal(hidden)).astype(np.float32)
+
+    def linear(name, out, inp, tensors):
+        tensors[name + ".weight"] = mat(out, inp)
+        if bias:
+            tensors[name + ".bias"] = (0.1 * rng.standard_normal(out)).astype(np.float32)
+
+    tensors = {"embeddings.tok_embeddings.weight": rng.standard_normal((vocab, hidden)).astype(np.float32)}
+    norm("embeddings.norm", tensors)
+    for i in range(layers):
+        if i:
+            norm(f"layers.{i}.attn_norm", tensors)
+        linear(f"layers.{i}.attn.Wqkv", 3 * hidden, hidden, tensors)
+        linear(f"layers.{i}.attn.Wo", hidden, hidden, tensors)
+        norm(f"layers.{i}.mlp_norm", tensors)
+        linear(f"layers.{i}.mlp.Wi", 2 * intermediate, hidden, tensors)
+        linear(f"layers.{i}.mlp.Wo", hidden, intermediate, tensors)
+    norm("final_norm", tensors)
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if sentence_transformers is not None:
+        write_sentence_transformers_files(folder, **sentence_transformers)
+    return folder
 
 
 def write_unigram_tokenizer(folder: Path):
@@ -280,23 +363,33 @@ def write_encoder_checkpoint(folder, model_type: str, *, seed: int = 0, hidden=3
 def add_classification_head(folder, *, num_labels: int = 1, seed: int = 0) -> Path:
     """Make the encoder in `folder` a ...ForSequenceClassification checkpoint (a cross-encoder):
     the family's head tensors (BERT: pooler + classifier; RoBERTa: classifier.dense + out_proj;
-    DistilBERT: pre_classifier + classifier), random and large enough to spread the scores."""
+    DistilBERT: pre_classifier + classifier; ModernBERT: head.dense + head.norm, classifier, the
+    encoder's tensors under "model."), random and large enough to spread the scores."""
     from safetensors.numpy import load_file
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     kind = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert",
-            "distilbert": "DistilBert"}[config["model_type"]]
+            "distilbert": "DistilBert", "modernbert": "ModernBert"}[config["model_type"]]
     h = config.get("hidden_size", config.get("dim"))
     rng = np.random.default_rng(seed)
 
     def mat(*shape):
         return (rng.standard_normal(shape) * 2.0 / np.sqrt(shape[-1])).astype(np.float32)
 
-    names = {"Bert": ("pooler.dense", "classifier"), "DistilBert": ("pre_classifier", "classifier")}.get(
-        kind, ("classifier.dense", "classifier.out_proj"))
     tensors = load_file(str(folder / "model.safetensors"))
-    tensors.update({names[0] + ".weight": mat(h, h), names[0] + ".bias": mat(h),
-                    names[1] + ".weight": mat(num_labels, h), names[1] + ".bias": mat(num_labels)})
+    if kind == "ModernBert":
+        tensors = {"model." + name: t for name, t in tensors.items()}
+        tensors.update({"head.dense.weight": mat(h, h), "head.norm.weight": (1 + 0.2 * mat(h)).astype(np.float32),
+                        "classifier.weight": mat(num_labels, h), "classifier.bias": mat(num_labels)})
+        if config.get("classifier_bias"):
+            tensors["head.dense.bias"] = mat(h)
+        if config.get("norm_bias"):
+            tensors["head.norm.bias"] = mat(h)
+    else:
+        names = {"Bert": ("pooler.dense", "classifier"), "DistilBert": ("pre_classifier", "classifier")}.get(
+            kind, ("classifier.dense", "classifier.out_proj"))
+        tensors.update({names[0] + ".weight": mat(h, h), names[0] + ".bias": mat(h),
+                        names[1] + ".weight": mat(num_labels, h), names[1] + ".bias": mat(num_labels)})
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config.update(architectures=[f"{kind}ForSequenceClassification"],
                   id2label={str(i): f"LABEL_{i}" for i in range(num_labels)},

@@ -140,17 +140,26 @@ def add_relative_bias(scores, table, buckets, *, heads, max_len):
     scores += np.tile(bias, (n // heads, 1, 1)).astype(scores.dtype)
 
 
-def masked_softmax(probs, scores, lengths, *, heads):
+def masked_softmax(probs, scores, lengths, *, heads, window=0):
     """Softmax over the last axis of scores (B*heads, S, S); keys at or past a sequence's
-    length get zero weight. A row with no valid key (length 0) is all zeros."""
+    length get zero weight, and with window > 0 so do keys k with |k - q| > window (a sliding
+    window). A row with no valid key (length 0) is all zeros."""
     n, s, _ = scores.shape
     key_valid = np.arange(s)[None, :] < np.repeat(np.asarray(lengths), heads)[:, None]  # (B*heads, S)
-    masked = np.where(key_valid[:, None, :], scores, -np.inf)
+    valid = key_valid[:, None, :] & _window_mask(s, window)[None]
+    masked = np.where(valid, scores, -np.inf)
     row_max = masked.max(axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    e = np.where(key_valid[:, None, :], np.exp(masked - row_max), 0.0)
+    e = np.where(valid, np.exp(masked - row_max), 0.0)
     total = e.sum(axis=-1, keepdims=True)
     probs[...] = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+
+
+def _window_mask(s: int, window: int) -> np.ndarray:
+    """(S, S) bool: query q sees key k (|k - q| <= window; every key when window is 0)."""
+    if not window:
+        return np.ones((s, s), dtype=bool)
+    return np.abs(np.arange(s)[None, :] - np.arange(s)[:, None]) <= window
 
 
 def build_offsets(cu_seqlens, positions, lengths):
@@ -164,10 +173,12 @@ def build_offsets(cu_seqlens, positions, lengths):
         positions[cu_seqlens[b]:cu_seqlens[b] + n] = np.arange(n)
 
 
-def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=False):
-    """ctx (T, H) = softmax(Q K^T / sqrt(D)) V for each sequence and head of the padding-free
-    layout, with Q | K | V = qkv (T, 3H) + bias (3H,). Rows past cu_seqlens[B] are zeroed.
-    causal: query i of a sequence sees its keys 0..i only (a decoder's prefill)."""
+def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=False, window=0, rel_bias=None):
+    """ctx (T, H) = softmax(Q K^T / sqrt(D) + bias) V for each sequence and head of the
+    padding-free layout, with Q | K | V = qkv (T, 3H) + bias (3H,). Rows past cu_seqlens[B] are
+    zeroed. causal: query i of a sequence sees its keys 0..i only (a decoder's prefill);
+    window > 0: keys within that distance only (a sliding window); rel_bias = (table (buckets,
+    heads), buckets (2*max_len - 1,), max_len): MPNet's relative position bias on the scores."""
     hidden = qkv.shape[1] // 3
     d = hidden // heads
     x = (qkv + bias).reshape(-1, 3, heads, d)                       # (T, 3, heads, D)
@@ -178,11 +189,39 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
             continue
         q, k, v = (x[lo:hi, i].transpose(1, 0, 2) for i in range(3))  # (heads, L, D)
         scores = np.matmul(q, k.transpose(0, 2, 1)) / np.sqrt(d)      # (heads, L, L)
+        if rel_bias is not None:
+            table, buckets, max_len = rel_bias
+            rel = np.arange(hi - lo)[None, :] - np.arange(hi - lo)[:, None]
+            scores = scores + table[buckets[rel + max_len - 1]].transpose(2, 0, 1)
+        visible = _window_mask(hi - lo, window)
         if causal:
-            scores = np.where(np.tri(hi - lo, dtype=bool), scores, -np.inf)
+            visible = visible & np.tri(hi - lo, dtype=bool)
+        scores = np.where(visible, scores, -np.inf)
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = scores / scores.sum(axis=-1, keepdims=True)
         ctx[lo:hi] = np.matmul(probs, v).transpose(1, 0, 2).reshape(hi - lo, hidden)
+
+
+def rotary_qkv(qkv, bias, positions, cos, sin, *, heads):
+    """qkv (T, 3H) += bias (3H,), in place, then every head's query and key rotated by its
+    token's position p (rotary embeddings, HF's rotate_half form): with x1, x2 the two halves of
+    the head, x1 <- x1 cos - x2 sin and x2 <- x2 cos + x1 sin, cos / sin = cos[p] / sin[p], (P, D/2)."""
+    t, h3 = qkv.shape
+    d = h3 // 3 // heads
+    x = (qkv + bias).reshape(t, 3, heads, d)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    for i in (0, 1):
+        x1, x2 = x[:, i, :, :d // 2].copy(), x[:, i, :, d // 2:].copy()
+        x[:, i, :, :d // 2] = x1 * c - x2 * s
+        x[:, i, :, d // 2:] = x2 * c + x1 * s
+    qkv[...] = x.reshape(t, h3)
+
+
+def gated_gelu(out, x, bias, *, form):
+    """GeGLU: out (T, I) = GELU(x[:, :I] + bias[:I]) * (x[:, I:] + bias[I:]), x (T, 2I)."""
+    i = out.shape[1]
+    y = x + bias
+    out[...] = _gelu(y[:, :i], form) * y[:, i:]
 
 
 def merge_heads(out, ctx, *, batch, seq, heads):
@@ -196,8 +235,9 @@ def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
     out[...] = _layernorm(x + bias + residual, gamma, beta, eps)
 
 
-def dense(out, x, weight, bias, *, activation):
-    """out (M, N) = activation(x @ weight^T + bias): a layer of the head after pooling."""
+def dense(out, x, weight, bias, *, activation, norm=()):
+    """out (M, N) = activation(x @ weight^T + bias), then LayerNorm with norm = (gamma, beta,
+    eps) if given: a layer of the head after pooling."""
     y = x @ weight.T + bias
     if activation == "tanh":
         y = np.tanh(y)
@@ -207,7 +247,7 @@ def dense(out, x, weight, bias, *, activation):
         y = _gelu(y, "erf")
     elif activation != "identity":
         raise ValueError(f"unknown activation {activation!r}")
-    out[...] = y
+    out[...] = _layernorm(y, *norm) if norm else y
 
 
 def add_bias_gelu(out, x, bias, *, form):

@@ -1,4 +1,6 @@
-"""The BERT encoder, written once against the ops interface, in two token layouts.
+"""The BERT encoder, written once against the ops interface, in two token layouts; the other
+families are deltas on it (RoBERTa / DistilBERT: names and positions; MPNet: a relative position
+bias inside attention; ModernBERT: pre-LayerNorm layers, rotary positions, GeGLU, local windows).
 
 packed (default): only real tokens, (T_real, H), from the embedding lookup to pooling;
     sequence b owns rows cu_seqlens[b]..cu_seqlens[b+1] (offsets built on the device) and
@@ -29,6 +31,8 @@ KERNEL_FILES = {
     "packed": ("embedding.cu", "layernorm.cu", "activation.cu", "attention_varlen.cu", "pooling.cu"),
     "padded": ("embedding.cu", "layernorm.cu", "activation.cu", "attention.cu", "pooling.cu"),
 }
+# ModernBERT's rotary embeddings and its pre-LayerNorm kernels (shared with GPT-2)
+MODERNBERT_FILES = ("rotary.cu", "decoder.cu")
 
 
 @dataclass
@@ -96,12 +100,18 @@ def relative_position_buckets(max_len: int, num_buckets: int, max_distance: int 
     return (ret + np.where(n < max_exact, n, large)).astype(np.int32)
 
 
+def rotary_tables(max_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (max_len, head_dim / 2) float32 of position p times each rotary frequency
+    1 / theta^(2i / D), in float32 as HF computes them (the power correctly rounded)."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = np.float32(1.0) / (np.float64(np.float32(theta)) ** exponents.astype(np.float64)).astype(np.float32)
+    angles = np.arange(max_len, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(angles), np.sin(angles)
+
+
 def check_layout(config: BertConfig, layout: str):
     if layout not in LAYOUTS:
         raise InputError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-    if layout == "packed" and config.relative_buckets:
-        raise InputError("the packed layout's fused attention does not add MPNet's relative position bias yet; "
-                         "use the padded layout")
     if layout == "packed" and config.head_dim not in PACKED_HEAD_DIMS:
         raise InputError(f"the packed layout needs head_dim in {PACKED_HEAD_DIMS}, this model has "
                          f"{config.head_dim}; use the padded layout")
@@ -171,7 +181,8 @@ class BertRunner:
         self.layout = layout
         self.dtype = ops.storage_dtype(dtype)
         self.max_seq_len = max_seq_len
-        ops.prepare_kernels(KERNEL_FILES[layout], dtype)
+        self.modern = config.family == "modernbert"
+        ops.prepare_kernels(KERNEL_FILES[layout] + (MODERNBERT_FILES if self.modern else ()), dtype)
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.word_emb = up(weights.word_emb)        # (V, H)
         self.pos_emb = up(weights.pos_emb)          # (P, H)
@@ -179,11 +190,20 @@ class BertRunner:
         self.emb_ln = (up(weights.emb_ln_gamma), up(weights.emb_ln_beta))
         self.layers = [{k: up(v) for k, v in vars(layer).items()} for layer in weights.layers]
         # float32 layers after pooling (sentence-transformers Dense modules), in every dtype
-        self.head = [(ops.to_device(layer.weight, np.float32), ops.to_device(layer.bias, np.float32), layer.activation)
+        f32 = lambda a: ops.to_device(np.asarray(a, np.float32), np.float32)  # noqa: E731
+        self.head = [(f32(layer.weight), f32(layer.bias), layer.activation,
+                      (f32(layer.norm[0]), f32(layer.norm[1]), layer.norm[2]) if layer.norm else ())
                      for layer in head]
+        self.rel_bias = None
         if config.relative_buckets:  # MPNet: bias table (buckets, heads) and each relative position's bucket
-            self.rel_bias = ops.to_device(weights.rel_bias, np.float32)
-            self.rel_buckets = ops.to_device(relative_position_buckets(max_seq_len, config.relative_buckets))
+            self.rel_bias = (f32(weights.rel_bias),
+                             ops.to_device(relative_position_buckets(max_seq_len, config.relative_buckets)),
+                             max_seq_len)
+        if self.modern:  # cos / sin tables of the global and the local layers, a zero QKV bias, the final norm
+            self.rotary = [tuple(f32(x) for x in rotary_tables(max_seq_len, config.head_dim, theta))
+                           for theta in config.rotary_theta]
+            self.no_qkv_bias = up(np.zeros(3 * config.hidden_size, np.float32))
+            self.final_ln = (up(weights.final_ln_gamma), up(weights.final_ln_beta))
         self._graphs_enabled = graphs
         self.resize(max_batch_tokens)
 
@@ -199,11 +219,13 @@ class BertRunner:
             "ctx": (t * h, act),                       # (T, H): attention output, heads merged
             "proj": (t * h, act),                      # (T, H)
             "attn_ln": (t * h, act),                   # (T, H)
-            "inter": (t * c.intermediate_size, act),   # (T, I)
+            "inter": (t * c.intermediate_size * (2 if self.modern else 1), act),  # (T, I), GeGLU: (T, 2I)
             "pooled": (t * len(POOLING_ORDER) * h, np.float32),  # (B, modes*H), float32 on every backend
         }
+        if self.modern:
+            table["gated"] = (t * c.intermediate_size, act)  # (T, I): the GeGLU's output
         if self.head:  # the head's layers, ping-ponging between two (B, widest layer) buffers
-            widest = max(w.shape[0] for w, _, _ in self.head)
+            widest = max(layer[0].shape[0] for layer in self.head)
             table.update({"head_a": (t * widest, np.float32), "head_b": (t * widest, np.float32)})
         if self.layout == "padded":
             table.update({
@@ -302,7 +324,7 @@ class BertRunner:
 
     # ------------------------------------------------------------ forward
 
-    def _attention_padded(self, w, t: int, b: int, s: int):
+    def _attention_padded(self, w, t: int, b: int, s: int, window: int = 0):
         ops, c, ws = self.ops, self.config, self.ws
         heads, d = c.num_attention_heads, c.head_dim
         lengths = self._inputs(t, b)[3]
@@ -311,24 +333,30 @@ class BertRunner:
         scores = ws.view("scores", (b * heads, s, s))
         heads_out = ws.view("heads_out", (b * heads, s, d))
         ctx = ws.view("ctx", (t, c.hidden_size))
-        ops.add_qkv_bias_split_heads(q, k, v, qkv, w["qkv_bias"], batch=b, seq=s, heads=heads)
+        ops.add_qkv_bias_split_heads(q, k, v, qkv, self.no_qkv_bias if self.modern else w["qkv_bias"],
+                                     batch=b, seq=s, heads=heads)
         ops.batched_matmul(scores, q, k, transpose_b=True, alpha=1.0 / float(np.sqrt(d)))
-        if c.relative_buckets:
-            ops.add_relative_bias(scores, self.rel_bias, self.rel_buckets, heads=heads, max_len=self.max_seq_len)
-        ops.masked_softmax(scores, scores, lengths, heads=heads)
+        if self.rel_bias is not None:
+            table, buckets, max_len = self.rel_bias
+            ops.add_relative_bias(scores, table, buckets, heads=heads, max_len=max_len)
+        ops.masked_softmax(scores, scores, lengths, heads=heads, window=window)
         ops.batched_matmul(heads_out, scores, v, transpose_b=False)
         ops.merge_heads(ctx, heads_out, batch=b, seq=s, heads=heads)
         return ctx
 
-    def _attention_packed(self, w, t: int, b: int, s: int):
+    def _attention_packed(self, w, t: int, b: int, s: int, window: int = 0):
         c, ws = self.config, self.ws
         ctx = ws.view("ctx", (t, c.hidden_size))
-        self.ops.varlen_attention(ctx, ws.view("qkv", (t, 3 * c.hidden_size)), w["qkv_bias"],
-                                  self._inputs(t, b)[4], heads=c.num_attention_heads, max_seqlen=s)
+        self.ops.varlen_attention(ctx, ws.view("qkv", (t, 3 * c.hidden_size)),
+                                  self.no_qkv_bias if self.modern else w["qkv_bias"], self._inputs(t, b)[4],
+                                  heads=c.num_attention_heads, max_seqlen=s, window=window, rel_bias=self.rel_bias)
         return ctx
 
     def _encoder_layers(self, t: int, b: int, s: int):
         """Embedding + all layers on the loaded inputs; hidden states end in ws "hidden"."""
+        if self.modern:
+            self._modernbert_layers(t, b, s)
+            return
         ops, c, ws = self.ops, self.config, self.ws
         h = c.hidden_size
         ids, token_types, positions, lengths, cu_seqlens = self._inputs(t, b)
@@ -354,6 +382,46 @@ class BertRunner:
             ops.add_bias_residual_layernorm(hidden, proj, w["ffn_out_bias"], attn_ln,
                                             w["ffn_ln_gamma"], w["ffn_ln_beta"], eps=c.layer_norm_eps)
 
+    def _modernbert_layers(self, t: int, b: int, s: int):
+        """ModernBERT: embedding norm, then pre-LayerNorm layers (rotary positions, global or
+        sliding-window attention, GeGLU MLP), then the final norm, into ws "hidden". Each
+        residual add is fused with the LayerNorm after it."""
+        ops, c, ws = self.ops, self.config, self.ws
+        h = c.hidden_size
+        ids, token_types, positions, lengths, cu_seqlens = self._inputs(t, b)
+        hidden = ws.view("hidden", (t, h))
+        normed = ws.view("attn_ln", (t, h))
+        qkv = ws.view("qkv", (t, 3 * h))
+        proj = ws.view("proj", (t, h))
+        inter = ws.view("inter", (t, 2 * c.intermediate_size))
+        gated = ws.view("gated", (t, c.intermediate_size))
+        if self.layout == "packed":
+            ops.build_offsets(cu_seqlens, positions, lengths)
+        attention = self._attention_packed if self.layout == "packed" else self._attention_padded
+        # no position or type tables: every token reads their one zero row (token type 0)
+        ops.embed_layernorm(hidden, ids, token_types, token_types, self.word_emb, self.pos_emb,
+                            self.type_emb, *self.emb_ln, eps=c.layer_norm_eps)
+        x = hidden  # layer 0 attends to the embeddings themselves
+        for i, w in enumerate(self.layers):
+            local = c.local_layers[i]
+            ops.matmul(qkv, x, w["qkv_weight"])
+            ops.rotary_qkv(qkv, w["qkv_bias"], positions, *self.rotary[local], heads=c.num_attention_heads)
+            ctx = attention(w, t, b, s, c.window if local else 0)
+            ops.matmul(proj, ctx, w["attn_out_weight"])
+            ops.residual_layernorm(hidden, normed, proj, w["attn_out_bias"], w["ffn_ln_gamma"], w["ffn_ln_beta"],
+                                   eps=c.layer_norm_eps)
+            ops.matmul(inter, normed, w["ffn_in_weight"])
+            ops.gated_gelu(gated, inter, w["ffn_in_bias"], form=c.gelu)
+            ops.matmul(proj, gated, w["ffn_out_weight"])
+            if i + 1 < len(self.layers):
+                nxt = self.layers[i + 1]
+                ops.residual_layernorm(hidden, normed, proj, w["ffn_out_bias"], nxt["attn_ln_gamma"],
+                                       nxt["attn_ln_beta"], eps=c.layer_norm_eps)
+                x = normed
+            else:
+                ops.add_bias_residual_layernorm(hidden, proj, w["ffn_out_bias"], hidden, *self.final_ln,
+                                                eps=c.layer_norm_eps)
+
     def _output(self, b: int, pooling: tuple):
         """The (B, dim) float32 buffer a batch's embeddings end in: the pooled vectors, or the
         last head layer's output."""
@@ -371,9 +439,9 @@ class BertRunner:
         else:
             self.ops.pool(pooled, hidden, lengths, seq=s, modes=pooling)
         x = pooled
-        for i, (weight, bias, activation) in enumerate(self.head):
+        for i, (weight, bias, activation, norm) in enumerate(self.head):
             out = self.ws.view("head_b" if i % 2 else "head_a", (b, weight.shape[0]))
-            self.ops.dense(out, x, weight, bias, activation=activation)
+            self.ops.dense(out, x, weight, bias, activation=activation, norm=norm)
             x = out
         if normalize:
             self.ops.l2_normalize(x, x)

@@ -51,7 +51,8 @@ def _vec_variants(kernel: str, t: str) -> list[str]:
 FAMILIES = {
     "embedding.cu": lambda t: _row_variants("embed_layernorm", t),
     "layernorm.cu": lambda t: _row_variants("add_bias_residual_layernorm", t),
-    "activation.cu": lambda t: _vec_variants("add_bias_gelu", t),
+    "activation.cu": lambda t: _vec_variants("add_bias_gelu", t) + _vec_variants("gated_gelu", t),
+    "rotary.cu": lambda t: [f"rotary_qkv<{t}>"],
     "attention.cu": lambda t: (_vec_variants("add_qkv_bias_split_heads", t) + _vec_variants("merge_heads", t)
                                + _softmax_variants(t) + [f"add_relative_bias<{t}>"]),
     "attention_varlen.cu": lambda t: [f"varlen_attention_simt<{d}>" if t == "float" else

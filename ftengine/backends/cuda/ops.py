@@ -242,16 +242,19 @@ def matmul_bias_gelu(out, x, weight, bias, *, form):
 HEAD_ACTIVATIONS = {"identity": 0, "tanh": 1, "relu": 2, "gelu": 3}
 
 
-def dense(out, x, weight, bias, *, activation):
-    """out (M, N) = activation(x (M, K) @ weight (N, K)^T + bias), all float32: the layers of a
-    head after pooling (cuBLAS, then one bias + activation pass)."""
+def dense(out, x, weight, bias, *, activation, norm=()):
+    """out (M, N) = activation(x (M, K) @ weight (N, K)^T + bias), then LayerNorm with norm =
+    (gamma, beta, eps) if given, all float32: the layers of a head after pooling (cuBLAS, then
+    one bias + activation (+ norm) pass)."""
     m, k = x.shape
     n = weight.shape[0]
     with context().stream:
         context().blas.gemm(cb.OP_T, cb.OP_N, n, m, k, weight.data.ptr, cb.DATA_TYPES["float32"], k, x.data.ptr,
                             cb.DATA_TYPES["float32"], k, out.data.ptr, cb.DATA_TYPES["float32"], n)
+    gamma, beta, eps = norm or (bias, bias, 0.0)
     _launch("activation.cu", "add_bias_act<float>", (m,), (_threads(n, 256),),
-            (out, out, bias, np.int32(n), np.int32(HEAD_ACTIVATIONS[activation])))
+            (out, out, bias, np.int32(n), np.int32(HEAD_ACTIVATIONS[activation]), np.int32(bool(norm)), gamma, beta,
+             np.float32(eps)))
 
 
 def add_qkv_bias_split_heads(q, k, v, qkv, bias, *, batch, seq, heads):
@@ -281,7 +284,7 @@ def add_relative_bias(scores, table, buckets, *, heads, max_len):
             (scores, table, buckets, np.int32(s), np.int32(heads), np.int32(max_len)))
 
 
-def masked_softmax(probs, scores, lengths, *, heads):
+def masked_softmax(probs, scores, lengths, *, heads, window=0):
     n, s, _ = scores.shape
     rows = n * s
     t = _ctype(scores)
@@ -291,10 +294,11 @@ def masked_softmax(probs, scores, lengths, *, heads):
         warps = 4
         _launch("attention.cu", f"masked_softmax_warp<{t}, {per_lane}, {vec}>",
                 ((rows + warps - 1) // warps,), (32 * warps,),
-                (probs, scores, lengths, np.int64(rows), np.int32(s), np.int32(heads)))
+                (probs, scores, lengths, np.int64(rows), np.int32(s), np.int32(heads), np.int32(window)))
     else:
         _launch("attention.cu", f"masked_softmax_block<{t}>", (rows,), (ROW_THREADS,),
-                (probs, scores, lengths, np.int64(rows), np.int32(s), np.int32(heads)), shared_mem=s * 4)
+                (probs, scores, lengths, np.int64(rows), np.int32(s), np.int32(heads), np.int32(window)),
+                shared_mem=s * 4)
 
 
 def build_offsets(cu_seqlens, positions, lengths):
@@ -303,9 +307,11 @@ def build_offsets(cu_seqlens, positions, lengths):
             (cu_seqlens, positions, lengths, np.int32(b), np.int32(positions.size)))
 
 
-def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=False):
+def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=False, window=0, rel_bias=None):
     """Fused attention over the padding-free layout: tensor cores for fp16/bf16, SIMT for fp32.
-    causal: query i of a sequence sees its keys 0..i only (a decoder's prefill)."""
+    causal: query i of a sequence sees its keys 0..i only (a decoder's prefill); window > 0: keys
+    within that distance only; rel_bias = (table, buckets, max_len): MPNet's relative position
+    bias, looked up per score inside the kernel."""
     t, h = ctx.shape
     d = h // heads
     if d not in VARLEN_HEAD_DIMS:
@@ -317,9 +323,32 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
     else:  # two stages of K and V tiles, 64 rows of D + 8 elements
         name, smem = f"varlen_attention_mma<{ct}, {d}>", 2 * 2 * VARLEN_BLOCK_M * (d + 8) * 2
     scale_log2 = np.float32(1.4426950408889634 / np.sqrt(d))
+    table, buckets, max_len = rel_bias if rel_bias is not None else (cu_seqlens, cu_seqlens, 0)
     _launch("attention_varlen.cu", name, (-(-max_seqlen // VARLEN_BLOCK_M), b * heads + 1), (128,),
             (ctx, qkv, bias, cu_seqlens, np.int32(b), np.int32(heads), np.int32(t), scale_log2,
-             np.int32(bool(causal))), shared_mem=smem)
+             np.int32(bool(causal)), np.int32(window), table, buckets, np.int32(max_len)), shared_mem=smem)
+
+
+def rotary_qkv(qkv, bias, positions, cos, sin, *, heads):
+    """Adds the QKV bias and rotates every head's query and key by its token's position, in place."""
+    t, h3 = qkv.shape
+    _launch("rotary.cu", f"rotary_qkv<{_ctype(qkv)}>", (t,), (_threads(2 * h3 // 3 // 2, 256),),
+            (qkv, bias, positions, cos, sin, np.int32(heads), np.int32(h3 // 3 // heads)))
+
+
+def gated_gelu(out, x, bias, *, form):
+    """GeGLU: out (T, I) = GELU(x[:, :I] + bias[:I]) * (x[:, I:] + bias[I:])."""
+    _gelu_rows("gated_gelu", out, x, bias, form)
+
+
+def _gelu_rows(kernel_name: str, out, x, bias, form: str):
+    """One block per row of out (T, I), VEC columns per thread at a time."""
+    t, i = out.shape
+    if form not in GELU_FORMS:
+        raise ValueError(f"unknown GELU form {form!r}")
+    vec = _vec(out, i)
+    _launch("activation.cu", f"{kernel_name}<{_ctype(out)}, {vec}>", (t,), (_threads(i // vec, 256),),
+            (out, x, bias, np.int32(i), np.int32(GELU_FORMS[form])))
 
 
 def merge_heads(out, ctx, *, batch, seq, heads):
@@ -338,12 +367,7 @@ def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
 
 
 def add_bias_gelu(out, x, bias, *, form):
-    t, i = out.shape
-    if form not in GELU_FORMS:
-        raise ValueError(f"unknown GELU form {form!r}")
-    vec = _vec(out, i)
-    _launch("activation.cu", f"add_bias_gelu<{_ctype(out)}, {vec}>", (t,), (_threads(i // vec, 256),),
-            (out, x, bias, np.int32(i), np.int32(GELU_FORMS[form])))
+    _gelu_rows("add_bias_gelu", out, x, bias, form)
 
 
 def _pool_modes(kernel: str, out, hidden, modes, extra_args):
