@@ -384,7 +384,6 @@ def load_bert_weights(model_dir: Path, config: BertConfig) -> BertWeights:
                       lambda name: _canonical(name, prefix),
                       f"a {FAMILY_NAMES[config.family]} with {config.num_hidden_layers} layers")
     top, layers = _slots(arrays, expected, config.num_hidden_layers)
-    top["pos_emb"] = np.ascontiguousarray(top["pos_emb"][config.position_offset:])
     top.setdefault("type_emb", np.zeros((config.type_vocab_size, config.hidden_size), np.float32))
     return BertWeights(layers=[_fuse_layer(parts) for parts in layers], **top)
 

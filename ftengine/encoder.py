@@ -108,6 +108,7 @@ class Encoder:
         self._head_out = self.head[-1].weight.shape[0] if self.head else None  # the last head layer's width
         self.prompts = dict(settings.prompts)
         self.default_prompt_name = settings.default_prompt_name
+        self.include_prompt = settings.include_prompt
         self.tokenizer = Tokenizer(settings.model_dir, max_length=self.max_length,
                                    lowercase_text=settings.lowercase_text)
         self.cuda_graphs = cuda_graphs
@@ -196,7 +197,9 @@ class Encoder:
                             else ranges)
         return finish
 
-    def _options(self, batch_tokens, pooling, normalize) -> EncodeOptions:
+    def _options(self, batch_tokens, pooling, normalize, prompt: str = "") -> EncodeOptions:
+        """The engine options of a call; with include_prompt=false, `prompt`'s tokens are left
+        out of pooling."""
         if batch_tokens is None:
             batch_tokens = DEFAULT_BATCH_TOKENS[self.device]
         if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, (int, np.integer)):
@@ -208,7 +211,8 @@ class Encoder:
             raise InputError(f"pooling {','.join(modes)} gives {len(modes) * self.config.hidden_size} values; the "
                              f"model's Dense module takes {self.head[0].weight.shape[1]}")
         normalize = self.normalize if normalize is None else bool(normalize)
-        return EncodeOptions(modes, normalize, int(batch_tokens))
+        skip = self.tokenizer.prompt_length(prompt) if prompt and not self.include_prompt else 0
+        return EncodeOptions(modes, normalize, int(batch_tokens), skip)
 
     def check_options(self, *, batch_tokens: int | None = None, pooling=None) -> None:
         """Raise the error a call with these options would raise."""
@@ -240,9 +244,10 @@ class Encoder:
         start = time.perf_counter()
         texts = _as_list(texts)
         check_texts(texts)
-        options = self._options(batch_tokens, pooling, normalize)
+        prompt = self.prompt_text(prompt_name, prompt)
+        options = self._options(batch_tokens, pooling, normalize, prompt)
         finish = self._finisher(options, dimensions, precision, ranges, stream=False)
-        texts = _with_prompt(texts, self.prompt_text(prompt_name, prompt))
+        texts = _with_prompt(texts, prompt)
         stats = EncodeStats()
         chunks = list(self._stream(texts, options, truncate=truncate, progress=progress, stats=stats))
         out = np.concatenate(chunks) if chunks else np.zeros((0, self._pooled_dim(options.pooling)), np.float32)
@@ -263,13 +268,14 @@ class Encoder:
         grow with the input; texts are sorted by length within a window. `stats`, if given, is
         filled in as windows complete. Stopping early cancels what was read ahead. Prompts,
         dimensions and precision as in encode; int8/uint8 need `ranges` here."""
-        options = self._options(batch_tokens, pooling, normalize)
+        prompt = self.prompt_text(prompt_name, prompt)
+        options = self._options(batch_tokens, pooling, normalize, prompt)
         if isinstance(texts, (str, bytes)):
             raise InputError("texts must be an iterable of strings, not one string")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise InputError(f"window must be an integer >= 1, found {window!r}")
         finish = self._finisher(options, dimensions, precision, ranges, stream=True)
-        chunks = self._stream(_with_prompt(texts, self.prompt_text(prompt_name, prompt)), options, truncate=truncate,
+        chunks = self._stream(_with_prompt(texts, prompt), options, truncate=truncate,
                               progress=progress, stats=EncodeStats() if stats is None else stats, window=window)
         return chunks if finish is None else map(finish, chunks)
 
@@ -335,10 +341,11 @@ class Encoder:
         """The engine's own future: an EncodeResult (embeddings, tokens, truncated, device time).
         token_ids: sequences already tokenised (lists of ids, special tokens included) instead
         of texts; they are checked against the vocabulary like tokenised texts (no prompt)."""
-        options = self._options(batch_tokens, pooling, normalize)
         if token_ids is None:
-            return self._engine.submit(_with_prompt(texts, self.prompt_text(prompt_name, prompt)), options,
-                                       truncate=truncate)
+            prompt = self.prompt_text(prompt_name, prompt)
+            return self._engine.submit(_with_prompt(texts, prompt),
+                                       self._options(batch_tokens, pooling, normalize, prompt), truncate=truncate)
+        options = self._options(batch_tokens, pooling, normalize)
         lengths = np.fromiter((len(x) for x in token_ids), np.int32, len(token_ids))
         if (lengths == 0).any():
             raise InputError(f"token sequence {int(np.flatnonzero(lengths == 0)[0]) + 1} is empty")

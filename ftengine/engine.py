@@ -42,6 +42,7 @@ class EncodeOptions:
     pooling: tuple            # pooling modes, sentence-transformers' order
     normalize: bool
     batch_tokens: int         # token budget of one batch
+    skip: int = 0             # leading tokens (a prompt's) left out of pooling
 
 
 @dataclass
@@ -277,7 +278,8 @@ class EncodeEngine:
                 if pending and len(in_flight) < IN_FLIGHT_BATCHES:
                     batch, parts, options = self._next_batch(pending)
                     runner = self._runner_for(runner, batch, options)
-                    handle = runner.submit(batch, pooling=options.pooling, normalize=options.normalize)
+                    handle = runner.submit(batch, pooling=options.pooling, normalize=options.normalize,
+                                           skip=options.skip)
                     in_flight.append((handle, parts))
                 elif in_flight:
                     handle, parts = in_flight.popleft()

@@ -82,33 +82,36 @@ def _dense_from_config(folder: Path) -> DenseModule:
                        DENSE_ACTIVATIONS[act])
 
 
-def parse_pooling(value, where: str) -> tuple[str, ...]:
-    """A mode name, a comma-separated string or a list of names -> modes in sentence-transformers' order."""
+def parse_pooling(value, where: str, *, ordered: bool = False) -> tuple[str, ...]:
+    """A mode name, a comma-separated string or a list of names -> modes in sentence-transformers'
+    legacy order (cls, max, mean, ...), or as given with ordered=True (a Pooling config's
+    `pooling_mode` list, which sentence-transformers 5+ concatenates in its own order)."""
     names = value.split(",") if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not names:
         raise ConfigError(f"{where}: pooling must be a mode name or a list of them, found {value!r}")
-    modes = set()
+    modes = []
     for n in names:
         key = str(n).strip().lower()
         if key not in _POOLING_NAMES:
             raise ConfigError(
                 f"{where}: pooling mode {n!r} is not supported; supported: {', '.join(POOLING_ORDER)}"
             )
-        modes.add(_POOLING_NAMES[key])
-    return tuple(m for m in POOLING_ORDER if m in modes)
+        modes.append(_POOLING_NAMES[key])
+    return tuple(modes) if ordered else tuple(m for m in POOLING_ORDER if m in modes)
 
 
-def _pooling_from_config(path: Path) -> tuple[str, ...]:
+def _pooling_from_config(path: Path) -> tuple[tuple[str, ...], bool]:
+    """The pooling modes and include_prompt (false: the prompt's tokens are left out of pooling)."""
     cfg = read_json(path, "pooling config")
+    include_prompt = cfg.get("include_prompt", True)
+    if not isinstance(include_prompt, bool):
+        raise ConfigError(f"{path}: include_prompt must be true or false, found {include_prompt!r}")
     if "pooling_mode" in cfg and not any(k in cfg for k in _LEGACY_POOLING_KEYS):
-        return parse_pooling(cfg["pooling_mode"], str(path))
-    if cfg.get("include_prompt") is False:
-        raise ConfigError(f"{path}: include_prompt=false is not supported (the prompt's tokens would have to be "
-                          "left out of the pooling)")
+        return parse_pooling(cfg["pooling_mode"], str(path), ordered=True), include_prompt
     modes = [mode for key, mode in _LEGACY_POOLING_KEYS.items() if cfg.get(key)]
     if not modes:
         raise ConfigError(f"{path}: no pooling mode is switched on")
-    return parse_pooling(modes, str(path))
+    return parse_pooling(modes, str(path)), include_prompt
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class FolderSettings:
     prompts: dict = field(default_factory=dict)  # name -> text put before each input
     default_prompt_name: str | None = None
     dense: tuple = ()            # DenseModule, in order, between pooling and normalisation
+    include_prompt: bool = True  # False: a prompt's tokens are left out of pooling
 
 
 def _read_prompts(folder: Path) -> tuple[dict, str | None]:
@@ -144,6 +148,7 @@ def read_folder_settings(folder: Path) -> FolderSettings:
     folder = Path(folder)
     model_dir = folder
     pooling = ("mean",)
+    include_prompt = True
     normalize = False
     dense = []
     modules_path = folder / "modules.json"
@@ -161,7 +166,7 @@ def read_folder_settings(folder: Path) -> FolderSettings:
             if kind == "Transformer":
                 model_dir = sub
             elif kind == "Pooling":
-                pooling = _pooling_from_config(sub / "config.json")
+                pooling, include_prompt = _pooling_from_config(sub / "config.json")
             elif kind == "Dense" and not normalize:
                 dense.append(_dense_from_config(sub))
             elif kind == "Normalize":
@@ -182,7 +187,8 @@ def read_folder_settings(folder: Path) -> FolderSettings:
         if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
             raise ConfigError(f"{st_config}: max_seq_length must be an integer >= 2, found {max_length!r}")
         lowercase = bool(cfg.get("do_lower_case", False))
-    return FolderSettings(model_dir, max_length, pooling, normalize, lowercase, *_read_prompts(folder), tuple(dense))
+    return FolderSettings(model_dir, max_length, pooling, normalize, lowercase, *_read_prompts(folder), tuple(dense),
+                          include_prompt)
 
 
 @dataclass
@@ -272,9 +278,20 @@ class Tokenizer:
         self.max_length = max_length
         self.lowercase_text = lowercase_text
         self._untruncated = None  # a copy without truncation, for token counts in errors
+        self._prompt_lengths = {}  # prompt -> prompt_length(prompt)
         # converting ids to arrays is a third of the tokenising time: skip the type ids when the
         # post-processor gives every token of a single text type 0 (BERT's template does)
         self._zero_types = _single_text_types_are_zero(json.loads(tok.to_str()).get("post_processor"))
+
+    def prompt_length(self, prompt: str) -> int:
+        """How many leading tokens of a text that starts with `prompt` sentence-transformers
+        counts as the prompt's (include_prompt=false leaves them out of pooling): the prompt
+        tokenised alone, special tokens included, less a trailing special token."""
+        if prompt not in self._prompt_lengths:
+            encoding = self._tok.encode(prompt.lower() if self.lowercase_text else prompt)
+            special = encoding.special_tokens_mask  # 1 for the template's tokens ([SEP], </s>, ...)
+            self._prompt_lengths[prompt] = len(encoding.ids) - (1 if special and special[-1] else 0)
+        return self._prompt_lengths[prompt]
 
     def untruncated_length(self, text: str) -> int:
         """Tokens in `text` (prepared as encode does, special tokens included) without truncation."""

@@ -195,14 +195,15 @@ def test_batched_matmul(cu, rng, dtype, transpose_b, nb, m, k, p):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch, seq, h", [(1, 1, 384), (3, 17, 768), (64, 9, 200), (2, 512, 1024)])
-def test_pool_and_normalize(cu, rng, dtype, batch, seq, h):
+@pytest.mark.parametrize("skip", [0, 4])  # a prompt's tokens left out (some sequences no longer than it)
+def test_pool_and_normalize(cu, rng, dtype, batch, seq, h, skip):
     modes = ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")
     lengths = rng.integers(1, seq + 1, batch)
     hidden, hh = quantize(cu, rng.standard_normal((batch * seq, h)), dtype)
     out = poisoned(cu, (batch, len(modes) * h), "fp32")  # pooled vectors are float32
     expected = np.empty((batch, len(modes) * h), np.float32)
-    cu.pool(out, hidden, ints(cu, lengths), seq=seq, modes=modes)
-    ref.pool(expected, hh, lengths, seq=seq, modes=modes)
+    cu.pool(out, hidden, ints(cu, lengths), seq=seq, modes=modes, skip=skip)
+    ref.pool(expected, hh, lengths, seq=seq, modes=modes, skip=skip)
     assert_close(cu, out, expected, "fp32")
 
 
@@ -220,17 +221,6 @@ def test_l2_normalize(cu, rng, batch, d):
 
 def _offsets(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
-@pytest.mark.parametrize("lengths, extra", [([1], 0), ([5, 1, 300, 17], 63), (list(range(1, 129)), 10), ([512] * 3, 0)])
-def test_build_offsets(cu, lengths, extra):
-    t = sum(lengths) + extra
-    cu_dev, pos_dev = cu.to_device(np.full(len(lengths) + 1, -7, np.int32)), cu.to_device(np.full(t, -7, np.int32))
-    cu.build_offsets(cu_dev, pos_dev, ints(cu, lengths))
-    cu_ref, pos_ref = np.empty(len(lengths) + 1, np.int32), np.empty(t, np.int32)
-    ref.build_offsets(cu_ref, pos_ref, np.array(lengths))
-    np.testing.assert_array_equal(cu.to_host(cu_dev), cu_ref)
-    np.testing.assert_array_equal(cu.to_host(pos_dev), pos_ref)
 
 
 VARLEN = [  # (lengths, heads)
@@ -268,16 +258,17 @@ def test_varlen_attention(cu, rng, dtype, d, case, causal):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lengths, h", [([1], 384), ([3, 17, 1, 40], 768), ([9] * 64, 200)])
-def test_pool_packed(cu, rng, dtype, lengths, h):
+@pytest.mark.parametrize("skip", [0, 3])
+def test_pool_packed(cu, rng, dtype, lengths, h, skip):
     modes = ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")
     lengths = list(lengths) + [0, 0]  # two empty sequences: batch padding
     t = sum(lengths) + 3
     cu_seqlens = _offsets(lengths)
     hidden, hh = quantize(cu, rng.standard_normal((t, h)), dtype)
     out = poisoned(cu, (len(lengths), len(modes) * h), "fp32")
-    cu.pool_packed(out, hidden, ints(cu, cu_seqlens), modes=modes)
+    cu.pool_packed(out, hidden, ints(cu, cu_seqlens), modes=modes, skip=skip)
     expected = np.empty((len(lengths), len(modes) * h), np.float32)
-    ref.pool_packed(expected, hh, cu_seqlens, modes=modes)
+    ref.pool_packed(expected, hh, cu_seqlens, modes=modes, skip=skip)
     assert_close(cu, out, expected, "fp32")
 
 

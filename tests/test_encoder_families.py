@@ -94,6 +94,35 @@ def test_encoder_matches_hf_tokenizer_model_and_pooling(tmp_path, model_type):
     assert np.abs(ours - ref).max() <= HF_FP32_MAX_ABS, model_type
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("model_type", ["roberta", "mpnet"])
+def test_pad_ids_inside_sequences_numbered_as_transformers(tmp_path, rng, model_type, layout):
+    """A text holding the literal pad token: transformers gives that token row pad_token_id of
+    the position table and does not count it; so must the encoder (model level, and through
+    the tokenizer)."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+    shape = dict(SHAPES[layout], max_positions=64)
+    path = write_encoder_checkpoint(tmp_path, model_type, seed=7, **shape)
+    runner = _runner(path, numpy_ops, layout)
+    pad = runner.config.pad_token_id
+    ids = _ids(rng, runner.config, [9, 30, 5])
+    ids[0][3] = ids[0][4] = ids[1][-1] = ids[2][0] = pad
+    ours = runner.hidden_states(Batch.from_lists(ids, [[0] * len(x) for x in ids]))
+    assert _max_err(ours, _hf_hidden(path, ids)) <= HF_FP32_MAX_ABS
+    if model_type == "mpnet":  # its fixture tokenizer (WordPiece) has no token for id 1
+        return
+    texts = ["hello <pad> world", "<pad> the dog <pad><pad> a fox"]
+    with Encoder.from_pretrained(path, device="cpu", layout=layout) as enc:
+        embedded = enc.encode(texts, pooling="mean", normalize=False)
+    inputs = AutoTokenizer.from_pretrained(str(path))(texts, padding=True, return_tensors="pt")
+    assert (inputs["input_ids"][inputs["attention_mask"] == 1] == pad).sum() == 4
+    with torch.no_grad():
+        hidden = AutoModel.from_pretrained(str(path), attn_implementation="eager").eval()(**inputs).last_hidden_state
+    mask = inputs["attention_mask"].unsqueeze(-1).float()
+    assert np.abs(embedded - ((hidden * mask).sum(1) / mask.sum(1)).numpy()).max() <= HF_FP32_MAX_ABS
+
+
 def _edit_config(path, **changes):
     config = json.loads((path / "config.json").read_text())
     config.update(changes)

@@ -14,8 +14,8 @@ import pytest
 from ftengine import Encoder
 from ftengine.errors import ConfigError, InputError
 from ftengine.output import calibration_ranges, quantize
-from tests.tolerances import EMBEDDING_COSINE_FP32
-from weights.fixtures import write_encoder_checkpoint, write_modernbert_checkpoint
+from tests.tolerances import BATCHING_INVARIANCE_FP32, EMBEDDING_COSINE_FP32
+from weights.fixtures import write_bert_checkpoint, write_encoder_checkpoint, write_modernbert_checkpoint
 
 st = pytest.importorskip("sentence_transformers")
 
@@ -124,7 +124,7 @@ def test_bad_options_are_named(encoder):
 
 
 @pytest.mark.parametrize("change, message", [
-    (("1_Pooling/config.json", {"include_prompt": False}), "include_prompt=false is not supported"),
+    (("1_Pooling/config.json", {"include_prompt": "no"}), "include_prompt must be true or false, found 'no'"),
     (("config_sentence_transformers.json", {"default_prompt_name": "doc"}),
      "default_prompt_name 'doc' is not one of the prompts (query, passage)"),
     (("config_sentence_transformers.json", {"prompts": {"query": 5}}), "prompts must map names to strings"),
@@ -222,6 +222,36 @@ def test_modernbert_folder_as_sentence_transformers(tmp_path):
             assert ours.shape == ref.shape and cosines(ours, ref).min() >= EMBEDDING_COSINE_FP32
 
 
+@pytest.mark.parametrize("model_type, pooling", [
+    ("xlm-roberta", {"pooling_mode_mean_tokens": True}),
+    ("bert", {"pooling_mode_cls_token": True, "pooling_mode_max_tokens": True}),
+    ("modernbert", {"pooling_mode": ["weightedmean", "lasttoken", "mean_sqrt_len_tokens"]}),  # ST 5+ key
+])
+def test_include_prompt_false_as_sentence_transformers(tmp_path, model_type, pooling):
+    """include_prompt=false: the prompt's tokens (the prompt tokenised alone, less a trailing
+    special token) are left out of pooling, for every mode, as sentence-transformers does."""
+    files = {"pooling": {"word_embedding_dimension": 64, "include_prompt": False, **pooling}, "normalize": True,
+             "max_seq_length": 64, "prompts": {"query": "query: find the", "long": "word " * 70}}
+    if model_type == "modernbert":
+        path = write_modernbert_checkpoint(tmp_path, seed=3, max_positions=64, sentence_transformers=files)
+    elif model_type == "bert":
+        path = write_bert_checkpoint(tmp_path, seed=3, hidden=64, heads=2, layers=2, intermediate=100,
+                                     sentence_transformers=files)
+    else:
+        path = write_encoder_checkpoint(tmp_path, model_type, seed=3, hidden=64, heads=2, init="hf",
+                                        sentence_transformers=files)
+    model = st.SentenceTransformer(str(path), device="cpu")
+    with Encoder.from_pretrained(path, device="cpu") as enc:
+        for kwargs in ({}, {"prompt_name": "query"}, {"prompt": "a custom prompt, "}):
+            ours, ref = enc.encode(TEXTS, **kwargs), model.encode(TEXTS, **kwargs)
+            assert cosines(ours, ref).min() >= EMBEDDING_COSINE_FP32, kwargs
+        with_prompt = enc.encode(TEXTS, prompt_name="query")
+        assert cosines(with_prompt, enc.encode(TEXTS)).min() < EMBEDDING_COSINE_FP32  # the prompt still counts
+        streamed = np.concatenate(list(enc.encode_stream(iter(TEXTS), prompt_name="query", window=4)))
+        assert np.abs(streamed - with_prompt).max() <= BATCHING_INVARIANCE_FP32
+        assert np.isfinite(enc.encode(TEXTS, prompt_name="long")).all()  # no token past the prompt: zeros
+
+
 TANH, IDENTITY, RELU = ("torch.nn.modules.activation.Tanh", "torch.nn.modules.linear.Identity",
                         "torch.nn.modules.activation.ReLU")
 
@@ -265,13 +295,16 @@ def test_dense_module_refusals(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-def test_dense_weightedmean_and_prompts_on_the_gpu(tmp_path, dtype):
+@pytest.mark.parametrize("include_prompt", [True, False])
+def test_dense_weightedmean_and_prompts_on_the_gpu(tmp_path, dtype, include_prompt):
     """The whole sentence-transformers pipeline on the CUDA backend (weightedmean pooling, two
-    Dense layers, Normalize, a prompt) against SentenceTransformer on the same GPU in fp32."""
+    Dense layers, Normalize, a prompt, in the pooling or left out) against SentenceTransformer
+    on the same GPU in fp32."""
     from tests.tolerances import EMBEDDING_COSINE_LOWP
     path = write_encoder_checkpoint(tmp_path, "xlm-roberta", seed=6, hidden=256, heads=4, intermediate=700, init="hf",
                                     max_positions=128, sentence_transformers={
-                                        "pooling": {"word_embedding_dimension": 256, "pooling_mode_weightedmean_tokens": True},
+                                        "pooling": {"word_embedding_dimension": 256, "include_prompt": include_prompt,
+                                                    "pooling_mode_weightedmean_tokens": True},
                                         "normalize": True, "prompts": PROMPTS, "dense": [
                                             {"out_features": 300, "activation": RELU, "bias": True},
                                             {"out_features": 128, "activation": TANH, "bias": True}]})

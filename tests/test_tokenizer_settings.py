@@ -26,7 +26,7 @@ def test_legacy_pooling_booleans_in_sentence_transformers_order(tmp_path):
 
 @pytest.mark.parametrize("value, expected", [
     ("max", ("max",)),
-    (["lasttoken", "cls"], ("cls", "lasttoken")),
+    (["lasttoken", "cls"], ("lasttoken", "cls")),  # sentence-transformers 5+ concatenates in the list's order
     ("mean_sqrt_len_tokens", ("mean_sqrt_len",)),
 ])
 def test_pooling_mode_string_or_list(tmp_path, value, expected):

@@ -3,8 +3,8 @@ families are deltas on it (RoBERTa / DistilBERT: names and positions; MPNet: a r
 bias inside attention; ModernBERT: pre-LayerNorm layers, rotary positions, GeGLU, local windows).
 
 packed (default): only real tokens, (T_real, H), from the embedding lookup to pooling;
-    sequence b owns rows cu_seqlens[b]..cu_seqlens[b+1] (offsets built on the device) and
-    attention is one fused variable-length kernel. Needs head_dim 32, 64 or 128.
+    sequence b owns rows cu_seqlens[b]..cu_seqlens[b+1] and attention is one fused
+    variable-length kernel. Needs head_dim 32, 64 or 128.
 padded: B sequences padded to S slots, (B*S, H), row b*S + s; attention through batched
     GEMMs and a masked softmax (FasterTransformer v1). Any head_dim.
 All activations live in one Workspace sized for (max_batch_tokens, max_seq_len).
@@ -70,18 +70,38 @@ class Batch:
         return [rows[a:a + n] for a, n in zip(self.starts, self.lengths)]
 
 
+def position_ids(batch: Batch, config: BertConfig) -> np.ndarray:
+    """(T,) int32: the position-table row of every token. Token i of a sequence reads row
+    i + position_offset; RoBERTa and MPNet number positions as transformers does, from the ids: a
+    pad id inside a sequence (a text holding the literal pad token) reads row pad_token_id and
+    is not counted."""
+    within = np.arange(len(batch.ids)) - np.repeat(batch.starts, batch.lengths)
+    if not config.position_offset:
+        return within.astype(np.int32)
+    counted = batch.ids != config.pad_token_id
+    if counted.all():
+        return (within + config.position_offset).astype(np.int32)
+    running = np.cumsum(counted)
+    before = np.repeat(running[batch.starts] - counted[batch.starts], batch.lengths)  # counted before each sequence
+    return np.where(counted, running - before + config.pad_token_id, config.pad_token_id).astype(np.int32)
+
+
+def padded_grid(values: np.ndarray, batch: Batch, *, b: int, s: int, fill: int) -> np.ndarray:
+    """(b, s) int32: each sequence's per-token `values` (laid out like batch.ids) from slot 0,
+    `fill` in the padding slots."""
+    grid = np.full((b, s), fill, dtype=np.int32)
+    row = np.repeat(np.arange(len(batch.lengths)), batch.lengths)
+    col = np.arange(len(batch.ids)) - np.repeat(batch.starts, batch.lengths)
+    grid[row, col] = values
+    return grid
+
+
 def padded_arrays(batch: Batch, *, b: int, s: int, pad_id: int):
     """ids, token types (b, s) int32 and lengths (b,); sequences past the batch have length 1."""
-    ids = np.full((b, s), pad_id, dtype=np.int32)
-    types = np.zeros((b, s), dtype=np.int32)
     lengths = np.ones((b,), dtype=np.int32)
-    n = len(batch.lengths)
-    lengths[:n] = batch.lengths
-    row = np.repeat(np.arange(n), batch.lengths)
-    col = np.arange(len(batch.ids)) - np.repeat(batch.starts, batch.lengths)
-    ids[row, col] = batch.ids
-    types[row, col] = batch.token_types
-    return ids, types, lengths
+    lengths[:len(batch.lengths)] = batch.lengths
+    return (padded_grid(batch.ids, batch, b=b, s=s, fill=pad_id),
+            padded_grid(batch.token_types, batch, b=b, s=s, fill=0), lengths)
 
 
 def relative_position_buckets(max_len: int, num_buckets: int, max_distance: int = 128) -> np.ndarray:
@@ -298,28 +318,31 @@ class BertRunner:
         return flat[:t], flat[t:2 * t], flat[2 * t:3 * t], flat[3 * t:3 * t + b], flat[3 * t + b:]
 
     def _load_inputs(self, batch: Batch) -> tuple:
-        """Check the batch, lay it out at its bucketed shape and copy it, in one transfer, into the
-        fixed device buffer. Returns the shape (tokens, sequences, longest)."""
+        """Check the batch, lay it out at its bucketed shape (ids, token types, position rows,
+        lengths, offsets) and copy it, in one transfer, into the fixed device buffer. Returns
+        the shape (tokens, sequences, longest)."""
         self.check(batch)
         t, b, s = self.run_shape(batch)
-        st = self.staging[self._slot, :3 * t + b]
+        st = self.staging[self._slot, :3 * t + 2 * b + 1]
         self._slot ^= 1
-        ids, types, positions, lengths = st[:t], st[t:2 * t], st[2 * t:3 * t], st[3 * t:]
-        ids.fill(self.config.pad_token_id)
-        types.fill(0)
+        ids, types, positions, lengths, cu_seqlens = (st[:t], st[t:2 * t], st[2 * t:3 * t], st[3 * t:3 * t + b],
+                                                      st[3 * t + b:])
+        first = self.config.position_offset
         if self.layout == "padded":
             pid, ptype, plen = padded_arrays(batch, b=b, s=s, pad_id=self.config.pad_token_id)
-            ids[:] = pid.reshape(-1)
-            types[:] = ptype.reshape(-1)
-            positions[:] = np.tile(np.arange(s, dtype=np.int32), b)
+            ppos = padded_grid(position_ids(batch, self.config), batch, b=b, s=s, fill=first)
+            ids[:], types[:], positions[:] = pid.reshape(-1), ptype.reshape(-1), ppos.reshape(-1)
             lengths[:] = plen
-        else:
+        else:  # tokens past the last sequence (batch padding): pad ids, type 0, the first position row
             n = len(batch.ids)
-            ids[:n] = batch.ids
-            types[:n] = batch.token_types
+            ids[:n], ids[n:] = batch.ids, self.config.pad_token_id
+            types[:n], types[n:] = batch.token_types, 0
+            positions[:n], positions[n:] = position_ids(batch, self.config), first
             lengths.fill(0)
             lengths[:len(batch.lengths)] = batch.lengths
-        self.ops.copy_from_host(self.ws.view("inputs", (3 * t + b,)), st)
+        cu_seqlens[0] = 0
+        np.cumsum(lengths, out=cu_seqlens[1:])
+        self.ops.copy_from_host(self.ws.view("inputs", (3 * t + 2 * b + 1,)), st)
         return t, b, s
 
     # ------------------------------------------------------------ forward
@@ -359,14 +382,12 @@ class BertRunner:
             return
         ops, c, ws = self.ops, self.config, self.ws
         h = c.hidden_size
-        ids, token_types, positions, lengths, cu_seqlens = self._inputs(t, b)
+        ids, token_types, positions = self._inputs(t, b)[:3]
         hidden = ws.view("hidden", (t, h))
         qkv = ws.view("qkv", (t, 3 * h))
         proj = ws.view("proj", (t, h))
         attn_ln = ws.view("attn_ln", (t, h))
         inter = ws.view("inter", (t, c.intermediate_size))
-        if self.layout == "packed":
-            ops.build_offsets(cu_seqlens, positions, lengths)
         attention = self._attention_packed if self.layout == "packed" else self._attention_padded
         ops.embed_layernorm(hidden, ids, token_types, positions, self.word_emb, self.pos_emb,
                             self.type_emb, *self.emb_ln, eps=c.layer_norm_eps)
@@ -388,15 +409,13 @@ class BertRunner:
         residual add is fused with the LayerNorm after it."""
         ops, c, ws = self.ops, self.config, self.ws
         h = c.hidden_size
-        ids, token_types, positions, lengths, cu_seqlens = self._inputs(t, b)
+        ids, token_types, positions = self._inputs(t, b)[:3]
         hidden = ws.view("hidden", (t, h))
         normed = ws.view("attn_ln", (t, h))
         qkv = ws.view("qkv", (t, 3 * h))
         proj = ws.view("proj", (t, h))
         inter = ws.view("inter", (t, 2 * c.intermediate_size))
         gated = ws.view("gated", (t, c.intermediate_size))
-        if self.layout == "packed":
-            ops.build_offsets(cu_seqlens, positions, lengths)
         attention = self._attention_packed if self.layout == "packed" else self._attention_padded
         # no position or type tables: every token reads their one zero row (token type 0)
         ops.embed_layernorm(hidden, ids, token_types, token_types, self.word_emb, self.pos_emb,
@@ -429,15 +448,15 @@ class BertRunner:
             return self.ws.view("pooled", (b, len(pooling) * self.config.hidden_size))
         return self.ws.view("head_b" if len(self.head) % 2 == 0 else "head_a", (b, self.head[-1][0].shape[0]))
 
-    def _pool(self, t: int, b: int, s: int, pooling: tuple, normalize: bool):
+    def _pool(self, t: int, b: int, s: int, pooling: tuple, normalize: bool, skip: int):
         h = self.config.hidden_size
         pooled = self.ws.view("pooled", (b, len(pooling) * h))
         hidden = self.ws.view("hidden", (t, h))
         _, _, _, lengths, cu_seqlens = self._inputs(t, b)
         if self.layout == "packed":
-            self.ops.pool_packed(pooled, hidden, cu_seqlens, modes=pooling)
+            self.ops.pool_packed(pooled, hidden, cu_seqlens, modes=pooling, skip=skip)
         else:
-            self.ops.pool(pooled, hidden, lengths, seq=s, modes=pooling)
+            self.ops.pool(pooled, hidden, lengths, seq=s, modes=pooling, skip=skip)
         x = pooled
         for i, (weight, bias, activation, norm) in enumerate(self.head):
             out = self.ws.view("head_b" if i % 2 else "head_a", (b, weight.shape[0]))
@@ -457,10 +476,11 @@ class BertRunner:
             return [hidden[i * s:i * s + n] for i, n in enumerate(batch.lengths)]
         return batch.split(hidden)
 
-    def submit(self, batch: Batch, *, pooling: tuple, normalize: bool) -> "PendingEmbeddings":
+    def submit(self, batch: Batch, *, pooling: tuple, normalize: bool, skip: int = 0) -> "PendingEmbeddings":
         """Queue one batch on the device and return at once; .wait() gives its pooled (and
-        optionally L2-normalised) embeddings, (B, len(pooling)*H) float32 on the host. At most
-        two batches are in flight: a third waits for the oldest (its staging slot is reused)."""
+        optionally L2-normalised) embeddings, (B, len(pooling)*H) float32 on the host. skip:
+        each sequence's first tokens (a prompt's) left out of pooling. At most two batches are
+        in flight: a third waits for the oldest (its staging slot is reused)."""
         if self.head and len(pooling) * self.config.hidden_size != self.head[0][0].shape[1]:
             raise InputError(f"pooling {','.join(pooling)} gives {len(pooling) * self.config.hidden_size} values; "
                              f"the model's Dense module takes {self.head[0][0].shape[1]}")
@@ -471,17 +491,17 @@ class BertRunner:
 
         def forward():
             self._encoder_layers(t, b, s)
-            self._pool(t, b, s, pooling, normalize)
+            self._pool(t, b, s, pooling, normalize, skip)
 
-        self.graphs.run(("embed", t, b, s, pooling, normalize), forward)
+        self.graphs.run(("embed", t, b, s, pooling, normalize, skip), forward)
         timer.stop()
         pending = PendingEmbeddings(self.ops.copy_to_host_async(self._output(b, pooling)), len(batch.lengths), timer)
         self._in_flight.append(pending)
         return pending
 
-    def embed(self, batch: Batch, *, pooling: tuple, normalize: bool) -> np.ndarray:
+    def embed(self, batch: Batch, *, pooling: tuple, normalize: bool, skip: int = 0) -> np.ndarray:
         """Pooled (and optionally L2-normalised) embeddings, (B, len(pooling)*H) float32 on the host."""
-        return self.submit(batch, pooling=pooling, normalize=normalize).wait()
+        return self.submit(batch, pooling=pooling, normalize=normalize, skip=skip).wait()
 
 
 class PendingEmbeddings:

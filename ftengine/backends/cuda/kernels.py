@@ -68,7 +68,7 @@ FAMILIES = {
 # file -> kernels every dtype uses (not templated on the element type): one module of their own,
 # so that an fp16 run never compiles the fp32 instantiations (the fp32 varlen attention alone
 # takes 17 s to compile on an H100)
-SHARED = {"embedding.cu": ["build_offsets"], "pooling.cu": ["l2_normalize<float>"], "sampling.cu": SAMPLING_KERNELS,
+SHARED = {"pooling.cu": ["l2_normalize<float>"], "sampling.cu": SAMPLING_KERNELS,
           "activation.cu": ["add_bias_act<float>"]}
 SHARED_KEY = "shared"
 

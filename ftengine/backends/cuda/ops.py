@@ -301,12 +301,6 @@ def masked_softmax(probs, scores, lengths, *, heads, window=0):
                 shared_mem=s * 4)
 
 
-def build_offsets(cu_seqlens, positions, lengths):
-    b = lengths.size
-    _launch("embedding.cu", "build_offsets", (b,), (256,),
-            (cu_seqlens, positions, lengths, np.int32(b), np.int32(positions.size)))
-
-
 def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=False, window=0, rel_bias=None):
     """Fused attention over the padding-free layout: tensor cores for fp16/bf16, SIMT for fp32.
     causal: query i of a sequence sees its keys 0..i only (a decoder's prefill); window > 0: keys
@@ -370,7 +364,7 @@ def add_bias_gelu(out, x, bias, *, form):
     _gelu_rows("add_bias_gelu", out, x, bias, form)
 
 
-def _pool_modes(kernel: str, out, hidden, modes, extra_args):
+def _pool_modes(kernel: str, out, hidden, modes, extra_args, skip: int):
     """One launch per pooling mode, each writing its H columns of out (B, modes*H)."""
     b, h = out.shape[0], hidden.shape[1]
     threads = 128
@@ -379,17 +373,18 @@ def _pool_modes(kernel: str, out, hidden, modes, extra_args):
             raise ValueError(f"unknown pooling mode {mode!r}")
         _launch("pooling.cu", f"{kernel}<{_ctype(hidden)}>", (b, (h + threads - 1) // threads), (threads,),
                 (out, hidden, *extra_args, np.int32(h), np.int32(out.shape[1]), np.int32(i * h),
-                 np.int32(POOL_CODES[mode])))
+                 np.int32(POOL_CODES[mode]), np.int32(skip)))
 
 
-def pool(out, hidden, lengths, *, seq, modes):
-    """out (B, modes*H) float32 from padded hidden states (B*S, H) of any storage type."""
-    _pool_modes("pool", out, hidden, modes, (lengths, np.int32(seq)))
+def pool(out, hidden, lengths, *, seq, modes, skip=0):
+    """out (B, modes*H) float32 from padded hidden states (B*S, H) of any storage type; each
+    sequence's first `skip` tokens left out (as numpy_ops.pool)."""
+    _pool_modes("pool", out, hidden, modes, (lengths, np.int32(seq)), skip)
 
 
-def pool_packed(out, hidden, cu_seqlens, *, modes):
+def pool_packed(out, hidden, cu_seqlens, *, modes, skip=0):
     """out (B, modes*H) float32 from the padding-free hidden states (T, H)."""
-    _pool_modes("pool_packed", out, hidden, modes, (cu_seqlens,))
+    _pool_modes("pool_packed", out, hidden, modes, (cu_seqlens,), skip)
 
 
 # ------------------------------------------------------------------ decoder (GPT-2)
