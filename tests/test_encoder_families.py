@@ -305,3 +305,44 @@ def test_modernbert_cuda_matches_hf_on_the_gpu(tmp_path, cu, layout, dtype):
     runner = _runner(path, cu, layout, dtype, max_batch_tokens=8192)
     lengths = [4096, 1, 77, 1500, 3] if layout == "packed" else [1500, 1, 77, 3]
     _gpu_parity_runner(runner, path, lengths, dtype)
+
+
+# ---------------------------------------------------------------- every family as sentence-transformers gives it
+
+FAMILIES = ENCODER_TYPES + ("mpnet", "modernbert")
+ST_TEXTS = TEXTS + ["The Quick, brown fox! " * 20, "  leading and trailing  ", "x"]
+
+
+def _st_folder(tmp_path, model_type, hidden, heads, intermediate):
+    files = {"pooling": {"word_embedding_dimension": hidden, "pooling_mode_mean_tokens": True}, "normalize": True,
+             "max_seq_length": 128}
+    if model_type == "modernbert":
+        return write_modernbert_checkpoint(tmp_path, seed=11, hidden=hidden, heads=heads, intermediate=intermediate,
+                                           max_positions=512, sentence_transformers=files)
+    return write_encoder_checkpoint(tmp_path, model_type, seed=11, hidden=hidden, heads=heads, intermediate=intermediate,
+                                    max_positions=128, init="hf", sentence_transformers=files)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_family_embeddings_as_sentence_transformers(tmp_path, model_type):
+    """A sentence-transformers folder of each family: Encoder on the CPU = SentenceTransformer.encode."""
+    from tests.tolerances import EMBEDDING_COSINE_FP32
+    st = pytest.importorskip("sentence_transformers")
+    path = _st_folder(tmp_path, model_type, 64, 2, 96)
+    ref = st.SentenceTransformer(str(path), device="cpu").encode(ST_TEXTS)
+    with Encoder.from_pretrained(path, device="cpu") as enc:
+        ours = enc.encode(ST_TEXTS)
+    assert ours.shape == ref.shape and (ours * ref).sum(1).min() >= EMBEDDING_COSINE_FP32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_family_embeddings_fp16_on_the_gpu(tmp_path, model_type):
+    """fp16 on the GPU against SentenceTransformer in fp32 on the same GPU: cosine >= EMBEDDING_COSINE_LOWP."""
+    from tests.tolerances import EMBEDDING_COSINE_LOWP
+    st = pytest.importorskip("sentence_transformers")
+    path = _st_folder(tmp_path, model_type, 256, 4, 700)
+    ref = st.SentenceTransformer(str(path), device="cuda").encode(ST_TEXTS * 4)
+    with Encoder.from_pretrained(path, device="cuda", dtype="fp16") as enc:
+        ours = enc.encode(ST_TEXTS * 4)
+    assert (ours * ref).sum(1).min() >= EMBEDDING_COSINE_LOWP

@@ -3,12 +3,20 @@
 Each op writes into an explicit output buffer; the CUDA launchers in backends/cuda/ops.py
 have the same names and signatures, so models/ code runs unchanged on either backend.
 Layout: tokens are rows. A padded batch of B sequences of S slots is (B*S, H), row b*S + s.
+
+It is also the CPU backend users without a GPU run, so the element-wise ops that dominate
+after the matrix products (GELU, LayerNorm, attention's softmax) run over cache-sized row
+blocks, in place, on a pool of threads (one per core: NumPy's ufuncs run on one core each and
+release the GIL); the formulas stay the reference ones.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -100,6 +108,119 @@ def _gelu(x, form):
     raise ValueError(f"unknown GELU form {form!r}")
 
 
+# -------------------------------------------------- blocked, threaded element-wise passes
+
+PARALLEL_WORK = 1 << 22    # multiply-adds below which an op runs in the calling thread (pool hand-offs cost more)
+BLOCK_ELEMENTS = 1 << 17   # float32 values per block (512 KiB): large enough that the per-call cost is small
+_WORKERS = max(1, os.cpu_count() or 1)
+_pool = None
+_pool_pid = None
+
+
+def _threads() -> ThreadPoolExecutor:
+    """The pool, one thread per core; made again in a forked child (its threads do not survive a fork)."""
+    global _pool, _pool_pid
+    if _pool is None or _pool_pid != os.getpid():
+        _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="ftengine-cpu")
+        _pool_pid = os.getpid()
+    return _pool
+
+
+class _OneBlasThread:
+    """While any op is inside this context, each BLAS call runs on one thread: the pool's
+    threads already keep every core busy, and BLAS's own threads, which spin for a while after
+    each call, would take cores from them. The first to enter sets the limit, the last to leave
+    restores the process's setting (threadpoolctl), so overlapping callers never leave it
+    changed. threadpoolctl lets one thread at a time control OpenBLAS (the first that sets a
+    limit): from any other thread this is a no-op, which costs speed only."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._controller = None
+        self._limit = None
+
+    def __enter__(self):
+        with self._lock:
+            if self._inside == 0:
+                from threadpoolctl import ThreadpoolController
+                if self._controller is None:
+                    self._controller = ThreadpoolController()
+                self._limit = self._controller.limit(limits=1, user_api="blas")
+            self._inside += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0:
+                self._limit.restore_original_limits()
+                self._limit = None
+
+
+_one_blas_thread = _OneBlasThread()
+
+
+def _by_row_blocks(fn, rows: int, width: int):
+    """fn(lo, hi) over blocks of rows of about BLOCK_ELEMENTS values, on the thread pool."""
+    step = max(1, BLOCK_ELEMENTS // max(1, width))
+    spans = [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
+    if len(spans) <= 1:
+        for lo, hi in spans:
+            fn(lo, hi)
+        return
+    for future in [_threads().submit(fn, lo, hi) for lo, hi in spans]:
+        future.result()
+
+
+# A&S 7.1.26 with z = |y| / sqrt(2): erfc(z) = t (c1 + t (c2 + ... + t c5)) exp(-z^2), t = 1 / (1 + p z).
+# GELU(y) = y - m for y >= 0 and m for y < 0, with m = y erfc(z) / 2: the coefficients are halved.
+_ERF_P = np.float32(0.3275911 / math.sqrt(2.0))
+_ERFC_HALF = [np.float32(v / 2) for v in (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)]
+
+
+def _gelu_block(out, y, form):
+    """out = GELU(y) for one block (out must not be y), in place with two scratch arrays:
+    _gelu's formulas, rearranged for fewer passes."""
+    if form == "tanh":
+        u = y * y
+        u *= np.float32(0.044715)
+        u += 1
+        u *= y
+        u *= np.float32(math.sqrt(2.0 / math.pi))
+        np.tanh(u, out=u)
+        u += 1
+        u *= y
+        np.multiply(u, 0.5, out=out)
+        return
+    if form != "erf":
+        raise ValueError(f"unknown GELU form {form!r}")
+    a = np.abs(y)
+    t = a * _ERF_P
+    t += 1
+    np.reciprocal(t, out=t)
+    m = t * _ERFC_HALF[4]
+    for c in _ERFC_HALF[3::-1]:
+        m += c
+        m *= t
+    np.multiply(a, a, out=a)
+    a *= -0.5
+    np.exp(a, out=a)
+    m *= a
+    np.multiply(m, y, out=out)
+    np.subtract(y, out, out=out, where=y >= 0)
+
+
+def _layernorm_block(out, y, gamma, beta, eps):
+    """out = LayerNorm(y) row by row, y (a scratch block) overwritten: _layernorm in place."""
+    y -= y.mean(axis=-1, keepdims=True)
+    var = np.square(y).mean(axis=-1, keepdims=True)
+    var += eps
+    np.sqrt(var, out=var)
+    y /= var
+    y *= gamma
+    np.add(y, beta, out=out)
+
+
 # ------------------------------------------------------------------ ops
 
 def embed_layernorm(out, ids, token_types, positions, word_emb, pos_emb, type_emb, gamma, beta, *, eps):
@@ -109,8 +230,18 @@ def embed_layernorm(out, ids, token_types, positions, word_emb, pos_emb, type_em
 
 
 def matmul(out, x, weight):
-    """out (M, N) = x (M, K) @ weight (N, K)^T  -- weight in HF's (out, in) layout."""
-    np.matmul(x, weight.T, out=out)
+    """out (M, N) = x (M, K) @ weight (N, K)^T  -- weight in HF's (out, in) layout. Large
+    products are split by rows over the thread pool, one BLAS thread each."""
+    m = x.shape[0]
+    parts = min(_WORKERS, max(1, m // 64))
+    if parts <= 1 or m * weight.shape[0] * x.shape[1] < PARALLEL_WORK:
+        np.matmul(x, weight.T, out=out)
+        return
+    bounds = np.linspace(0, m, parts + 1).astype(int)
+    with _one_blas_thread:
+        for future in [_threads().submit(np.matmul, x[lo:hi], weight.T, out=out[lo:hi])
+                       for lo, hi in zip(bounds[:-1], bounds[1:])]:
+            future.result()
 
 
 def matmul_bias_gelu(out, x, weight, bias, *, form):
@@ -167,28 +298,55 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
     padding-free layout, with Q | K | V = qkv (T, 3H) + bias (3H,). Rows past cu_seqlens[B] are
     zeroed. causal: query i of a sequence sees its keys 0..i only (a decoder's prefill);
     window > 0: keys within that distance only (a sliding window); rel_bias = (table (buckets,
-    heads), buckets (2*max_len - 1,), max_len): MPNet's relative position bias on the scores."""
+    heads), buckets (2*max_len - 1,), max_len): MPNet's relative position bias on the scores.
+    Sequences run in parallel on the thread pool."""
     hidden = qkv.shape[1] // 3
     d = hidden // heads
     x = (qkv + bias).reshape(-1, 3, heads, d)                       # (T, 3, heads, D)
     ctx[int(cu_seqlens[-1]):] = 0.0
-    for b in range(len(cu_seqlens) - 1):
-        lo, hi = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
-        if hi == lo:
-            continue
-        q, k, v = (x[lo:hi, i].transpose(1, 0, 2) for i in range(3))  # (heads, L, D)
-        scores = np.matmul(q, k.transpose(0, 2, 1)) / np.sqrt(d)      # (heads, L, L)
+    scale = np.float32(1.0 / np.sqrt(d))
+
+    def scores_of(q, k, n):
+        scores = np.matmul(q, k.transpose(0, 2, 1))                   # (heads, L, L)
+        scores *= scale
         if rel_bias is not None:
             table, buckets, max_len = rel_bias
-            rel = np.arange(hi - lo)[None, :] - np.arange(hi - lo)[:, None]
-            scores = scores + table[buckets[rel + max_len - 1]].transpose(2, 0, 1)
-        visible = _window_mask(hi - lo, window)
-        if causal:
-            visible = visible & np.tri(hi - lo, dtype=bool)
-        scores = np.where(visible, scores, -np.inf)
-        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs = scores / scores.sum(axis=-1, keepdims=True)
-        ctx[lo:hi] = np.matmul(probs, v).transpose(1, 0, 2).reshape(hi - lo, hidden)
+            rel = np.arange(n)[None, :] - np.arange(n)[:, None]
+            scores += table[buckets[rel + max_len - 1]].transpose(2, 0, 1)
+        if window or causal:
+            visible = _window_mask(n, window)
+            if causal:
+                visible &= np.tri(n, dtype=bool)
+            scores[:, ~visible] = -np.inf
+        return scores
+
+    def one(lo, hi):
+        n = hi - lo
+        q, k, v = (x[lo:hi, i].transpose(1, 0, 2) for i in range(3))  # (heads, L, D)
+        scores = scores_of(q, k, n)
+        # softmax is the same whatever each row is shifted by: one shift per head (its largest
+        # score) instead of one per row, and the row sums from a product with ones
+        scores -= scores.max(axis=(1, 2), keepdims=True)
+        np.exp(scores, out=scores)
+        total = np.matmul(scores, np.ones((n, 1), np.float32))       # (heads, L, 1)
+        if not (total > 1e-30).all():  # a row far below its head's largest score underflowed: shift per row
+            scores = scores_of(q, k, n)
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            total = scores.sum(axis=-1, keepdims=True)
+        out = np.matmul(scores, v)                                     # (heads, L, D)
+        out /= total
+        ctx[lo:hi] = out.transpose(1, 0, 2).reshape(n, hidden)
+
+    spans = [(int(cu_seqlens[b]), int(cu_seqlens[b + 1])) for b in range(len(cu_seqlens) - 1)
+             if cu_seqlens[b + 1] > cu_seqlens[b]]
+    if sum((hi - lo) ** 2 for lo, hi in spans) * hidden < PARALLEL_WORK:
+        for lo, hi in spans:
+            one(lo, hi)
+        return
+    with _one_blas_thread:
+        for future in [_threads().submit(one, lo, hi) for lo, hi in spans]:
+            future.result()
 
 
 def rotary_qkv(qkv, bias, positions, cos, sin, *, heads):
@@ -209,8 +367,12 @@ def rotary_qkv(qkv, bias, positions, cos, sin, *, heads):
 def gated_gelu(out, x, bias, *, form):
     """GeGLU: out (T, I) = GELU(x[:, :I] + bias[:I]) * (x[:, I:] + bias[I:]), x (T, 2I)."""
     i = out.shape[1]
-    y = x + bias
-    out[...] = _gelu(y[:, :i], form) * y[:, i:]
+
+    def block(lo, hi):
+        y = x[lo:hi] + bias
+        _gelu_block(out[lo:hi], y[:, :i], form)
+        out[lo:hi] *= y[:, i:]
+    _by_row_blocks(block, out.shape[0], 2 * i)
 
 
 def merge_heads(out, ctx, *, batch, seq, heads):
@@ -221,7 +383,11 @@ def merge_heads(out, ctx, *, batch, seq, heads):
 
 def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
     """out (T, H) = LayerNorm(x + bias + residual). out may alias residual."""
-    out[...] = _layernorm(x + bias + residual, gamma, beta, eps)
+    def block(lo, hi):
+        y = x[lo:hi] + bias
+        y += residual[lo:hi]
+        _layernorm_block(out[lo:hi], y, gamma, beta, eps)
+    _by_row_blocks(block, out.shape[0], out.shape[1])
 
 
 def dense(out, x, weight, bias, *, activation, norm=()):
@@ -241,7 +407,10 @@ def dense(out, x, weight, bias, *, activation, norm=()):
 
 def add_bias_gelu(out, x, bias, *, form):
     """out (T, I) = GELU(x + bias), erf or tanh form. out may alias x."""
-    out[...] = _gelu(x + bias, form)
+    def block(lo, hi):
+        y = x[lo:hi] + bias
+        _gelu_block(out[lo:hi], y, form)
+    _by_row_blocks(block, out.shape[0], out.shape[1])
 
 
 def pool(out, hidden, lengths, *, seq, modes, skip=0):
