@@ -195,7 +195,7 @@ def attention_alone(b=64, s=512, heads=12, d=64):
 
 OP_NAMES = ("matmul", "batched_matmul", "embed_layernorm", "add_qkv_bias_split_heads", "masked_softmax",
             "merge_heads", "add_bias_residual_layernorm", "add_bias_gelu", "pool", "l2_normalize",
-            "build_offsets", "varlen_attention", "pool_packed")
+            "varlen_attention", "pool_packed")
 
 
 class RecordedOps:

@@ -120,7 +120,9 @@ __device__ __forceinline__ void stage_async(T* dst, const T* src_base, int row0,
 
 // Tensor-core path. Each of the 4 warps owns 16 query rows; K/V tiles of 64 keys are copied
 // asynchronously two stages deep (dynamic shared memory: 2 x (K, V) x 64 x (D + 8) elements).
-template <typename T, int D>
+// GENERAL: the sliding window and the relative bias (KeyRange); without them the scores need
+// only the length and causal masks, and the kernel keeps BERT's register budget (4 blocks / SM).
+template <typename T, int D, bool GENERAL>
 __global__ void __launch_bounds__(128) varlen_attention_mma(
         T* __restrict__ ctx,              // (T, H)
         const T* __restrict__ qkv,        // (T, 3H)
@@ -143,8 +145,9 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
     const T* base = qkv + (long)start * row_stride;
     const KeyRange keys{len, causal, window, rel_max_len, heads, h, rel_table, rel_buckets};
     // only the tiles holding a key some query of this block sees (causal, window)
-    const int tile0 = keys.first_key(q0) / VARLEN_BLOCK_N;
-    const int n_tiles = (keys.end_key(q0, VARLEN_BLOCK_M) + VARLEN_BLOCK_N - 1) / VARLEN_BLOCK_N - tile0;
+    const int tile0 = GENERAL ? keys.first_key(q0) / VARLEN_BLOCK_N : 0;
+    const int kv_end = GENERAL ? keys.end_key(q0, VARLEN_BLOCK_M) : (causal ? min(len, q0 + VARLEN_BLOCK_M) : len);
+    const int n_tiles = (kv_end + VARLEN_BLOCK_N - 1) / VARLEN_BLOCK_N - tile0;
 
     // K/V tile 0 in flight while Q + bias (rounded to T, as the unfused path stores it) is
     // staged through the stage-1 buffers and read into A fragments.
@@ -207,15 +210,21 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
             }
         }
         // scale (in log2 units), add the relative bias, mask the keys a row does not see, row
-        // maxima over the 4 threads of a row
+        // maxima over the 4 threads of a row; a tile of real keys with no other limit needs no mask
         float mx[2] = {-FT_INFINITY, -FT_INFINITY};
         const int row_lo = q0 + warp * 16 + g;  // this thread's rows: row_lo (e < 2), row_lo + 8
+        const bool plain_tile = !GENERAL && !causal && n0 + VARLEN_BLOCK_N <= len;
         #pragma unroll
         for (int j = 0; j < VARLEN_BLOCK_N / 8; ++j) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = n0 + j * 8 + t4 * 2 + (e & 1), row = row_lo + (e >> 1) * 8;
-                s[j][e] = keys.visible(key, row) ? keys.score(s[j][e], scale_log2, key, row) : -FT_INFINITY;
+                if (plain_tile)
+                    s[j][e] *= scale_log2;
+                else if (GENERAL)
+                    s[j][e] = keys.visible(key, row) ? keys.score(s[j][e], scale_log2, key, row) : -FT_INFINITY;
+                else
+                    s[j][e] = key < len && (!causal || key <= row) ? s[j][e] * scale_log2 : -FT_INFINITY;
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
             }
         }
@@ -225,9 +234,10 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
             const float m_new = fmaxf(m[r], mx[r]);
-            // a row that has seen no key yet (a window starting past this tile) keeps m = -inf:
-            // exponents are taken against 0 then, so every weight and alpha is 0, never NaN
-            m_use[r] = m_new == -FT_INFINITY ? 0.0f : m_new;
+            // GENERAL: a row that has seen no key yet (a window starting past this tile) keeps
+            // m = -inf: exponents are taken against 0 then, so every weight and alpha is 0, never
+            // NaN. Otherwise key n0 <= q0 is visible to every row, so m_new is finite.
+            m_use[r] = GENERAL && m_new == -FT_INFINITY ? 0.0f : m_new;
             alpha[r] = exp2f(m[r] - m_use[r]);
             m[r] = m_new;
             l[r] *= alpha[r];

@@ -55,8 +55,9 @@ FAMILIES = {
     "rotary.cu": lambda t: [f"rotary_qkv<{t}>"],
     "attention.cu": lambda t: (_vec_variants("add_qkv_bias_split_heads", t) + _vec_variants("merge_heads", t)
                                + _softmax_variants(t) + [f"add_relative_bias<{t}>"]),
-    "attention_varlen.cu": lambda t: [f"varlen_attention_simt<{d}>" if t == "float" else
-                                      f"varlen_attention_mma<{t}, {d}>" for d in VARLEN_HEAD_DIMS],
+    "attention_varlen.cu": lambda t: ([f"varlen_attention_simt<{d}>" for d in VARLEN_HEAD_DIMS] if t == "float" else
+                                      [f"varlen_attention_mma<{t}, {d}, {g}>" for d in VARLEN_HEAD_DIMS
+                                       for g in ("false", "true")]),
     "pooling.cu": lambda t: [f"pool<{t}>", f"pool_packed<{t}>"],
     "decoder.cu": lambda t: (_vec_variants("embed_positions", t) + _row_variants("layernorm", t)
                              + _vec_variants("add_bias_residual", t) + _row_variants("residual_layernorm", t)

@@ -314,8 +314,9 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
     ct = _ctype(ctx)
     if ct == "float":
         name, smem = f"varlen_attention_simt<{d}>", 0
-    else:  # two stages of K and V tiles, 64 rows of D + 8 elements
-        name, smem = f"varlen_attention_mma<{ct}, {d}>", 2 * 2 * VARLEN_BLOCK_M * (d + 8) * 2
+    else:  # two stages of K and V tiles, 64 rows of D + 8 elements; the general variant for windows and biases
+        general = "true" if window or rel_bias is not None else "false"
+        name, smem = f"varlen_attention_mma<{ct}, {d}, {general}>", 2 * 2 * VARLEN_BLOCK_M * (d + 8) * 2
     scale_log2 = np.float32(1.4426950408889634 / np.sqrt(d))
     table, buckets, max_len = rel_bias if rel_bias is not None else (cu_seqlens, cu_seqlens, 0)
     _launch("attention_varlen.cu", name, (-(-max_seqlen // VARLEN_BLOCK_M), b * heads + 1), (128,),
