@@ -11,9 +11,10 @@
 // 64 queries of one (sequence, head), streams K/V tiles through shared memory and keeps a
 // running max and sum per query row (online softmax).
 //
-// grid (ceil(max_seqlen / 64), B * heads + 1), block 128 threads (the tensor-core kernel with
-// 2 * 4 * 64 * (D + 8) bytes of dynamic shared memory). The last row of blocks zeroes
-// the ctx rows past the last sequence (batch padding), so they hold no stale values.
+// grid (ceil(max_seqlen / BLOCK_M), B * heads + 1): the tensor-core kernel with 32 WARPS
+// threads, BLOCK_M = 16 WARPS and 2 * 4 * 64 * (D + 8) bytes of dynamic shared memory; the fp32
+// one with 128 threads and BLOCK_M = 64. The last row of blocks zeroes the ctx rows past the
+// last sequence (batch padding), so they hold no stale values.
 
 #define VARLEN_BLOCK_M 64
 #define VARLEN_BLOCK_N 64
@@ -118,12 +119,14 @@ __device__ __forceinline__ void stage_async(T* dst, const T* src_base, int row0,
     }
 }
 
-// Tensor-core path. Each of the 4 warps owns 16 query rows; K/V tiles of 64 keys are copied
-// asynchronously two stages deep (dynamic shared memory: 2 x (K, V) x 64 x (D + 8) elements).
+// Tensor-core path. Each of the WARPS warps owns 16 query rows (a block: 16 WARPS queries;
+// 8 warps share each K/V tile between twice as many queries as 4); K/V tiles of 64 keys are
+// copied asynchronously two stages deep (dynamic shared memory: 2 x (K, V) x 64 x (D + 8)
+// elements, which stage the block's queries first).
 // GENERAL: the sliding window and the relative bias (KeyRange); without them the scores need
 // only the length and causal masks, and the kernel keeps BERT's register budget (4 blocks / SM).
-template <typename T, int D, bool GENERAL>
-__global__ void __launch_bounds__(128) varlen_attention_mma(
+template <typename T, int D, bool GENERAL, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, WARPS == 8 && !GENERAL && D <= 64 ? 2 : 0) varlen_attention_mma(
         T* __restrict__ ctx,              // (T, H)
         const T* __restrict__ qkv,        // (T, 3H)
         const T* __restrict__ bias,       // (3H,)
@@ -132,12 +135,14 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
         const float* __restrict__ rel_table, const int* __restrict__ rel_buckets, int rel_max_len) {
     constexpr int LD = D + 8;  // padded smem rows: conflict-free ldmatrix
     constexpr int TILE = VARLEN_BLOCK_N * LD;
+    constexpr int BLOCK_M = 16 * WARPS;
+    static_assert(BLOCK_M <= 2 * VARLEN_BLOCK_N, "the queries are staged in the two stage-1 tiles");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* smem = reinterpret_cast<T*>(smem_raw);   // K stage 0 | V stage 0 | K stage 1 | V stage 1
     if (zero_padding_rows(ctx, cu_seqlens, batch, heads, n_tokens, heads * D)) return;
     const int bh = blockIdx.y, b = bh / heads, h = bh - b * heads;
     const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
-    const int q0 = blockIdx.x * VARLEN_BLOCK_M;
+    const int q0 = blockIdx.x * BLOCK_M;
     if (q0 >= len) return;
     const int H = heads * D, row_stride = 3 * H;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -146,7 +151,7 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
     const KeyRange keys{len, causal, window, rel_max_len, heads, h, rel_table, rel_buckets};
     // only the tiles holding a key some query of this block sees (causal, window)
     const int tile0 = GENERAL ? keys.first_key(q0) / VARLEN_BLOCK_N : 0;
-    const int kv_end = GENERAL ? keys.end_key(q0, VARLEN_BLOCK_M) : (causal ? min(len, q0 + VARLEN_BLOCK_M) : len);
+    const int kv_end = GENERAL ? keys.end_key(q0, BLOCK_M) : (causal ? min(len, q0 + BLOCK_M) : len);
     const int n_tiles = (kv_end + VARLEN_BLOCK_N - 1) / VARLEN_BLOCK_N - tile0;
 
     // K/V tile 0 in flight while Q + bias (rounded to T, as the unfused path stores it) is
@@ -155,7 +160,7 @@ __global__ void __launch_bounds__(128) varlen_attention_mma(
     stage_async<T, D, LD>(smem + TILE, base + 2 * H + h * D, tile0 * VARLEN_BLOCK_N, len, row_stride);
     cp_async_commit();
     T* qs = smem + 2 * TILE;
-    for (int i = threadIdx.x; i < VARLEN_BLOCK_M * (D / 8); i += blockDim.x) {
+    for (int i = threadIdx.x; i < BLOCK_M * (D / 8); i += blockDim.x) {
         const int r = i / (D / 8), c = (i - r * (D / 8)) * 8;
         float v[8], bb[8];
         if (q0 + r < len) {

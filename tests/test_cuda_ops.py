@@ -231,6 +231,7 @@ VARLEN = [  # (lengths, heads)
     ([512, 300], 4),
     ([2048, 1024, 3], 2),                         # longer than BERT's 512 positions
     (lambda rng: rng.integers(1, 129, 128).tolist(), 2),  # batch 128
+    ([512] * 23 + [300], 12),                     # enough blocks for the 8-warp kernel (head dim 64+)
 ]
 
 
@@ -273,7 +274,8 @@ def test_pool_packed(cu, rng, dtype, lengths, h, skip):
 
 
 # ModernBERT's local layers (window) and MPNet's relative bias inside the fused kernel, lengths 1..4096
-WINDOWED = [([1, 63, 64, 65, 200], 16), ([4096, 130, 1], 64), ([1000, 2047], 200), ([300, 5], 1)]
+WINDOWED = [([1, 63, 64, 65, 200], 16), ([4096, 130, 1], 64), ([1000, 2047], 200), ([300, 5], 1),
+            ([600] * 39 + [257], 48)]  # the 8-warp kernel
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -22,7 +22,8 @@ SOFTMAX_VEC = {"float": 4, "__half": 8, "__nv_bfloat16": 8}  # 16 bytes
 VECS = {"float": (4, 2, 1), "__half": (8, 4, 2, 1), "__nv_bfloat16": (8, 4, 2, 1)}
 ROW_ITEMS = (1, 4)  # vectors per thread in the row (LayerNorm) kernels
 VARLEN_HEAD_DIMS = (32, 64, 128)  # fused attention (attention_varlen.cu)
-VARLEN_BLOCK_M = 64               # its query tile
+VARLEN_BLOCK_M = 64               # its query tile (fp32)
+VARLEN_WARPS = (4, 8)             # tensor-core kernel: warps per block, 16 queries each
 ATTENTION_FLAGS = {"rows_are_tokens": 1, "indirect": 2, "write_kv": 4}  # decoder.cu cached_attention
 ATTENTION_THREADS = 256           # its block (ATTN_THREADS)
 GEMV_ROWS, GEMV_COLS, GEMV_THREADS = 4, 2, 128  # gemv.cu: most rows of x, output columns and threads per block
@@ -56,8 +57,8 @@ FAMILIES = {
     "attention.cu": lambda t: (_vec_variants("add_qkv_bias_split_heads", t) + _vec_variants("merge_heads", t)
                                + _softmax_variants(t) + [f"add_relative_bias<{t}>"]),
     "attention_varlen.cu": lambda t: ([f"varlen_attention_simt<{d}>" for d in VARLEN_HEAD_DIMS] if t == "float" else
-                                      [f"varlen_attention_mma<{t}, {d}, {g}>" for d in VARLEN_HEAD_DIMS
-                                       for g in ("false", "true")]),
+                                      [f"varlen_attention_mma<{t}, {d}, {g}, {w}>" for d in VARLEN_HEAD_DIMS
+                                       for g in ("false", "true") for w in VARLEN_WARPS]),
     "pooling.cu": lambda t: [f"pool<{t}>", f"pool_packed<{t}>"],
     "decoder.cu": lambda t: (_vec_variants("embed_positions", t) + _row_variants("layernorm", t)
                              + _vec_variants("add_bias_residual", t) + _row_variants("residual_layernorm", t)

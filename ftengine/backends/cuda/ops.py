@@ -17,7 +17,8 @@ import numpy as np
 from ...errors import DeviceError
 from . import cublas as cb
 from .kernels import (ATTENTION_FLAGS, ATTENTION_THREADS, CUDA_TYPES, GEMV_COLS, GEMV_ROWS, GEMV_THREADS, ROW_ITEMS,
-                      SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VECS, kernel, prepare)
+                      SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_WARPS, VECS, kernel,
+                      prepare)
 
 name = "cuda"
 STORAGE = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
@@ -312,14 +313,20 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
         raise DeviceError(f"fused attention supports head_dim {VARLEN_HEAD_DIMS}, not {d}")
     b = cu_seqlens.size - 1
     ct = _ctype(ctx)
+    threads, block_m = 128, VARLEN_BLOCK_M
     if ct == "float":
         name, smem = f"varlen_attention_simt<{d}>", 0
-    else:  # two stages of K and V tiles, 64 rows of D + 8 elements; the general variant for windows and biases
+    else:  # two stages of K and V tiles, 64 rows of D + 8 elements; the general variant for windows and biases;
+        # 8 warps (128 queries share each K/V tile) for long sequences of head dim 64+ when that still
+        # gives every SM two blocks (measured on the H100: bench/results/encoder.md)
         general = "true" if window or rel_bias is not None else "false"
-        name, smem = f"varlen_attention_mma<{ct}, {d}, {general}>", 2 * 2 * VARLEN_BLOCK_M * (d + 8) * 2
+        wide = d >= 64 and max_seqlen >= 256 and b * heads * -(-max_seqlen // 128) >= 2 * context().sm_count
+        warps = VARLEN_WARPS[-1] if wide else VARLEN_WARPS[0]
+        threads, block_m = 32 * warps, 16 * warps
+        name, smem = f"varlen_attention_mma<{ct}, {d}, {general}, {warps}>", 2 * 2 * 64 * (d + 8) * 2
     scale_log2 = np.float32(1.4426950408889634 / np.sqrt(d))
     table, buckets, max_len = rel_bias if rel_bias is not None else (cu_seqlens, cu_seqlens, 0)
-    _launch("attention_varlen.cu", name, (-(-max_seqlen // VARLEN_BLOCK_M), b * heads + 1), (128,),
+    _launch("attention_varlen.cu", name, (-(-max_seqlen // block_m), b * heads + 1), (threads,),
             (ctx, qkv, bias, cu_seqlens, np.int32(b), np.int32(heads), np.int32(t), scale_log2,
              np.int32(bool(causal)), np.int32(window), table, buckets, np.int32(max_len)), shared_mem=smem)
 
