@@ -87,9 +87,20 @@ class _Keys:
         return width, heads
 
     def positive(self, key):
-        value = self.required(key, int)
-        if value < 1:
-            raise ConfigError(f"{self.path}: key {key!r} must be >= 1, found {value}")
+        return self.at_least(key, 1)
+
+    def at_least(self, key, minimum: int, default: int | None = None) -> int:
+        """An int >= minimum; required when default is None."""
+        value = self.required(key, int) if default is None else self.optional(key, int, default)
+        if value < minimum:
+            raise ConfigError(f"{self.path}: key {key!r} must be >= {minimum}, found {value}")
+        return value
+
+    def one_of(self, key, choices, default: str | None = None) -> str:
+        """A string among `choices`; required when default is None."""
+        value = self.required(key, str) if default is None else self.optional(key, str, default)
+        if value not in choices:
+            raise ConfigError(f"{self.path}: {key} {value!r} is not supported; supported: {', '.join(choices)}")
         return value
 
 
@@ -143,17 +154,8 @@ class BertConfig:
             return cls._distilbert(keys, path)
         if family == "modernbert":
             return cls._modernbert(keys, path)
-        act = keys.required("hidden_act", str)
-        if act not in GELU_FORMS:
-            raise ConfigError(
-                f"{path}: hidden_act {act!r} is not supported; supported: {', '.join(GELU_FORMS)}"
-            )
-        position_type = keys.optional("position_embedding_type", str, "absolute")
-        if position_type not in SUPPORTED_POSITION_TYPES:
-            raise ConfigError(
-                f"{path}: position_embedding_type {position_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_POSITION_TYPES)}"
-            )
+        act = keys.one_of("hidden_act", GELU_FORMS)
+        keys.one_of("position_embedding_type", SUPPORTED_POSITION_TYPES, "absolute")
         hidden, heads = keys.width_and_heads("hidden_size", "num_attention_heads")
         eps = keys.positive_float("layer_norm_eps", 1e-12)
         numbered_from_pad = family in ("roberta", "mpnet")
@@ -186,9 +188,7 @@ class BertConfig:
         types; LayerNorm eps fixed at 1e-12 by its modelling code."""
         if keys.data.get("sinusoidal_pos_embds"):
             raise ConfigError(f"{path}: sinusoidal_pos_embds=true is not supported (learned positions only)")
-        act = keys.optional("activation", str, "gelu")
-        if act not in GELU_FORMS:
-            raise ConfigError(f"{path}: activation {act!r} is not supported; supported: {', '.join(GELU_FORMS)}")
+        act = keys.one_of("activation", GELU_FORMS, "gelu")
         hidden, heads = keys.width_and_heads("dim", "n_heads")
         return cls(
             vocab_size=keys.positive("vocab_size"),
@@ -211,18 +211,14 @@ class BertConfig:
         local_attention, global_rope_theta / local_rope_theta), or as transformers 5 saves them
         (layer_types, rope_parameters); HF's defaults for absent keys."""
         data = keys.data
-        act = keys.optional("hidden_activation", str, "gelu")
-        if act not in GELU_FORMS:
-            raise ConfigError(f"{path}: hidden_activation {act!r} is not supported; supported: {', '.join(GELU_FORMS)}")
+        act = keys.one_of("hidden_activation", GELU_FORMS, "gelu")
         hidden, heads = keys.width_and_heads("hidden_size", "num_attention_heads")
         layers = keys.positive("num_hidden_layers")
         if data.get("rope_scaling") is not None:
             raise ConfigError(f"{path}: rope_scaling is not supported (default rotary embeddings only)")
         types = data.get("layer_types")
         if types is None:
-            every = keys.optional("global_attn_every_n_layers", int, 3)
-            if every < 1:
-                raise ConfigError(f"{path}: key 'global_attn_every_n_layers' must be >= 1, found {every}")
+            every = keys.at_least("global_attn_every_n_layers", 1, 3)
             types = ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
         layer_kinds = ("full_attention", "sliding_attention")
         if not isinstance(types, list) or len(types) != layers or any(t not in layer_kinds for t in types):
@@ -242,20 +238,10 @@ class BertConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{path}: rope_parameters[{kind!r}] rope_theta must be a number > 0, found {value!r}")
             theta[kind] = float(value)
-        local = keys.optional("local_attention", int, 128)
-        if local < 2:
-            raise ConfigError(f"{path}: key 'local_attention' must be >= 2, found {local}")
-        pooling = keys.optional("classifier_pooling", str, "cls")
-        if pooling not in CLASSIFIER_POOLING:
-            raise ConfigError(f"{path}: classifier_pooling {pooling!r} is not supported; supported: "
-                              f"{', '.join(CLASSIFIER_POOLING)}")
-        head_act = keys.optional("classifier_activation", str, "gelu")
-        if head_act not in CLASSIFIER_ACTIVATIONS:
-            raise ConfigError(f"{path}: classifier_activation {head_act!r} is not supported; supported: "
-                              f"{', '.join(CLASSIFIER_ACTIVATIONS)}")
-        positions = keys.optional("max_position_embeddings", int, 8192)
-        if positions < 2:
-            raise ConfigError(f"{path}: key 'max_position_embeddings' must be >= 2, found {positions}")
+        local = keys.at_least("local_attention", 2, 128)
+        pooling = keys.one_of("classifier_pooling", CLASSIFIER_POOLING, "cls")
+        head_act = keys.one_of("classifier_activation", CLASSIFIER_ACTIVATIONS, "gelu")
+        positions = keys.at_least("max_position_embeddings", 2, 8192)
         flags = {k: keys.optional(k, bool, False) for k in ("attention_bias", "mlp_bias", "norm_bias",
                                                              "classifier_bias")}
         return cls(
@@ -312,10 +298,7 @@ class GPT2Config:
         model_type = keys.required("model_type", str)
         if model_type != "gpt2":
             raise ConfigError(f"{path}: model_type {model_type!r} is not supported by the generator; supported: gpt2")
-        act = keys.optional("activation_function", str, "gelu_new")
-        if act not in SUPPORTED_GPT2_ACTIVATIONS:
-            raise ConfigError(f"{path}: activation_function {act!r} is not supported; "
-                              f"supported: {', '.join(SUPPORTED_GPT2_ACTIVATIONS)}")
+        act = keys.one_of("activation_function", SUPPORTED_GPT2_ACTIVATIONS, "gelu_new")
         for flag in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
             if data.get(flag):
                 raise ConfigError(f"{path}: {flag}=true is not supported")
