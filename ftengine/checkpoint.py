@@ -490,30 +490,14 @@ def _modernbert_head(model_dir: Path, files: SafetensorsFiles, config: BertConfi
     if missing:
         raise CheckpointError(f"{model_dir}: {', '.join(missing)} missing: not a ModernBERT sequence-classification "
                               f"(cross-encoder) checkpoint")
-    head_files = _OnlyNames(files, expected)
-    arrays = _collect(model_dir, head_files, expected, [], lambda name: name, "a ModernBERT classification head")
+    # the encoder's tensors (every name outside head. and classifier.) are the encoder loader's
+    encoder_part = [re.compile(r"(?!head\.|classifier\.).*")]
+    arrays = _collect(model_dir, files, expected, encoder_part, lambda name: name, "a ModernBERT classification head")
     zeros = np.zeros((h,), np.float32)
     norm = (arrays["head.norm.weight"], arrays.get("head.norm.bias", zeros), config.layer_norm_eps)
     return (HeadLayer(arrays["head.dense.weight"], arrays.get("head.dense.bias", zeros),
                       config.classifier_activation, norm),
             HeadLayer(arrays["classifier.weight"], arrays["classifier.bias"], "identity"))
-
-
-class _OnlyNames:
-    """The tensors of `files` that `names` lists (the rest belong to the encoder)."""
-
-    def __init__(self, files: SafetensorsFiles, names):
-        self._files = files
-        self._names = [n for n in files.names() if n in names]
-
-    def names(self) -> list[str]:
-        return self._names
-
-    def shape_and_dtype(self, name: str):
-        return self._files.shape_and_dtype(name)
-
-    def float32(self, name: str) -> np.ndarray:
-        return self._files.float32(name)
 
 
 # ---------------------------------------------------------------- GPT-2 name table

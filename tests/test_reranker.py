@@ -78,6 +78,22 @@ def test_refusals(tmp_path):
         assert r.predict([]).shape == (0,)
 
 
+def test_modernbert_head_tensors_are_checked(tmp_path):
+    """A head bias the config does not have is named, not dropped; a masked-LM checkpoint is not a cross-encoder."""
+    from safetensors.numpy import load_file, save_file
+    path = cross_encoder(tmp_path / "ce", "modernbert")
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["head.dense.bias"] = np.zeros(64, np.float32)  # the config says classifier_bias false
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) for a ModernBERT classification head: "
+                                              r"head\.dense\.bias"):
+        Reranker.from_pretrained(path, device="cpu")
+    masked_lm = write_modernbert_checkpoint(tmp_path / "mlm", max_positions=64)
+    with pytest.raises(CheckpointError, match=r"classifier\.weight, classifier\.bias missing: not a ModernBERT "
+                                              r"sequence-classification"):
+        Reranker.from_pretrained(masked_lm, device="cpu")
+
+
 def test_cli_rerank(tmp_path):
     path = cross_encoder(tmp_path / "m", "distilbert")
     docs = tmp_path / "docs.txt"

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -249,6 +250,11 @@ def test_include_prompt_false_as_sentence_transformers(tmp_path, model_type, poo
         assert cosines(with_prompt, enc.encode(TEXTS)).min() < EMBEDDING_COSINE_FP32  # the prompt still counts
         streamed = np.concatenate(list(enc.encode_stream(iter(TEXTS), prompt_name="query", window=4)))
         assert np.abs(streamed - with_prompt).max() <= BATCHING_INVARIANCE_FP32
+        calls = [{"prompt_name": "query"}, {}, {"prompt": "a custom prompt, "}] * 4
+        expected = [enc.encode(TEXTS, **kwargs) for kwargs in calls]
+        with ThreadPoolExecutor(6) as pool:  # calls with different prompts (different pooling skips) at once
+            got = list(pool.map(lambda kwargs: enc.encode(TEXTS, **kwargs), calls))
+        assert all(np.abs(g - e).max() <= BATCHING_INVARIANCE_FP32 for g, e in zip(got, expected))
         assert np.isfinite(enc.encode(TEXTS, prompt_name="long")).all()  # no token past the prompt: zeros
 
 
