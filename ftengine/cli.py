@@ -7,6 +7,7 @@ cli.py runs the same app from a source checkout.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -21,6 +22,7 @@ from .backends import DEVICES
 from .encoder import DTYPES, EncodeStats
 from .errors import InputError
 from .output import PRECISIONS, calibration_ranges, needs_ranges, output_dtype
+from .records import INPUT_FORMATS, input_format, open_records
 from .textio import FORMATS, EmbeddingWriter, check_writable, iter_lines, output_format, read_lines
 
 
@@ -61,7 +63,15 @@ def main():
 @main.command()
 @click.argument("input_path", metavar="[INPUT|-]", default="-")
 @click.option("-o", "--output", default="-", show_default=True,
-              help="Output file (.npy or .jsonl); '-' writes JSONL to stdout.")
+              help="Output file (.npy, .parquet or .jsonl); '-' writes JSONL to stdout.")
+@click.option("--input-format", "input_format_name", type=click.Choice(INPUT_FORMATS), default=None,
+              help="Input format. Default: from the input's file name (.txt, .jsonl, .csv, .tsv, .parquet); "
+                   "text lines on stdin.")
+@click.option("--text-field", "--text-column", "text_field", default=None,
+              help="The JSONL field or the CSV/TSV/Parquet column holding the text. Default: text.")
+@click.option("--id-field", "--id-column", "id_field", default=None,
+              help="A JSONL field or CSV/TSV/Parquet column carried to the output as each row's key "
+                   "(default key: the line number, or the row number for CSV/TSV/Parquet).")
 @click.option("--model", "model_path", default=None,
               help="Model folder (HF/sentence-transformers). Default: the installed all-MiniLM-L6-v2.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
@@ -99,17 +109,24 @@ def main():
 @click.option("--calibration", "calibration_path", default=None,
               help="int8/uint8: a .npy of float embeddings (n, dim) to take the ranges from.")
 @click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
-def encode(input_path, output, model_path, device, dtype, batch_tokens, max_length, pooling,
-           normalize, fmt, errors, truncate, layout, cuda_graphs, prompt_name, prompt, dimensions, precision,
-           ranges_path, calibration_path, quiet):
-    """Embed each line of INPUT (a UTF-8 text file, or '-' for stdin): one row per line, in order.
-    The input is read and the output written as the work goes, so memory does not grow with the file."""
+def encode(input_path, output, input_format_name, text_field, id_field, model_path, device, dtype, batch_tokens,
+           max_length, pooling, normalize, fmt, errors, truncate, layout, cuda_graphs, prompt_name, prompt, dimensions,
+           precision, ranges_path, calibration_path, quiet):
+    """Embed each record of INPUT: the lines of a UTF-8 text file ('-': stdin), or the text field of
+    a JSONL, CSV, TSV or Parquet file. One row per record, in order, with its key (line or row
+    number, or --id-field). The input is read and the output written as the work goes, so memory
+    does not grow with the file."""
     encoder = None
     try:
         with _sigterm_unwinds():
             fmt = output_format(output, fmt)
+            in_fmt = input_format(input_path, input_format_name)
+            if in_fmt == "txt" and (text_field is not None or id_field is not None):
+                raise InputError("--text-field and --id-field apply to jsonl, csv, tsv and parquet input; "
+                                 f"{input_path} is read as text lines (see --input-format)")
             check_writable(output)
-            lines = iter_lines(input_path, errors=errors)
+            records = open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field,
+                                   errors=errors)
             ranges = _ranges(precision, ranges_path, calibration_path)
             encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length,
                                               cuda_graphs=cuda_graphs, layout=layout)
@@ -121,11 +138,12 @@ def encode(input_path, output, model_path, device, dtype, batch_tokens, max_leng
             from tqdm import tqdm
             with tqdm(unit="line", disable=not show_bar, file=sys.stderr) as bar, \
                     EmbeddingWriter(output, fmt, encoder.output_dim(pooling, dimensions=dimensions, precision=precision),
-                                    output_dtype(precision)) as writer:
-                for chunk in encoder.encode_stream(lines, batch_tokens=batch_tokens, pooling=pooling,
+                                    output_dtype(precision), key_name=records.key_name,
+                                    key_type=records.key_type) as writer:
+                for chunk in encoder.encode_stream(records.texts, batch_tokens=batch_tokens, pooling=pooling,
                                                    normalize=normalize, truncate=truncate, stats=stats,
                                                    progress=bar.update, **post):
-                    writer.write(chunk)
+                    writer.write(chunk, records.take_keys(len(chunk)))
             stats.seconds = time.perf_counter() - start
             encoder.close()
     except FtengineError as e:
@@ -149,6 +167,111 @@ def encode(input_path, output, model_path, device, dtype, batch_tokens, max_leng
             f"-> {'stdout' if output == '-' else output}",
             err=True,
         )
+
+
+@main.command(name="encode-dataset")
+@click.argument("input_path", metavar="INPUT_GLOB_OR_DIR")
+@click.option("-o", "--output-dir", required=True,
+              help="Folder of the output: one Parquet file per input file, at the same relative path.")
+@click.option("--input-format", "input_format_name", type=click.Choice(("parquet", "jsonl", "csv", "tsv")),
+              default=None, help="Input format. Default: from the files' names.")
+@click.option("--text-column", "--text-field", "text_column", default="text", show_default=True,
+              help="The column (JSONL: field) holding the text.")
+@click.option("--id-column", "--id-field", "id_column", default=None,
+              help="A column carried to the output as each row's key (default: `row`, its number in its file from 1).")
+@click.option("--model", "model_path", default=None,
+              help="Model folder, readable by every worker. Default: the installed all-MiniLM-L6-v2.")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
+              help="Compute precision. Default: fp16 on GPU workers, fp32 on CPU workers.")
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=None, help="Token budget per device batch.")
+@click.option("--max-length", type=click.IntRange(min=2), default=None,
+              help="Longest tokenised text; longer texts are truncated. Default: the model folder's.")
+@click.option("--pooling", default=None, help="Pooling mode(s), as for encode. Default: the model folder's.")
+@click.option("--normalize/--no-normalize", default=None, help="L2-normalise embeddings. Default: the model folder's.")
+@click.option("--prompt-name", default=None, help="Put the model's prompt of this name before each text.")
+@click.option("--prompt", default=None, help="Put this text before each text.")
+@click.option("--dimensions", type=click.IntRange(min=1), default=None,
+              help="Keep the first N values of each embedding (Matryoshka models).")
+@click.option("--ray-address", default=None,
+              help="The Ray cluster to run on (host:port, or 'auto'). Default: the cluster last started on this "
+                   "machine (ray start), else a new local one.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Embedding workers (Ray actors), each with its own model. Default: as many as the "
+                   "cluster's GPUs allow, or 1 without GPUs.")
+@click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=None,
+              help="GPUs per worker; 0 runs the workers on the CPU. Default: 1 if the cluster has GPUs, else 0.")
+@click.option("--cpus-per-worker", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="CPUs Ray reserves per worker (leave some for the readers).")
+@click.option("--batch-rows", type=click.IntRange(min=1), default=16384, show_default=True,
+              help="Rows per batch handed to a worker.")
+@click.option("--batches-per-worker", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Batches a worker holds at once (its engine packs them together).")
+@click.option("--quiet", is_flag=True, help="No progress and no summary.")
+def encode_dataset(input_path, output_dir, input_format_name, text_column, id_column, model_path, dtype,
+                   batch_tokens, max_length, pooling, normalize, prompt_name, prompt, dimensions, ray_address,
+                   workers, gpus_per_worker, cpus_per_worker, batch_rows, batches_per_worker, quiet):
+    """Embed a dataset of Parquet, JSONL, CSV or TSV files (a folder, a glob, or one file) on a Ray
+    cluster, one Parquet file out per file in. A file whose output exists is skipped, so a
+    re-run after an interruption does only the rest. Needs the ray and data extras:
+    pip install 'ftengine[ray]'."""
+    try:
+        import ray
+        import ray.data
+        from .integrations.ray import check_shards, encode_dataset as run_job, ftengine_error_in, plan_shards
+    except ImportError as e:
+        _fail(f"ftengine encode-dataset needs the ray extra (pip install 'ftengine[ray]'): {e}")
+    try:
+        fmt, shards = plan_shards(input_path, output_dir, input_format_name)
+        check_shards(shards, fmt, text_column, id_column)
+        if not os.path.isdir(output_dir):
+            os.makedirs(output_dir, exist_ok=True)
+        if model_path is not None:
+            if not os.path.isdir(model_path):
+                raise InputError(f"model folder not found: {model_path}")
+            model_path = os.path.abspath(model_path)
+    except OSError as e:
+        _fail(f"cannot create output folder {output_dir}: {e.strerror}")
+    except FtengineError as e:
+        _fail(str(e))
+    todo = sum(not s.done for s in shards)
+    if todo and not ray.is_initialized():
+        import logging
+        try:
+            ray.init(address=ray_address, logging_level=logging.WARNING, log_to_driver=not quiet)
+        except (ConnectionError, ValueError) as e:
+            _fail(f"cannot join the Ray cluster{f' at {ray_address}' if ray_address else ''}: {e}")
+    if todo:
+        ray.data.DataContext.get_current().enable_progress_bars = not quiet and sys.stderr.isatty()
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if gpus_per_worker is None:
+            gpus_per_worker = 1.0 if gpus else 0.0
+        if workers is None:
+            workers = max(1, int(gpus // gpus_per_worker)) if gpus and gpus_per_worker else 1
+        if gpus_per_worker and workers * gpus_per_worker > gpus:
+            _fail(f"{workers} workers x {gpus_per_worker:g} GPUs need {workers * gpus_per_worker:g} GPUs; the Ray "
+                  f"cluster has {gpus:g} (see --workers, --gpus-per-worker)")
+    embedder = dict(model=model_path, dtype=dtype, batch_tokens=batch_tokens, max_length=max_length, pooling=pooling,
+                    normalize=normalize, prompt_name=prompt_name, prompt=prompt, dimensions=dimensions)
+    try:
+        with _sigterm_unwinds():
+            stats = run_job(shards, fmt, text_column=text_column, id_column=id_column, workers=workers or 1,
+                            gpus_per_worker=gpus_per_worker or 0.0, cpus_per_worker=cpus_per_worker,
+                            batch_rows=batch_rows, batches_per_worker=batches_per_worker, embedder=embedder)
+    except KeyboardInterrupt:
+        click.echo("ftengine: interrupted (finished files are kept; run again to do the rest)", err=True)
+        sys.exit(130)
+    except _Terminated:
+        click.echo("ftengine: terminated (finished files are kept; run again to do the rest)", err=True)
+        sys.exit(143)
+    except Exception as e:
+        cause = ftengine_error_in(e)
+        if cause is None:
+            raise
+        _fail(str(cause).splitlines()[0])  # Ray appends retry advice that does not apply to bad input
+    if not quiet:
+        rate = stats.rows / stats.seconds if stats.seconds > 0 else 0.0
+        click.echo(f"ftengine: {stats.rows} rows from {stats.shards_written} files, {stats.shards_skipped} files "
+                   f"already done, {stats.seconds:.2f} s, {rate:.0f} rows/s -> {output_dir}", err=True)
 
 
 def _ranges(precision: str, ranges_path, calibration_path):
@@ -308,27 +431,48 @@ def warmup(dtypes):
               help="Hypotheses per prompt in --json candidates (at most --num-beams).")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default=None)
+@click.option("--max-batch", type=int, default=None,
+              help="Most sequences decoded at once; more prompts run in waves, results in input order. "
+                   "Default: what half the free GPU memory holds (64 on the CPU), at most 256.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt, in input order.")
 @click.option("--stream", is_flag=True, help="Print the text as it is generated (one prompt only).")
 def generate(model_path, prompt, input_path, max_new_tokens, min_new_tokens, do_sample, temperature, top_k,
              top_p, repetition_penalty, seed, eos_token_id, no_repeat_ngram_size, num_beams, length_penalty,
-             early_stopping, num_return_sequences, device, dtype, as_json, stream):
+             early_stopping, num_return_sequences, device, dtype, max_batch, as_json, stream):
     """Continue prompts with a GPT-2 model (greedy, sampled, or beam search)."""
+    try:
+        with _sigterm_unwinds():
+            _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json, stream,
+                      dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
+                           temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                           seed=seed, eos_token_id=eos_token_id, no_repeat_ngram_size=no_repeat_ngram_size,
+                           num_beams=num_beams, length_penalty=length_penalty,
+                           num_return_sequences=num_return_sequences,
+                           early_stopping={"true": True, "false": False, "never": "never"}[early_stopping]))
+    except KeyboardInterrupt:
+        click.echo("\nftengine: interrupted", err=True)
+        sys.exit(130)
+    except _Terminated:
+        click.echo("\nftengine: terminated", err=True)
+        sys.exit(143)
+
+
+def _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json, stream, options):
     from ftengine import Generator
-    options = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
-                   temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                   seed=seed, eos_token_id=eos_token_id, no_repeat_ngram_size=no_repeat_ngram_size)
-    if num_beams > 1 or num_return_sequences > 1:
-        options.update(num_beams=num_beams, length_penalty=length_penalty, num_return_sequences=num_return_sequences,
-                       early_stopping={"true": True, "false": False, "never": "never"}[early_stopping])
+    from .decoding.generate import check_prompts
     try:
         if (prompt is None) == (input_path is None):
             raise FtengineError("give exactly one of --prompt and --input")
         prompts = [prompt] if prompt is not None else read_lines(input_path)
         if stream and (len(prompts) != 1 or as_json):
             raise FtengineError("--stream prints one prompt's text as it comes: give one prompt, without --json")
+        if stream and options["num_beams"] > 1:
+            raise FtengineError("--stream is for greedy and sampled generation; beam search (--num-beams) returns "
+                                "its hypotheses at the end")
         gen = Generator.from_pretrained(model_path, device=device, dtype=dtype)
+        params = gen.params(**options)  # every option, and a streamed prompt, checked before anything is printed
         if stream:
+            check_prompts(gen.encode_prompts(prompts), params, gen.config.n_positions)
             ids, shown = [], ""
             click.echo(prompts[0], nl=False)
             for step in gen.stream(prompts, **options):
@@ -339,15 +483,11 @@ def generate(model_path, prompt, input_path, max_new_tokens, min_new_tokens, do_
                     shown = text
             click.echo(gen.decode(ids)[len(shown):])
             return
-        results = gen.generate(prompts, **options)
+        results = gen.generate(prompts, max_batch=max_batch, **options)
     except FtengineError as e:
         _fail(str(e))
     for r in results:
         click.echo(json.dumps(r.to_json(), ensure_ascii=False) if as_json else r.prompt + r.text)
-
-
-if __name__ == "__main__":
-    main()
 
 
 if __name__ == "__main__":

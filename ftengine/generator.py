@@ -15,6 +15,9 @@ from .engine import SerialWorker
 from .errors import ConfigError, DeviceError, InputError
 from .models.gpt2 import GPT2Runner
 
+CPU_DEFAULT_BATCH = 64
+MAX_DEFAULT_BATCH = 256
+
 
 @dataclass
 class Candidate:
@@ -100,8 +103,9 @@ class Generator:
 
     def stream(self, prompts, *, max_new_tokens: int, eos_token_id=None, **options):
         """Yield, per step, a list of (prompt index, new token id) for the prompts still running
-        (greedy or sampling; beam search has no per-step stream). While a stream is open, other
-        calls on this Generator wait for it to finish or be closed."""
+        (greedy or sampling; beam search has no per-step stream). Every prompt of a stream runs
+        at once (no waves). While a stream is open, other calls on this Generator wait for it
+        to finish or be closed."""
         ids = self.encode_prompts(prompts)
         params = self.params(max_new_tokens, eos_token_id, **options)
         if params.num_beams > 1:
@@ -114,19 +118,48 @@ class Generator:
             finally:
                 self._worker.call(steps.close)
 
-    def generate(self, prompts, *, max_new_tokens: int, eos_token_id: int | None = None, **options) -> list:
+    def generate(self, prompts, *, max_new_tokens: int, eos_token_id: int | None = None,
+                 max_batch: int | None = None, **options) -> list:
         """Generated continuations, one GenerationResult per prompt, in input order.
         options: min_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed,
-        no_repeat_ngram_size, num_beams, length_penalty, early_stopping, num_return_sequences."""
+        no_repeat_ngram_size, num_beams, length_penalty, early_stopping, num_return_sequences.
+        Prompts decode in waves of at most `max_batch` sequences (beam search: max_batch //
+        num_beams prompts), so memory is bounded by the wave, not by the number of prompts;
+        default: what half the free device memory holds (64 on the CPU), at most 256. A seeded
+        draw depends on the prompt's place in its wave, as it does on its place in a call."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = self.params(max_new_tokens, eos_token_id, **options)
         ids = self.encode_prompts(texts)
-        found = self._worker.call(self._search, ids, params)
+        if not ids:
+            raise InputError("no prompts to continue")
+        if max_batch is None:
+            max_batch = max(params.num_beams, self.default_max_batch(max(len(p) for p in ids) + max_new_tokens))
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < params.num_beams:
+            raise InputError(f"max_batch must be an integer >= num_beams ({params.num_beams}), got {max_batch!r}")
+        wave = max_batch // params.num_beams
+        found = []
+        for start in range(0, len(ids), wave):
+            found += self._worker.call(self._search, ids[start:start + wave], params)
         results = []
         for text, hypotheses in zip(texts, found):
             cands = [Candidate(self.decode(t), t, s) for t, s in hypotheses]
             results.append(GenerationResult(text, cands[0].text, cands[0].token_ids, cands[0].score, cands))
         return results
+
+    def default_max_batch(self, length: int) -> int:
+        """Sequences of `length` tokens whose KV cache and activations fit in half the free
+        device memory (64 on the CPU), within 1..MAX_DEFAULT_BATCH."""
+        if self.device != "cuda":
+            return CPU_DEFAULT_BATCH
+        import cupy
+        c = self.config
+        length = min(c.n_positions, -(-length // 64) * 64)
+        item = 4 if self.dtype == "fp32" else 2
+        cache = 2 * c.n_layer * length * c.n_embd * item
+        activations = length * (8 * c.n_embd + c.n_inner) * item
+        per_sequence = cache + activations + 9 * c.vocab_size + 16 * length
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        return max(1, min(MAX_DEFAULT_BATCH, int(free // 2 // per_sequence)))
 
     def _search(self, ids: list, params: GenerationParams) -> list:
         """Hypotheses [(new token ids, score)] per prompt; runs on the worker thread."""

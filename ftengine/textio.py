@@ -1,4 +1,4 @@
-"""Reading text lines and writing embeddings for the CLI, both streaming.
+"""Reading text lines and writing embeddings (.npy, .jsonl, .parquet) for the CLI, both streaming.
 
 Input is read lazily, line by line. Output is written as it comes: to a temporary file beside
 the target, renamed into place at the end, so an error, Ctrl-C or SIGTERM leaves neither a
@@ -19,8 +19,9 @@ import numpy as np
 
 from .errors import InputError, OutputError
 
-FORMATS = ("npy", "jsonl")
+FORMATS = ("npy", "jsonl", "parquet")
 NPY_HEADER_BYTES = 128  # room for any (rows, dim) shape; patched when the row count is known
+PARQUET_ROW_GROUP_BYTES = 32 << 20  # embeddings buffered before a Parquet row group is written
 
 
 def _decode(line: bytes, number: int, source: str, errors: str) -> str:
@@ -85,13 +86,17 @@ def read_lines(path: str, *, errors: str = "strict") -> list[str]:
 
 
 def output_format(path: str, fmt: str | None) -> str:
-    """The format to write: given, or from the file name (.npy / .jsonl); stdout is JSONL."""
+    """The format to write: given, or from the file name (.npy / .parquet / .jsonl); stdout is JSONL."""
     if fmt is None:
-        fmt = "npy" if path != "-" and path.endswith(".npy") else "jsonl"
+        suffix = os.path.splitext(path)[1].lower() if path != "-" else ""
+        fmt = {".npy": "npy", ".parquet": "parquet"}.get(suffix, "jsonl")
     if fmt not in FORMATS:
         raise InputError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
-    if path == "-" and fmt == "npy":
-        raise InputError("npy output is binary; give a file with -o, or use --format jsonl for stdout")
+    if path == "-" and fmt != "jsonl":
+        raise InputError(f"{fmt} output is binary; give a file with -o, or use --format jsonl for stdout")
+    if fmt == "parquet":
+        from .records import require_pyarrow
+        require_pyarrow("parquet output")
     return fmt
 
 
@@ -139,14 +144,23 @@ def _new_file_mode(existing: Path) -> int:
 
 class EmbeddingWriter:
     """Rows of embeddings written as they come, in order. Use as a context manager: leaving
-    it normally commits the output, leaving by any exception removes every trace of it."""
+    it normally commits the output, leaving by any exception removes every trace of it.
 
-    def __init__(self, path: str, fmt: str, dim: int, dtype=np.float32):
+    Each row has a key: its line number (from 1) unless `write` is given keys. JSONL rows
+    carry it under `key_name`; Parquet files have a `key_name` column (type `key_type`, or
+    taken from the first keys) and an `embedding` column of fixed-size lists; .npy holds the
+    embeddings alone."""
+
+    def __init__(self, path: str, fmt: str, dim: int, dtype=np.float32, *, key_name: str = "line",
+                 key_type=None):
         self.path, self.fmt, self.dim = path, fmt, dim
         self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.key_name, self.key_type = key_name, key_type
         self.rows = 0
         self._tmp = None
         self._spool = None
+        self._parquet = self._schema = None
+        self._pending, self._pending_bytes = [], 0
         if path == "-":
             self._file, self._target = sys.stdout.buffer, None
             return
@@ -179,17 +193,57 @@ class EmbeddingWriter:
         except OSError as e:
             raise OutputError(f"cannot write output {self.path}: {e.strerror}") from None
 
-    def write(self, embeddings: np.ndarray):
-        """Append (n, dim) rows."""
+    def write(self, embeddings: np.ndarray, keys=None):
+        """Append (n, dim) rows; `keys`: their n keys (default: their line numbers)."""
+        if keys is None:
+            keys = range(self.rows + 1, self.rows + 1 + len(embeddings))
         if self.fmt == "npy":
             self._write(np.ascontiguousarray(embeddings, dtype=self.dtype).tobytes())
+        elif self.fmt == "parquet":
+            self._pending.append((list(keys), np.ascontiguousarray(embeddings, dtype=self.dtype)))
+            self._pending_bytes += embeddings.nbytes
+            if self._pending_bytes >= PARQUET_ROW_GROUP_BYTES:
+                self._write_row_group()
         else:
             self._write("".join(
-                json.dumps({"line": self.rows + i, "embedding": row}) + "\n"
-                for i, row in enumerate(embeddings.tolist(), start=1)).encode("utf-8"))
+                json.dumps({self.key_name: key, "embedding": row}) + "\n"
+                for key, row in zip(keys, embeddings.tolist())).encode("utf-8"))
             if self._target is None:
                 self._flush()
         self.rows += len(embeddings)
+
+    def _write_row_group(self):
+        """The buffered rows as one Parquet row group (the file's writer made at the first)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        keys = [k for part, _ in self._pending for k in part]
+        values = np.concatenate([e for _, e in self._pending]) if self._pending else \
+            np.zeros((0, self.dim), self.dtype)
+        self._pending, self._pending_bytes = [], 0
+        if self._parquet is None:
+            key_type = self.key_type
+            if key_type is None:
+                key_type = pa.string() if keys and isinstance(keys[0], str) else pa.int64()
+            self._schema = schema = pa.schema([(self.key_name, key_type),
+                                ("embedding", pa.list_(pa.from_numpy_dtype(self.dtype.newbyteorder("=")), self.dim))])
+            try:
+                self._parquet = pq.ParquetWriter(self._file, schema, use_dictionary=[self.key_name],
+                                                 write_statistics=[self.key_name])
+            except OSError as e:
+                raise OutputError(f"cannot write output {self.path}: {e}") from None
+        schema = self._schema
+        try:
+            column = pa.array(keys, type=schema.field(0).type)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
+            raise InputError(f"the keys of {self.path} do not fit its {self.key_name!r} column "
+                             f"({schema.field(0).type}): {e}") from None
+        flat = pa.array(values.reshape(-1).astype(values.dtype.newbyteorder("="), copy=False))
+        table = pa.Table.from_arrays([column, pa.FixedSizeListArray.from_arrays(flat, self.dim)], schema=schema)
+        try:
+            self._parquet.write_table(table, row_group_size=max(1, PARQUET_ROW_GROUP_BYTES // values[:1].nbytes)
+                                      if len(values) else None)
+        except OSError as e:
+            raise OutputError(f"cannot write output {self.path}: {e}") from None
 
     def _flush(self):
         try:
@@ -198,7 +252,14 @@ class EmbeddingWriter:
             raise OutputError(f"cannot write output {self.path}: {e.strerror}") from None
 
     def commit(self):
-        """Finish the file: the npy header's row count, then the rename into place."""
+        """Finish the file: the npy header's row count or the Parquet footer, then the rename into place."""
+        if self.fmt == "parquet":
+            if self._pending or self._parquet is None:
+                self._write_row_group()
+            try:
+                self._parquet.close()
+            except OSError as e:
+                raise OutputError(f"cannot write output {self.path}: {e}") from None
         if self.fmt == "npy":
             if self._spool is not None:
                 self._write(self._header(self.rows), spool=False)
@@ -226,6 +287,11 @@ class EmbeddingWriter:
             raise OutputError(f"cannot write output {self.path}: {e.strerror}") from None
 
     def _discard(self):
+        if self._parquet is not None and self._parquet.is_open:  # its footer goes to the file removed below
+            try:
+                self._parquet.close()
+            except OSError:
+                pass
         for f in (getattr(self, "_file", None), self._spool):
             if f is not None and f is not sys.stdout.buffer:
                 try:

@@ -217,7 +217,7 @@ def test_generate_beam_json_candidates(gpt2_model):
 @pytest.mark.parametrize("args, message", [
     (["--max-new-tokens", 0, "--prompt", "x"], "max_new_tokens must be an integer >= 1"),
     (["--prompt", "x", "--num-beams", 2, "--num-return-sequences", 3], "num_return_sequences must be within 1..num_beams"),
-    (["--do-sample", "--temperature", 0, "--prompt", "x"], "temperature must be > 0"),
+    (["--do-sample", "--temperature", 0, "--prompt", "x"], "temperature must be a finite number > 0"),
     (["--prompt", "x", "--input", "f"], "give exactly one of --prompt and --input"),
     (["--prompt", ""], "prompt 1 is empty"),
     (["--prompt", "x", "--max-new-tokens", 500], "beyond the model's n_positions 128"),
@@ -225,3 +225,57 @@ def test_generate_beam_json_candidates(gpt2_model):
 def test_generate_errors_are_one_line(gpt2_model, args, message):
     r = gen("--model", gpt2_model, "--device", "cpu", *args)
     assert r.exit_code == 1 and message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-beams", 0], "num_beams must be within 1..257 (the vocabulary), got 0"),
+    (["--num-beams", -3], "num_beams must be within 1..257 (the vocabulary), got -3"),
+    (["--num-return-sequences", 0], "num_return_sequences must be within 1..num_beams (1), got 0"),
+    (["--num-beams", 2, "--length-penalty", "nan"], "length_penalty must be a finite number, got nan"),
+    (["--num-beams", 2, "--length-penalty", "-inf"], "length_penalty must be a finite number, got -inf"),
+    (["--do-sample", "--temperature", "inf", "--min-new-tokens", 3], "temperature must be a finite number > 0, got inf"),
+    (["--temperature", 0], "temperature 0.0 is not a finite number > 0, and it applies to sampling only"),
+    (["--repetition-penalty", "inf"], "repetition_penalty must be a finite number > 0, got inf"),
+    (["--max-batch", 0], "max_batch must be an integer >= num_beams (1), got 0"),
+    (["--num-beams", 3, "--max-batch", 2], "max_batch must be an integer >= num_beams (3), got 2"),
+])
+def test_generate_bad_options_fail_instead_of_running_something_else(gpt2_model, args, message):
+    """Found in a bad-input sweep: each of these used to run greedy decoding or return an empty text."""
+    r = gen("--model", gpt2_model, "--device", "cpu", "--prompt", "hello", *args)
+    assert r.exit_code == 1, r.stdout
+    assert message in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "hello", "--num-beams", 2], "--stream is for greedy and sampled generation"),
+    (["--prompt", "", "--do-sample"], "prompt 1 is empty"),
+    (["--prompt", "hello", "--max-new-tokens", 500], "beyond the model's n_positions 128"),
+    (["--prompt", "hello", "--top-p", 2, "--do-sample"], "top_p must be in (0, 1]"),
+])
+def test_stream_errors_print_no_text_first(gpt2_model, args, message):
+    r = gen("--model", gpt2_model, "--device", "cpu", "--stream", *args)
+    assert r.exit_code == 1 and message in r.stderr and r.stdout == "", (r.stdout, r.stderr)
+
+
+def test_generate_ctrl_c_is_interrupted_with_130(gpt2_model, monkeypatch):
+    from ftengine import Generator
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Generator, "generate", interrupted)
+    r = gen("--model", gpt2_model, "--device", "cpu", "--prompt", "hello")
+    assert r.exit_code == 130 and "ftengine: interrupted" in r.stderr and "Aborted" not in r.output
+
+
+def test_generate_max_batch_waves_in_input_order(gpt2_model, tmp_path):
+    from ftengine import Generator
+    prompts = [f"prompt number {i} says" + " more" * (i % 4) for i in range(7)]
+    src = tmp_path / "prompts.txt"
+    src.write_text("".join(p + "\n" for p in prompts))
+    r = gen("--model", gpt2_model, "--input", src, "--max-new-tokens", 6, "--json", "--device", "cpu",
+            "--max-batch", 2)
+    assert r.exit_code == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    g = Generator.from_pretrained(gpt2_model, device="cpu")
+    assert [row["prompt"] for row in rows] == prompts
+    assert [row["token_ids"] for row in rows] == [g.generate([p], max_new_tokens=6)[0].token_ids for p in prompts]

@@ -257,3 +257,27 @@ def test_gpu_sampled_frequencies_match_the_distribution(cu):
     assert counts[-1] == 0
     expected = probs[:-1] * n
     assert (((counts[:-1] - expected) ** 2) / expected).sum() < 31.26  # 10 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize("options", [dict(), dict(num_beams=3, num_return_sequences=2),
+                                     dict(do_sample=True, seed=5, top_k=30)])
+def test_gpu_waves_give_the_tokens_of_one_wave(tmp_path, options):
+    """3 x max_batch sequences in waves of max_batch: greedy and beams give each prompt's tokens as
+    when it runs alone; seeded sampling gives each wave's tokens as the same prompts in one call
+    (a draw depends on the prompt's place in its wave); the default max_batch is in range."""
+    from ftengine.generator import MAX_DEFAULT_BATCH, Generator
+    gen = Generator.from_pretrained(write_gpt2_checkpoint(tmp_path / "gpt2", seed=4), device="cuda", dtype="fp32")
+    beams = options.get("num_beams", 1)
+    max_batch = 2 * beams
+    prompts = [f"gpu wave {i}" + " more" * (i % 3) for i in range(6)]
+    waves = gen.generate(prompts, max_new_tokens=9, max_batch=max_batch, **options)
+    per_wave = max_batch // beams
+    for start in range(0, len(prompts), per_wave):
+        group = prompts[start:start + per_wave] if options.get("do_sample") else None
+        for i, prompt in enumerate(prompts[start:start + per_wave]):
+            alone = gen.generate(group, max_new_tokens=9, **options)[i] if group else \
+                gen.generate([prompt], max_new_tokens=9, **options)[0]
+            got = waves[start + i]
+            assert got.prompt == prompt
+            assert [c.token_ids for c in got.candidates] == [c.token_ids for c in alone.candidates]
+    assert 1 <= gen.default_max_batch(128) <= MAX_DEFAULT_BATCH

@@ -13,7 +13,7 @@ from ftengine.errors import CheckpointError, InputError
 from ftengine.generator import Generator
 from ftengine.models.gpt2 import GPT2Runner
 from tests.hf_oracle import hf_gpt2
-from tests.tolerances import HF_FP32_MAX_ABS
+from tests.tolerances import BEAM_SCORE_FP32, HF_FP32_MAX_ABS
 from weights.fixtures import gpt2_config, random_gpt2_tensors, write_gpt2_checkpoint
 
 PROMPT_LENGTHS = [1, 5, 17, 3, 40, 9, 2, 28]
@@ -139,7 +139,7 @@ def test_lm_head_tied_untied_and_missing(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(do_sample=True, temperature=0.0), "temperature must be > 0, got 0.0; for deterministic output use greedy"),
+    (dict(do_sample=True, temperature=0.0), "temperature must be a finite number > 0, got 0.0; for deterministic output use greedy"),
     (dict(do_sample=True, top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
     (dict(do_sample=True, top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
     (dict(top_k=-1), "top_k must be >= 0"),
@@ -164,3 +164,30 @@ def test_empty_prompt_and_clamped_top_k(gpt2):
     huge = gen.generate(["hi"], max_new_tokens=4, do_sample=True, top_k=10_000, seed=1)[0].token_ids
     off = gen.generate(["hi"], max_new_tokens=4, do_sample=True, top_k=0, seed=1)[0].token_ids
     assert huge == off  # top_k beyond the vocabulary keeps every token, like top_k=0
+
+
+@pytest.mark.parametrize("options", [dict(), dict(num_beams=2, num_return_sequences=2, length_penalty=0.7),
+                                     dict(repetition_penalty=1.3, no_repeat_ngram_size=2)])
+def test_waves_give_the_tokens_of_one_by_one(gpt2, options):
+    """3 x max_batch sequences in waves: each prompt's tokens (and beam scores) as when it runs alone."""
+    gen = Generator.from_pretrained(gpt2, device="cpu")
+    beams = options.get("num_beams", 1)
+    max_batch = 2 * beams
+    prompts = [f"wave prompt {i}" + " again" * (i % 3) for i in range(3 * max_batch // beams)]
+    waves = gen.generate(prompts, max_new_tokens=7, max_batch=max_batch, **options)
+    for prompt, got in zip(prompts, waves):
+        alone = gen.generate([prompt], max_new_tokens=7, **options)[0]
+        assert got.prompt == prompt
+        assert [c.token_ids for c in got.candidates] == [c.token_ids for c in alone.candidates]
+        if beams > 1:
+            assert np.allclose([c.score for c in got.candidates], [c.score for c in alone.candidates],
+                               atol=BEAM_SCORE_FP32, rtol=0)
+
+
+def test_default_max_batch_on_the_cpu_and_its_checks(gpt2):
+    gen = Generator.from_pretrained(gpt2, device="cpu")
+    assert gen.default_max_batch(64) == 64
+    with pytest.raises(InputError, match="max_batch must be an integer >= num_beams"):
+        gen.generate(["a"], max_new_tokens=2, max_batch=True)
+    with pytest.raises(InputError, match="no prompts to continue"):
+        gen.generate([], max_new_tokens=2)

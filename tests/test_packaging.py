@@ -91,3 +91,22 @@ def test_installed_wheel_encodes_and_generates_outside_the_tree(installed, tmp_p
                              capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
     site = Path(probe.stdout.strip()).parent
     assert Path(kernels.stdout.strip()) == site / "kernels_cu"
+
+
+@pytest.mark.slow
+def test_data_formats_without_their_extras_name_the_extra(installed, tmp_path):
+    """The bare wheel has no pyarrow and no ray: Parquet and encode-dataset say which extra to install."""
+    _, bin_dir = installed
+    env, cwd = _outside_env(), tmp_path
+    bert = write_bert_checkpoint(tmp_path / "bert", seed=1)
+    (tmp_path / "in.txt").write_text("hello world\n")
+    (tmp_path / "in.csv").write_text("text\nhello\n")
+    for args, message in [
+        (["encode", "in.txt", "-o", "out.parquet"], "parquet output needs pyarrow: pip install 'ftengine[data]'"),
+        (["encode", "in.csv", "-o", "out.npy"], "csv input needs pyarrow: pip install 'ftengine[data]'"),
+        (["encode-dataset", "in.csv", "-o", "out"], "needs the ray extra (pip install 'ftengine[ray]')"),
+    ]:
+        r = subprocess.run([str(bin_dir / "ftengine"), *args, "--model", str(bert)], capture_output=True, text=True,
+                           cwd=cwd, env=env, timeout=300)
+        assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out.parquet").exists() and not (tmp_path / "out.npy").exists()

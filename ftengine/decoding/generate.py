@@ -4,6 +4,7 @@ keeps the step state there, so the host only reads tokens back every few steps."
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from dataclasses import dataclass, replace
@@ -41,15 +42,21 @@ class GenerationParams:
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise InputError(f"min_new_tokens must be within 0..max_new_tokens ({self.max_new_tokens}), "
                              f"got {self.min_new_tokens}")
-        if not self.temperature > 0:
-            raise InputError(f"temperature must be > 0, got {self.temperature}; for deterministic output "
-                             "use greedy decoding (no --do-sample)")
+        if not 0 < self.temperature < math.inf:
+            if self.do_sample:
+                raise InputError(f"temperature must be a finite number > 0, got {self.temperature}; for "
+                                 "deterministic output use greedy decoding (no do_sample)")
+            raise InputError(f"temperature {self.temperature} is not a finite number > 0, and it applies to "
+                             "sampling only (do_sample): greedy decoding always takes the most likely token, so "
+                             "leave temperature out")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InputError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
-        if not self.repetition_penalty > 0:
-            raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise InputError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not math.isfinite(self.length_penalty):
+            raise InputError(f"length_penalty must be a finite number, got {self.length_penalty}")
         if self.no_repeat_ngram_size < 0:
             raise InputError(f"no_repeat_ngram_size must be >= 0 (0 turns it off), got {self.no_repeat_ngram_size}")
         if not 1 <= self.num_beams <= vocab_size:

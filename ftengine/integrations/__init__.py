@@ -1,0 +1,1 @@
+"""Adapters for frameworks that drive ftengine (each needs its own optional extra)."""

@@ -1,0 +1,280 @@
+"""Texts with their keys from .txt, .jsonl, .csv/.tsv and .parquet inputs, read as a stream.
+
+Each record is (key, text). The key is the value of the id field/column when one is named,
+otherwise the record's place in the file: `line` (1-based line number) for .txt and .jsonl,
+`row` (1-based data row) for .csv, .tsv and .parquet. Errors name the file and the line or row.
+CSV, TSV and Parquet are read with pyarrow (the `data` extra), in blocks, so memory does not
+grow with the file; JSONL is read line by line with the standard json module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+
+from .errors import InputError
+from .textio import iter_lines
+
+INPUT_FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
+_EXTENSIONS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv",
+               ".parquet": "parquet"}
+CSV_BLOCK_BYTES = 1 << 20
+PARQUET_BATCH_ROWS = 8192
+
+
+def input_format(path: str, fmt: str | None) -> str:
+    """The input's format: given, or from the file name; stdin and unknown extensions are text lines."""
+    if fmt is not None:
+        if fmt not in INPUT_FORMATS:
+            raise InputError(f"input format {fmt!r} is not one of {', '.join(INPUT_FORMATS)}")
+        return fmt
+    return _EXTENSIONS.get(os.path.splitext(path)[1].lower(), "txt") if path != "-" else "txt"
+
+
+def require_pyarrow(what: str):
+    """The pyarrow module, or an error saying which extra brings it."""
+    try:
+        import pyarrow
+    except ImportError:
+        raise InputError(f"{what} needs pyarrow: pip install 'ftengine[data]'") from None
+    return pyarrow
+
+
+@dataclass
+class Records:
+    """One input's texts, with their keys queued as the texts are read: whoever takes n
+    embeddings back takes the next n keys from `keys`. `key_name` names the key column;
+    `key_type` is its pyarrow type where known before the first record (Parquet), else None."""
+    texts: object
+    key_name: str
+    key_type: object = None
+    keys: deque = field(default_factory=deque)
+
+    def take_keys(self, n: int) -> list:
+        return [self.keys.popleft() for _ in range(n)]
+
+
+def open_records(path: str, fmt: str, *, text_field: str = "text", id_field: str | None = None,
+                 errors: str = "strict") -> Records:
+    """The records of `path` ('-': stdin, not for Parquet) in format `fmt`. The file is opened,
+    and for CSV/Parquet its columns checked, now; the texts are read as they are iterated."""
+    if fmt == "txt":
+        records = Records(None, "line")
+        records.texts = _numbered(iter_lines(path, errors=errors), records.keys)
+        return records
+    if fmt == "jsonl":
+        lines = iter_lines(path, errors=errors)
+        records = Records(None, id_field or "line")
+        records.texts = _jsonl(lines, _source(path), text_field, id_field, records.keys)
+        return records
+    if fmt in ("csv", "tsv"):
+        return _csv(path, fmt, text_field, id_field, errors)
+    if fmt == "parquet":
+        return _parquet(path, text_field, id_field)
+    raise InputError(f"input format {fmt!r} is not one of {', '.join(INPUT_FORMATS)}")
+
+
+def _source(path: str) -> str:
+    return "<stdin>" if path == "-" else path
+
+
+def _numbered(texts, keys: deque):
+    for number, text in enumerate(texts, start=1):
+        keys.append(number)
+        yield text
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}
+
+
+def _jsonl(lines, source: str, text_field: str, id_field: str | None, keys: deque):
+    id_kind = None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue  # blank lines (a trailing one, say) hold no record
+        where = f"{source}, line {number}"
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise InputError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise InputError(f"{where}: expected a JSON object, found {_JSON_TYPES[type(record)]}")
+        text = _field(record, text_field, where)
+        if not isinstance(text, str):
+            raise InputError(f"{where}: field {text_field!r} is {_JSON_TYPES[type(text)]}, not a string")
+        if id_field is None:
+            keys.append(number)
+        else:
+            key = _field(record, id_field, where)
+            kind = str if isinstance(key, str) else int if isinstance(key, int) and not isinstance(key, bool) else None
+            if kind is None:
+                raise InputError(f"{where}: id field {id_field!r} is {_JSON_TYPES[type(key)]}; ids must be strings "
+                                 "or integers")
+            if kind is int and not -(1 << 63) <= key < (1 << 63):
+                raise InputError(f"{where}: id {key} does not fit in a 64-bit integer")
+            if id_kind is not None and kind is not id_kind:
+                raise InputError(f"{where}: id field {id_field!r} is {_JSON_TYPES[kind]}, earlier ids are "
+                                 f"{'strings' if id_kind is str else 'integers'}")
+            id_kind = kind
+            keys.append(key)
+        yield text
+
+
+def _field(record: dict, name: str, where: str):
+    if name not in record:
+        known = ", ".join(map(repr, list(record)[:10])) or "none"
+        raise InputError(f"{where}: no field {name!r} (fields: {known})")
+    return record[name]
+
+
+def _columns_error(path: str, kind: str, name: str, columns) -> InputError:
+    return InputError(f"{path}: no {kind} column {name!r} (columns: {', '.join(map(repr, columns)) or 'none'})")
+
+
+def _csv(path: str, fmt: str, text_field: str, id_field: str | None, errors: str) -> Records:
+    pa = require_pyarrow(f"{fmt} input")
+    from pyarrow import csv
+    if path == "-":
+        source = sys.stdin.buffer
+    elif os.path.isdir(path):
+        raise InputError(f"cannot read input {path}: it is a directory")
+    else:
+        try:
+            source = open(path, "rb")
+        except OSError as e:
+            raise InputError(f"cannot read input {path}: {e.strerror}") from None
+    wanted = [text_field] + ([id_field] if id_field is not None and id_field != text_field else [])
+    # every value as bytes: texts are decoded here (naming the row), ids kept as written
+    convert = csv.ConvertOptions(include_columns=wanted, column_types={c: pa.binary() for c in wanted},
+                                 strings_can_be_null=False, quoted_strings_can_be_null=False)
+    parse = csv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", newlines_in_values=True)
+    try:
+        reader = csv.open_csv(source, read_options=csv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+                              parse_options=parse, convert_options=convert)
+    except (pa.ArrowInvalid, pa.ArrowKeyError, KeyError) as e:
+        if source is not sys.stdin.buffer:
+            source.close()
+        raise _csv_open_error(path, e, wanted, parse) from None
+    records = Records(None, id_field or "row", None if id_field is None else pa.string())
+    records.texts = _csv_texts(reader, source, _source(path), text_field, id_field, errors, records.keys)
+    return records
+
+
+def _csv_open_error(path: str, error, wanted: list, parse) -> InputError:
+    """A clear message for a CSV that pyarrow cannot open with these columns."""
+    header = None
+    if path != "-":
+        from pyarrow import csv
+        try:
+            with csv.open_csv(path, parse_options=parse) as probe:
+                header = probe.schema.names
+        except Exception:  # the file itself is unreadable: pyarrow's own message says why
+            header = None
+    if header is not None:
+        for name in wanted:
+            if name not in header:
+                kind = "text" if name == wanted[0] else "id"
+                return _columns_error(path, kind, name, header)
+    return InputError(f"cannot read {_source(path)} as CSV: {error}")
+
+
+def _csv_texts(reader, source, where: str, text_field: str, id_field: str | None, errors: str, keys: deque):
+    import pyarrow as pa
+    row = 0
+    try:
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                return
+            except pa.ArrowInvalid as e:
+                raise InputError(f"cannot read {where} as CSV after row {row}: {e}") from None
+            texts = batch.column(text_field).to_pylist()
+            ids = batch.column(id_field).to_pylist() if id_field is not None else None
+            for i, raw in enumerate(texts):
+                row += 1
+                try:
+                    text = raw.decode("utf-8", errors=errors)
+                except UnicodeDecodeError as e:
+                    raise InputError(f"{where}, row {row}: invalid UTF-8 in column {text_field!r} at byte {e.start} "
+                                     "(use --errors replace to substitute U+FFFD)") from None
+                if ids is None:
+                    keys.append(row)
+                else:
+                    try:
+                        keys.append(ids[i].decode("utf-8"))
+                    except UnicodeDecodeError:
+                        raise InputError(f"{where}, row {row}: invalid UTF-8 in id column {id_field!r}") from None
+                yield text
+    finally:
+        if source is not sys.stdin.buffer:
+            source.close()
+
+
+def _parquet(path: str, text_field: str, id_field: str | None) -> Records:
+    pa = require_pyarrow("parquet input")
+    import pyarrow.parquet as pq
+    if path == "-":
+        raise InputError("parquet input cannot come from stdin (the file's footer is read first): give a file")
+    if os.path.isdir(path):
+        raise InputError(f"cannot read input {path}: it is a directory")
+    try:
+        source = open(path, "rb")
+    except OSError as e:
+        raise InputError(f"cannot read input {path}: {e.strerror}") from None
+    try:
+        file = pq.ParquetFile(source)
+    except (OSError, pa.ArrowInvalid) as e:
+        source.close()
+        raise InputError(f"cannot read {path} as Parquet: {e}") from None
+    schema = file.schema_arrow
+    try:
+        check_text_column(schema, text_field, path)
+        if id_field is not None and id_field not in schema.names:
+            raise _columns_error(path, "id", id_field, schema.names)
+    except InputError:
+        source.close()
+        raise
+    records = Records(None, id_field or "row", schema.field(id_field).type if id_field else None)
+    records.texts = _parquet_texts(file, source, path, text_field, id_field, records.keys)
+    return records
+
+
+def check_text_column(schema, name: str, where: str):
+    """Refuse a schema without a string column `name`, naming `where`."""
+    import pyarrow as pa
+    if name not in schema.names:
+        raise _columns_error(where, "text", name, schema.names)
+    kind = schema.field(name).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_string_view(kind)):
+        raise InputError(f"{where}: column {name!r} holds {kind}, not strings")
+
+
+def _is_string_view(kind) -> bool:
+    import pyarrow as pa
+    check = getattr(pa.types, "is_string_view", None)
+    return bool(check and check(kind))
+
+
+def _parquet_texts(file, source, where: str, text_field: str, id_field: str | None, keys: deque):
+    columns = [text_field] + ([id_field] if id_field is not None and id_field != text_field else [])
+    row = 0
+    try:
+        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            texts = batch.column(text_field)
+            if texts.null_count:
+                first = next(i for i, valid in enumerate(texts.is_valid().to_pylist()) if not valid)
+                raise InputError(f"{where}, row {row + first + 1}: column {text_field!r} is null, not a string")
+            ids = batch.column(id_field).to_pylist() if id_field is not None else None
+            for i, text in enumerate(texts.to_pylist()):
+                row += 1
+                keys.append(row if ids is None else ids[i])
+                yield text
+    finally:
+        file.close()
+        source.close()
+
