@@ -224,3 +224,24 @@ def test_large_parquet_output_in_row_groups(st_model, tmp_path, monkeypatch):
         ref = encoder.encode(texts)
     got = np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
     assert np.abs(got - ref).max() <= BATCHING_INVARIANCE_FP32
+
+
+def test_parquet_output_in_int8_and_binary(st_model, tmp_path):
+    """Quantised embeddings go to Parquet as fixed-size lists of their own integer type."""
+    from ftengine.output import calibration_ranges, quantize
+    paths = write_inputs(tmp_path)
+    with Encoder.from_pretrained(st_model, device="cpu") as encoder:
+        calibration = encoder.encode(TEXTS + [t + " more" for t in TEXTS])
+        ref = encoder.encode(TEXTS)
+    np.save(tmp_path / "cal.npy", calibration)
+    ranges = calibration_ranges(calibration)
+    for precision, kind, width in (("int8", pa.int8(), 32), ("ubinary", pa.uint8(), 4)):
+        out = tmp_path / f"{precision}.parquet"
+        args = ["--calibration", tmp_path / "cal.npy"] if precision == "int8" else []
+        r = run(paths["parquet"], "-o", out, "--model", st_model, "--device", "cpu", "--text-column", "body",
+                "--precision", precision, *args)
+        assert r.exit_code == 0, r.stderr
+        table = pq.read_table(out)
+        assert table.schema.field("embedding").type == pa.list_(kind, width)
+        got = np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
+        np.testing.assert_array_equal(got, quantize(ref, precision, ranges if precision == "int8" else None))

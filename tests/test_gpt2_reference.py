@@ -191,3 +191,16 @@ def test_default_max_batch_on_the_cpu_and_its_checks(gpt2):
         gen.generate(["a"], max_new_tokens=2, max_batch=True)
     with pytest.raises(InputError, match="no prompts to continue"):
         gen.generate([], max_new_tokens=2)
+
+
+def test_seeded_sampling_in_waves_draws_as_each_wave_alone(gpt2):
+    """A seeded draw depends on the prompt's place in its wave: each wave gives what the same
+    prompts give in one call of their own, and the same waves give the same tokens again."""
+    gen = Generator.from_pretrained(gpt2, device="cpu")
+    prompts = [f"sampled {i}" + " word" * (i % 3) for i in range(6)]
+    options = dict(max_new_tokens=8, do_sample=True, seed=11, top_k=20, top_p=0.9, temperature=0.9)
+    waves = gen.generate(prompts, max_batch=2, **options)
+    for start in (0, 2, 4):
+        alone = gen.generate(prompts[start:start + 2], **options)
+        assert [r.token_ids for r in waves[start:start + 2]] == [r.token_ids for r in alone]
+    assert [r.token_ids for r in gen.generate(prompts, max_batch=2, **options)] == [r.token_ids for r in waves]
