@@ -205,15 +205,18 @@ def test_killed_worker_job_completes_every_row_once(ray_cluster, st_model, tmp_p
         # the first file is being written: work is under way, most of it still to do
         assert _wait_for(lambda: out.is_dir() and any(p.name.endswith(".tmp") for p in out.iterdir()), 120, proc)
         assert not (out / "part-3.parquet").exists()
-        victim = _worker_pids()[0]
+        before = set(_worker_pids())
+        victim = min(before)
         os.kill(victim, signal.SIGKILL)
+        # Ray restarts the actor in a new process (and runs the lost batches again)
+        restarted = _wait_for(lambda: set(_worker_pids()) - before, 120, proc)
         stdout, stderr = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr
     assert "16000 rows from 4 files" in stderr
-    assert victim not in _worker_pids()
+    assert restarted, "no new worker process replaced the killed one while the job ran"
     check_against_single_process(st_model, out, shards)  # every id once, in order, with its own embedding
 
 
