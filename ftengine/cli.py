@@ -54,6 +54,21 @@ def _sigterm_unwinds():
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def _exits_when_stopped(*, lead: str = "", note: str = ""):
+    """While the body runs, Ctrl-C exits with 130 and SIGTERM with 143 (after every cleanup on
+    the way out), each with one line on stderr: `lead`, what happened, `note`."""
+    try:
+        with _sigterm_unwinds():
+            yield
+    except KeyboardInterrupt:
+        click.echo(f"{lead}ftengine: interrupted{note}", err=True)
+        sys.exit(130)
+    except _Terminated:
+        click.echo(f"{lead}ftengine: terminated{note}", err=True)
+        sys.exit(143)
+
+
 @click.group()
 @click.version_option(package_name="ftengine")
 def main():
@@ -252,22 +267,16 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
                   f"cluster has {gpus:g} (see --workers, --gpus-per-worker)")
     embedder = dict(model=model_path, dtype=dtype, batch_tokens=batch_tokens, max_length=max_length, pooling=pooling,
                     normalize=normalize, prompt_name=prompt_name, prompt=prompt, dimensions=dimensions)
-    try:
-        with _sigterm_unwinds():
+    with _exits_when_stopped(note=" (finished files are kept; run again to do the rest)"):
+        try:
             stats = run_job(shards, fmt, text_column=text_column, id_column=id_column, workers=workers or 1,
                             gpus_per_worker=gpus_per_worker or 0.0, cpus_per_worker=cpus_per_worker,
                             batch_rows=batch_rows, batches_per_worker=batches_per_worker, embedder=embedder)
-    except KeyboardInterrupt:
-        click.echo("ftengine: interrupted (finished files are kept; run again to do the rest)", err=True)
-        sys.exit(130)
-    except _Terminated:
-        click.echo("ftengine: terminated (finished files are kept; run again to do the rest)", err=True)
-        sys.exit(143)
-    except Exception as e:
-        cause = ftengine_error_in(e)
-        if cause is None:
-            raise
-        _fail(str(cause).splitlines()[0])  # Ray appends retry advice that does not apply to bad input
+        except Exception as e:
+            cause = ftengine_error_in(e)
+            if cause is None:
+                raise
+            _fail(str(cause).splitlines()[0])  # Ray appends retry advice that does not apply to bad input
     if not quiet:
         rate = stats.rows / stats.seconds if stats.seconds > 0 else 0.0
         click.echo(f"ftengine: {stats.rows} rows from {stats.shards_written} files, {stats.shards_skipped} files "
@@ -440,21 +449,13 @@ def generate(model_path, prompt, input_path, max_new_tokens, min_new_tokens, do_
              top_p, repetition_penalty, seed, eos_token_id, no_repeat_ngram_size, num_beams, length_penalty,
              early_stopping, num_return_sequences, device, dtype, max_batch, as_json, stream):
     """Continue prompts with a GPT-2 model (greedy, sampled, or beam search)."""
-    try:
-        with _sigterm_unwinds():
-            _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json, stream,
-                      dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
-                           temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                           seed=seed, eos_token_id=eos_token_id, no_repeat_ngram_size=no_repeat_ngram_size,
-                           num_beams=num_beams, length_penalty=length_penalty,
-                           num_return_sequences=num_return_sequences,
-                           early_stopping={"true": True, "false": False, "never": "never"}[early_stopping]))
-    except KeyboardInterrupt:
-        click.echo("\nftengine: interrupted", err=True)
-        sys.exit(130)
-    except _Terminated:
-        click.echo("\nftengine: terminated", err=True)
-        sys.exit(143)
+    with _exits_when_stopped(lead="\n"):  # a streamed text may be mid-line
+        _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json, stream,
+                  dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
+                       temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                       seed=seed, eos_token_id=eos_token_id, no_repeat_ngram_size=no_repeat_ngram_size,
+                       num_beams=num_beams, length_penalty=length_penalty, num_return_sequences=num_return_sequences,
+                       early_stopping={"true": True, "false": False, "never": "never"}[early_stopping]))
 
 
 def _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json, stream, options):
