@@ -250,8 +250,9 @@ def gpt2(tmp_path_factory):
 
 
 def gen_args(t: int, i: int):
-    prompts = [f"hello {t} {i}", "the quick brown fox"][: 1 + (t + i) % 2]
-    options = [dict(), dict(do_sample=True, seed=t * 10 + i, top_k=20), dict(num_beams=3)][(t + i) % 3]
+    prompts = [f"hello {t} {i}", "the quick brown fox", "a third prompt"][: 1 + (t + i) % 3]
+    options = [dict(), dict(do_sample=True, seed=t * 10 + i, top_k=20), dict(num_beams=3),
+               dict(max_batch=1), dict(num_beams=2, max_batch=2)][(t + i) % 5]  # the last two: one prompt a wave
     return prompts, dict(max_new_tokens=4 + i % 3, **options)
 
 

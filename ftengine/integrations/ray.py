@@ -265,12 +265,11 @@ class _ShardWriters:
     """Rows coming back in shard order -> one committed Parquet file per shard."""
 
     def __init__(self, pending: list[Shard], id_column: str | None):
-        self.order = [s.source for s in pending]
+        self.pending = pending
         self.by_source = {os.path.realpath(s.source): s for s in pending}
         self.id_column = id_column
-        self.position = 0          # shards before this one in self.order are committed
+        self.position = 0          # shards before this one in self.pending are committed
         self.current = None        # (shard, writer) of the shard being written
-        self.rows_in_shard = 0
         self.dim = None
         self.key_type = None
 
@@ -290,14 +289,10 @@ class _ShardWriters:
         self.dim = embeddings.type.list_size
         if self.id_column is not None:
             self.key_type = part.column(self.id_column).type
-        writer = self._writer_for(shard)  # before the keys: a new shard numbers its rows from 1
         values = pc.list_flatten(embeddings).to_numpy(zero_copy_only=False).reshape(-1, self.dim)
-        if self.id_column is None:
-            keys = range(self.rows_in_shard + 1, self.rows_in_shard + 1 + len(values))
-        else:
-            keys = part.column(self.id_column).to_pylist()
-        writer.write(values, keys)
-        self.rows_in_shard += len(values)
+        # without an id column the writer numbers the shard's rows from 1
+        keys = None if self.id_column is None else part.column(self.id_column).to_pylist()
+        self._writer_for(shard).write(values, keys)
 
     def _shard_of(self, path: str) -> Shard:
         shard = self.by_source.get(os.path.realpath(path))
@@ -308,20 +303,20 @@ class _ShardWriters:
     def _writer_for(self, shard: Shard):
         if self.current is not None and self.current[0] is shard:
             return self.current[1]
-        index = self.order.index(shard.source)
+        index = self.pending.index(shard)
         if index < self.position:
             raise InputError(f"rows of {shard.source} came back after its file was finished")
         self._commit_current()
-        self._write_empty(self.order[self.position:index])  # shards with no rows: Ray returns nothing for them
+        self._write_empty(self.pending[self.position:index])  # shards with no rows: Ray returns nothing for them
         self.position = index
         self.current = (shard, self._open(shard))
-        self.rows_in_shard = 0
         return self.current[1]
 
     def _open(self, shard: Shard):
+        import pyarrow as pa
         os.makedirs(os.path.dirname(shard.target), exist_ok=True)
         writer = EmbeddingWriter(shard.target, "parquet", self.dim, key_name=self.id_column or "row",
-                                 key_type=self.key_type)
+                                 key_type=self.key_type or (pa.string() if self.id_column else None))
         return writer.__enter__()
 
     def _commit_current(self):
@@ -330,24 +325,19 @@ class _ShardWriters:
             self.current = None
             self.position += 1
 
-    def _write_empty(self, sources: list):
-        import pyarrow as pa
-        for source in sources:
-            shard = self.by_source[os.path.realpath(source)]
-            os.makedirs(os.path.dirname(shard.target), exist_ok=True)
-            with EmbeddingWriter(shard.target, "parquet", self.dim, key_name=self.id_column or "row",
-                                 key_type=self.key_type or (pa.string() if self.id_column else None)):
-                pass
+    def _write_empty(self, shards: list):
+        for shard in shards:
+            self._open(shard).__exit__(None, None, None)
 
     def finish(self, embedder: dict):
         self._commit_current()
-        if self.position < len(self.order):
+        if self.position < len(self.pending):
             if self.dim is None:  # not one row in the whole job: the model says how wide rows are
                 probe = FtengineEmbedder(**dict(embedder, device="cpu", dtype=None))
                 self.dim = probe.dim
                 probe.encoder.close()
-            self._write_empty(self.order[self.position:])
-            self.position = len(self.order)
+            self._write_empty(self.pending[self.position:])
+            self.position = len(self.pending)
 
     def discard(self):
         if self.current is not None:
