@@ -8,7 +8,9 @@ Parquet shards with an id column; the single-process run reads the same rows fro
 file. Each run is a fresh CLI process writing Parquet; a Ray head (`ray start`) with the
 machine's GPUs is started once, so the Ray figures include each job's actor start and model
 load but not the cluster's start. Rows/s is rows / process wall time, and the job's own
-figure (the CLI summary) is reported beside it.
+figure (the CLI summary) is reported beside it. Each Ray worker gets its GPU's share of the
+machine's CPUs (the CLI's default); one run gives a single worker all of them, and the
+single-process CLI runs with all CPUs and with one worker's share.
 
 Usage: python bench/bench_scale_out.py --model-src PATH --out bench/results [--lines 2000000 --shards 16]
 """
@@ -37,12 +39,6 @@ from bench.bench_pipeline import make_lines, make_model  # noqa: E402
 RAY_SUMMARY = re.compile(r"ftengine: (\d+) rows from (\d+) files, \d+ files already done, ([\d.]+) s, (\d+) rows/s")
 ENCODE_SUMMARY = re.compile(r"ftengine: (\d+) lines, (\d+) tokens, .* ([\d.]+) s, (\d+) lines/s")
 TARGET_SPEEDUP = 1.8
-# the CLI's defaults (the headline), then variants that show where the time goes
-CONFIGS = [
-    dict(suffix="", batch_rows=16384, batches=1, workers=(1, 2)),
-    dict(suffix="_2_batches", batch_rows=16384, batches=2, workers=(1, 2)),
-    dict(suffix="_16_tokenizer_threads", batch_rows=16384, batches=1, workers=(2,), env={"RAYON_NUM_THREADS": "16"}),
-]
 
 
 def write_shards(lines_file: Path, folder: Path, shards: int, whole: Path) -> int:
@@ -105,20 +101,7 @@ def two_processes(work: Path, model: Path, env: dict, rows: int) -> dict:
     if any(p.returncode for p in procs):
         raise SystemExit("\n".join(outputs)[-4000:])
     job = sum(int(ENCODE_SUMMARY.search(o).group(4)) for o in outputs)
-    return dict(wall_s=round(wall, 2), rows_per_s_wall=round(rows / wall), rows_per_s_job=job,
-                env={"RAYON_NUM_THREADS": env["RAYON_NUM_THREADS"]} if "RAYON_NUM_THREADS" in env else {})
-
-
-LABELS = {"single_process": "`ftengine encode`: one process, one GPU, one Parquet file",
-          "two_processes": "two `ftengine encode` processes at once, one per GPU, half the rows each (no Ray)"}
-
-
-def _variant(run: dict) -> str:
-    if "batch_rows" not in run:
-        return f" ({', '.join(f'{k}={v}' for k, v in run['env'].items())})" if run.get("env") else ""
-    parts = [f"--batch-rows {run['batch_rows']}", f"--batches-per-worker {run['batches_per_worker']}"]
-    parts += [f"{k}={v}" for k, v in run.get("env", {}).items()]
-    return f" ({', '.join(parts)})"
+    return dict(wall_s=round(wall, 2), rows_per_s_wall=round(rows / wall), rows_per_s_job=job)
 
 
 def markdown(r: dict) -> str:
@@ -127,13 +110,13 @@ def markdown(r: dict) -> str:
     out = [f"# Scale-out benchmark — {r['device']}, {r['date']}", "",
            f"{r['rows']:,} rows in {r['shards']} Parquet shards (id + text; realistic lines, "
            f"{r['tokens']:,} tokens after truncation at 256), all-MiniLM-L6-v2 shape and tokenizer, random "
-           f"weights, fp16, Parquet output. Versions: {r['versions']}.", "",
+           f"weights, fp16, Parquet output. Versions: {r['versions']}. Each `encode-dataset` worker has one GPU "
+           f"and {r['cpus_per_worker']} CPUs (its share of the machine, the default), which its tokeniser uses.", "",
            "| run | wall s | rows/s (wall) | job rows/s (CLI summaries) | vs 1 Ray worker | target |",
            "|---|---|---|---|---|---|"]
-    for name, run in rows.items():
-        target = f">= {TARGET_SPEEDUP}x" if name == "ray_2_workers" else ""
-        out.append(f"| {run.get('label') or LABELS[name.replace('_16_tokenizer_threads', '')]}{_variant(run)} | {run['wall_s']:.1f} | {run['rows_per_s_wall']:,.0f} | "
-                   f"{run['rows_per_s_job']:,.0f} | {run['rows_per_s_wall'] / one:.2f}x | {target} |")
+    for run in rows.values():
+        out.append(f"| {run['label']} | {run['wall_s']:.1f} | {run['rows_per_s_wall']:,.0f} | "
+                   f"{run['rows_per_s_job']:,.0f} | {run['rows_per_s_wall'] / one:.2f}x | {run.get('target', '')} |")
     out += ["", f"Ray's outputs hold every id once, in order; minimum cosine against the single-process "
                 f"embeddings: {r['min_cosine_1']:.6f} (1 worker), {r['min_cosine_2']:.6f} (2 workers).", "",
             f"Machine: {r['cpus']} CPUs, {r['gpus']}. Ray {r['ray']}, head started with `ray start`."]
@@ -161,13 +144,19 @@ def main():
         make_lines(work / "lines.txt", args.lines, model / "vocab.txt")
         rows = write_shards(work / "lines.txt", work / "shards", args.shards, work / "all.parquet")
         runs = {}
-        wall, err = timed([sys.executable, "-m", "ftengine.cli", "encode", str(work / "all.parquet"), "-o",
-                           str(work / "single.parquet"), "--model", str(model), "--id-column", "id"], env)
-        m = ENCODE_SUMMARY.search(err)
-        tokens = int(m.group(2))
-        runs["single_process"] = dict(wall_s=round(wall, 2), rows_per_s_wall=round(rows / wall),
-                                      rows_per_s_job=int(m.group(4)))
-        print(json.dumps({"single_process": runs["single_process"]}), flush=True)
+        share = os.cpu_count() // gpus  # one worker's CPUs: its GPU's share of the machine (the CLI's default)
+        for name, label, extra in (
+                ("single_process", "`ftengine encode`: one process, one GPU, all CPUs", {}),
+                ("single_process_share", f"`ftengine encode`: one process, one GPU, tokeniser on {share} threads",
+                 {"RAYON_NUM_THREADS": str(share)})):
+            wall, err = timed([sys.executable, "-m", "ftengine.cli", "encode", str(work / "all.parquet"), "-o",
+                               str(work / "single.parquet"), "--model", str(model), "--id-column", "id"],
+                              {**env, **extra})
+            m = ENCODE_SUMMARY.search(err)
+            tokens = int(m.group(2))
+            runs[name] = dict(label=label, wall_s=round(wall, 2), rows_per_s_wall=round(rows / wall),
+                              rows_per_s_job=int(m.group(4)))
+            print(json.dumps({name: runs[name]}), flush=True)
         # the machine's own bound for two GPUs without Ray: two processes at once, one per GPU, half the rows each
         half = rows // 2
         import pyarrow.parquet as pq
@@ -175,44 +164,43 @@ def main():
         for i, part in enumerate((table.slice(0, half), table.slice(half))):
             pq.write_table(part, work / f"half{i}.parquet", row_group_size=65536)
         del table
-        for threads in ("", "16"):
-            name = "two_processes" + ("_16_tokenizer_threads" if threads else "")
-            runs[name] = two_processes(work, model, {**env, **({"RAYON_NUM_THREADS": threads} if threads else {})}, rows)
-            print(json.dumps({name: runs[name]}), flush=True)
+        runs["two_processes"] = dict(two_processes(work, model, {**env, "RAYON_NUM_THREADS": str(share)}, rows),
+                                     label=f"two `ftengine encode` processes at once, one per GPU, half the rows "
+                                           f"each, tokeniser on {share} threads each (no Ray)")
+        print(json.dumps({"two_processes": runs["two_processes"]}), flush=True)
         cosines = {}
-        for config in CONFIGS:
-            port = free_port()
-            head_env = {**env, **config.get("env", {})}  # Ray's workers inherit the head's environment
-            start = subprocess.run([ray_exe, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                                    f"--num-gpus={gpus}", "--include-dashboard=false", "--disable-usage-stats"],
-                                   capture_output=True, text=True, env=head_env)
-            if start.returncode != 0:
-                raise SystemExit(start.stderr)
-            try:
-                for workers in config["workers"]:
-                    out = work / f"ray{workers}"
-                    wall, err = timed([sys.executable, "-m", "ftengine.cli", "encode-dataset", str(work / "shards"),
-                                       "-o", str(out), "--model", str(model), "--id-column", "id", "--workers",
-                                       str(workers), "--gpus-per-worker", "1", "--batch-rows", str(config["batch_rows"]),
-                                       "--batches-per-worker", str(config["batches"]),
-                                       "--ray-address", f"127.0.0.1:{port}"], env)
-                    m = RAY_SUMMARY.search(err)
-                    assert int(m.group(1)) == rows, err[-2000:]
-                    name = f"ray_{workers}_worker{'s' if workers > 1 else ''}{config['suffix']}"
-                    runs[name] = dict(label=f"`encode-dataset`, {workers} GPU worker{'s' if workers > 1 else ''}",
-                                      wall_s=round(wall, 2), rows_per_s_wall=round(rows / wall),
-                                      rows_per_s_job=int(m.group(4)), batch_rows=config["batch_rows"],
-                                      batches_per_worker=config["batches"], env=config.get("env", {}))
-                    print(json.dumps({name: runs[name]}), flush=True)
-                    if not config["suffix"]:
-                        cosines[workers] = check_same(work / "single.parquet", out)
-                    shutil.rmtree(out)
-            finally:
-                subprocess.run([ray_exe, "stop", "--force"], capture_output=True, env=env)
+        port = free_port()
+        start = subprocess.run([ray_exe, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                                f"--num-gpus={gpus}", "--include-dashboard=false", "--disable-usage-stats"],
+                               capture_output=True, text=True, env=env)
+        if start.returncode != 0:
+            raise SystemExit(start.stderr)
+        try:
+            for workers, cpus in ((1, None), (2, None), (1, os.cpu_count())):
+                out = work / f"ray{workers}"
+                wall, err = timed([sys.executable, "-m", "ftengine.cli", "encode-dataset", str(work / "shards"),
+                                   "-o", str(out), "--model", str(model), "--id-column", "id", "--workers",
+                                   str(workers), "--gpus-per-worker", "1", "--ray-address", f"127.0.0.1:{port}",
+                                   *(["--cpus-per-worker", str(cpus)] if cpus else [])], env)
+                m = RAY_SUMMARY.search(err)
+                assert int(m.group(1)) == rows, err[-2000:]
+                name = f"ray_{workers}_worker{'s' if workers > 1 else ''}" + ("_all_cpus" if cpus else "")
+                runs[name] = dict(label=f"`encode-dataset`, {workers} GPU worker{'s' if workers > 1 else ''}"
+                                        + (f", {cpus} CPUs" if cpus else ""),
+                                  wall_s=round(wall, 2), rows_per_s_wall=round(rows / wall),
+                                  rows_per_s_job=int(m.group(4)))
+                if name == "ray_2_workers":
+                    runs[name]["target"] = f">= {TARGET_SPEEDUP}x"
+                print(json.dumps({name: runs[name]}), flush=True)
+                if not cpus:
+                    cosines[workers] = check_same(work / "single.parquet", out)
+                shutil.rmtree(out)
+        finally:
+            subprocess.run([ray_exe, "stop", "--force"], capture_output=True, env=env)
         speedup = runs["ray_2_workers"]["rows_per_s_wall"] / runs["ray_1_worker"]["rows_per_s_wall"]
         result = dict(date=str(date.today()), device=f"{gpus} x {', '.join(names)}", gpus=f"{gpus} x {names[0]}",
-                      cpus=os.cpu_count(), rows=rows, shards=args.shards, tokens=tokens, runs=runs,
-                      speedup_2_vs_1=round(speedup, 3), target_speedup=TARGET_SPEEDUP,
+                      cpus=os.cpu_count(), cpus_per_worker=share, rows=rows, shards=args.shards, tokens=tokens,
+                      runs=runs, speedup_2_vs_1=round(speedup, 3), target_speedup=TARGET_SPEEDUP,
                       min_cosine_1=cosines[1], min_cosine_2=cosines[2], ray=ray.__version__,
                       versions=f"python {platform.python_version()}, cupy {cupy.__version__}, "
                                f"pyarrow {pyarrow.__version__}, ray {ray.__version__}")

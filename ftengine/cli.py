@@ -22,7 +22,7 @@ from .backends import DEVICES
 from .encoder import DTYPES, EncodeStats
 from .errors import InputError
 from .output import PRECISIONS, calibration_ranges, needs_ranges, output_dtype
-from .records import INPUT_FORMATS, input_format, open_records
+from .records import INPUT_FORMATS, embed_records, input_format, open_records
 from .textio import FORMATS, EmbeddingWriter, check_writable, iter_lines, output_format, read_lines
 
 
@@ -155,10 +155,8 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
                     EmbeddingWriter(output, fmt, encoder.output_dim(pooling, dimensions=dimensions, precision=precision),
                                     output_dtype(precision), key_name=records.key_name,
                                     key_type=records.key_type) as writer:
-                for chunk in encoder.encode_stream(records.texts, batch_tokens=batch_tokens, pooling=pooling,
-                                                   normalize=normalize, truncate=truncate, stats=stats,
-                                                   progress=bar.update, **post):
-                    writer.write(chunk, records.take_keys(len(chunk)))
+                embed_records(encoder, records, writer, batch_tokens=batch_tokens, pooling=pooling,
+                              normalize=normalize, truncate=truncate, stats=stats, progress=bar.update, **post)
             stats.seconds = time.perf_counter() - start
             encoder.close()
     except FtengineError as e:
@@ -193,7 +191,8 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
 @click.option("--text-column", "--text-field", "text_column", default="text", show_default=True,
               help="The column (JSONL: field) holding the text.")
 @click.option("--id-column", "--id-field", "id_column", default=None,
-              help="A column carried to the output as each row's key (default: `row`, its number in its file from 1).")
+              help="A column carried to the output as each row's key (default: as encode, the line number for "
+                   "JSONL, the row number for CSV/TSV/Parquet).")
 @click.option("--model", "model_path", default=None,
               help="Model folder, readable by every worker. Default: the installed all-MiniLM-L6-v2.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
@@ -215,24 +214,23 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
                    "cluster's GPUs allow, or 1 without GPUs.")
 @click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=None,
               help="GPUs per worker; 0 runs the workers on the CPU. Default: 1 if the cluster has GPUs, else 0.")
-@click.option("--cpus-per-worker", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="CPUs Ray reserves per worker (leave some for the readers).")
-@click.option("--batch-rows", type=click.IntRange(min=1), default=16384, show_default=True,
-              help="Rows per batch handed to a worker.")
-@click.option("--batches-per-worker", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Batches a worker holds at once (its engine packs them together).")
+@click.option("--cpus-per-worker", type=click.FloatRange(min=0), default=None,
+              help="CPUs per worker, which its tokeniser uses (threads). Default: a GPU worker's share of its "
+                   "machine's CPUs (CPUs x gpus-per-worker / GPUs), 1 for CPU workers.")
 @click.option("--quiet", is_flag=True, help="No progress and no summary.")
 def encode_dataset(input_path, output_dir, input_format_name, text_column, id_column, model_path, dtype,
                    batch_tokens, max_length, pooling, normalize, prompt_name, prompt, dimensions, ray_address,
-                   workers, gpus_per_worker, cpus_per_worker, batch_rows, batches_per_worker, quiet):
+                   workers, gpus_per_worker, cpus_per_worker, quiet):
     """Embed a dataset of Parquet, JSONL, CSV or TSV files (a folder, a glob, or one file) on a Ray
-    cluster, one Parquet file out per file in. A file whose output exists is skipped, so a
-    re-run after an interruption does only the rest. Needs the ray and data extras:
+    cluster, one Parquet file out per file in, each written by the worker that embeds it (the
+    output folder must be writable at the same path by every worker). Work is shared out by
+    file: give at least as many files as workers. A file whose output exists is skipped, so a
+    re-run after an interruption does only the rest. Needs the ray extra:
     pip install 'ftengine[ray]'."""
     try:
         import ray
-        import ray.data
-        from .integrations.ray import check_shards, encode_dataset as run_job, ftengine_error_in, plan_shards
+        from .integrations.ray import (check_shards, default_cpus_per_worker, encode_dataset as run_job,
+                                       ftengine_error_in, plan_shards)
     except ImportError as e:
         _fail(f"ftengine encode-dataset needs the ray extra (pip install 'ftengine[ray]'): {e}")
     try:
@@ -256,7 +254,6 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
         except (ConnectionError, ValueError) as e:
             _fail(f"cannot join the Ray cluster{f' at {ray_address}' if ray_address else ''}: {e}")
     if todo:
-        ray.data.DataContext.get_current().enable_progress_bars = not quiet and sys.stderr.isatty()
         gpus = ray.cluster_resources().get("GPU", 0)
         if gpus_per_worker is None:
             gpus_per_worker = 1.0 if gpus else 0.0
@@ -265,13 +262,18 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
         if gpus_per_worker and workers * gpus_per_worker > gpus:
             _fail(f"{workers} workers x {gpus_per_worker:g} GPUs need {workers * gpus_per_worker:g} GPUs; the Ray "
                   f"cluster has {gpus:g} (see --workers, --gpus-per-worker)")
+        if cpus_per_worker is None:
+            cpus_per_worker = default_cpus_per_worker(gpus_per_worker)
     embedder = dict(model=model_path, dtype=dtype, batch_tokens=batch_tokens, max_length=max_length, pooling=pooling,
                     normalize=normalize, prompt_name=prompt_name, prompt=prompt, dimensions=dimensions)
-    with _exits_when_stopped(note=" (finished files are kept; run again to do the rest)"):
+    from tqdm import tqdm
+    with _exits_when_stopped(note=" (finished files are kept; run again to do the rest)"), \
+            tqdm(unit="row", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar:
         try:
             stats = run_job(shards, fmt, text_column=text_column, id_column=id_column, workers=workers or 1,
-                            gpus_per_worker=gpus_per_worker or 0.0, cpus_per_worker=cpus_per_worker,
-                            batch_rows=batch_rows, batches_per_worker=batches_per_worker, embedder=embedder)
+                            gpus_per_worker=gpus_per_worker or 0.0,
+                            cpus_per_worker=1.0 if cpus_per_worker is None else cpus_per_worker,
+                            embedder=embedder, progress=bar.update)
         except Exception as e:
             cause = ftengine_error_in(e)
             if cause is None:

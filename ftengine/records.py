@@ -57,6 +57,13 @@ class Records:
         return [self.keys.popleft() for _ in range(n)]
 
 
+def embed_records(encoder, records: Records, writer, **options):
+    """Every record's embedding through `writer` (an EmbeddingWriter), with its key, as the
+    encoder's stream yields them; `options` go to encoder.encode_stream."""
+    for chunk in encoder.encode_stream(records.texts, **options):
+        writer.write(chunk, records.take_keys(len(chunk)))
+
+
 def open_records(path: str, fmt: str, *, text_field: str = "text", id_field: str | None = None,
                  errors: str = "strict") -> Records:
     """The records of `path` ('-': stdin, not for Parquet) in format `fmt`. The file is opened,

@@ -130,7 +130,7 @@ def test_four_parquet_shards_two_workers_equal_single_process(ray_cluster, st_mo
     shards = write_shards(tmp_path / "in", [700, 0, 1300, 450])
     out = tmp_path / "out"
     r = encode_dataset(ray_cluster, tmp_path / "in", "-o", out, "--model", st_model, "--id-column", "doc",
-                       "--batch-rows", "200", *CPU_WORKERS)
+                       *CPU_WORKERS)
     assert r.returncode == 0, r.stderr
     assert "2450 rows from 4 files, 0 files already done" in r.stderr
     assert sorted(p.name for p in out.iterdir()) == [f"part-{s}.parquet" for s in range(4)]
@@ -139,13 +139,14 @@ def test_four_parquet_shards_two_workers_equal_single_process(ray_cluster, st_mo
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv"])
-def test_jsonl_and_csv_shards_with_row_numbers(ray_cluster, st_model, tmp_path, fmt):
+def test_jsonl_and_csv_shards_with_line_and_row_numbers(ray_cluster, st_model, tmp_path, fmt):
     shards = write_shards(tmp_path / "in" / "nested", [300, 250], fmt=fmt, seed=7)
     out = tmp_path / "out"
     r = encode_dataset(ray_cluster, str(tmp_path / "in" / "**" / f"*.{fmt}"), "-o", out, "--model", st_model,
-                       "--batch-rows", "128", "--workers", "1", "--cpus-per-worker", "0.5")
+                       "--workers", "1", "--cpus-per-worker", "0.5")
     assert r.returncode == 0, r.stderr
-    check_against_single_process(st_model, out, shards, key="row")
+    # keys as `ftengine encode` numbers them: JSONL lines, CSV rows
+    check_against_single_process(st_model, out, shards, key="line" if fmt == "jsonl" else "row")
 
 
 def test_embedder_in_map_batches_for_each_batch_format(ray_cluster, st_model):
@@ -171,13 +172,13 @@ def test_embedder_in_map_batches_for_each_batch_format(ray_cluster, st_model):
 
 
 def _worker_pids() -> list:
-    """Processes of Ray actors running FtengineEmbedder (Ray names them after the class)."""
+    """Processes of encode-dataset's Ray actors (Ray names them after the class, ShardEncoder)."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"FtengineEmbedder" in f.read():
+                    if b"ShardEncoder" in f.read():
                         pids.append(int(entry))
             except OSError:
                 pass
@@ -199,7 +200,7 @@ def test_killed_worker_job_completes_every_row_once(ray_cluster, st_model, tmp_p
     shards = write_shards(tmp_path / "in", [4000, 4000, 4000, 4000], seed=3)
     out = tmp_path / "out"
     proc = encode_dataset(ray_cluster, tmp_path / "in", "-o", out, "--model", st_model, "--id-column", "doc",
-                          "--batch-rows", "100", *CPU_WORKERS, wait=False)
+                          *CPU_WORKERS, wait=False)
     try:
         assert _wait_for(lambda: len(_worker_pids()) >= 2, 120, proc), "the workers did not start"
         # the first file is being written: work is under way, most of it still to do
@@ -208,7 +209,7 @@ def test_killed_worker_job_completes_every_row_once(ray_cluster, st_model, tmp_p
         before = set(_worker_pids())
         victim = min(before)
         os.kill(victim, signal.SIGKILL)
-        # Ray restarts the actor in a new process (and runs the lost batches again)
+        # Ray restarts the actor in a new process (and gives it its file again)
         restarted = _wait_for(lambda: set(_worker_pids()) - before, 120, proc)
         stdout, stderr = proc.communicate(timeout=600)
     finally:
@@ -223,7 +224,7 @@ def test_killed_worker_job_completes_every_row_once(ray_cluster, st_model, tmp_p
 def test_interrupted_job_resumes_with_the_rest(ray_cluster, st_model, tmp_path):
     shards = write_shards(tmp_path / "in", [3000, 3000, 3000, 3000], seed=5)
     out = tmp_path / "out"
-    args = (tmp_path / "in", "-o", out, "--model", st_model, "--id-column", "doc", "--batch-rows", "100", *CPU_WORKERS)
+    args = (tmp_path / "in", "-o", out, "--model", st_model, "--id-column", "doc", *CPU_WORKERS)
     proc = encode_dataset(ray_cluster, *args, wait=False)
     try:
         assert _wait_for(lambda: (out / "part-0.parquet").exists(), 300, proc), "no shard finished"
@@ -257,13 +258,14 @@ def test_bad_dataset_input_is_one_line(ray_cluster, st_model, tmp_path):
     pq.write_table(pa.table({"text": ["fine", None, "x"]}), folder / "part-2.parquet")
     r = encode_dataset(ray_cluster, folder, "-o", out, "--model", st_model, *CPU_WORKERS)
     assert r.returncode == 1 and "part-2.parquet, row 2: column 'text' is null, not a string" in r.stderr, r.stderr
-    # past the rows checked before the job starts, a worker finds it
+    # past the rows checked before the job starts, a worker finds it, and names its row
     pq.write_table(pa.table({"text": ["fine"] * 9000 + [None]}), folder / "part-2.parquet")
-    r = encode_dataset(ray_cluster, folder, "-o", out, "--model", st_model, "--batch-rows", "1000", *CPU_WORKERS)
+    r = encode_dataset(ray_cluster, folder, "-o", out, "--model", st_model, *CPU_WORKERS)
     assert r.returncode == 1, r.stderr
-    assert re.search(r"part-2\.parquet \(batch row \d+\): column 'text' holds null, not a string", r.stderr), r.stderr
+    assert re.search(r"part-2\.parquet, row 9001: column 'text' is null, not a string", r.stderr), r.stderr
     assert "Traceback" not in r.stderr
     assert not (out / "part-2.parquet").exists()
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # the stopped workers' files removed
     r = encode_dataset(ray_cluster, folder, "-o", folder, "--model", st_model, *CPU_WORKERS)
     assert r.returncode == 1 and "would overwrite it" in r.stderr
 
@@ -285,7 +287,7 @@ def test_gpu_workers_equal_single_process(st_model, tmp_path, workers):
     assert start.returncode == 0, start.stderr
     try:
         r = encode_dataset(f"127.0.0.1:{port}", tmp_path / "in", "-o", out, "--model", st_model, "--id-column", "doc",
-                           "--batch-rows", "512", env=env)
+                           env=env)
     finally:
         subprocess.run([str(exe), "stop", "--force"], capture_output=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr

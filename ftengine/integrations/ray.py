@@ -18,7 +18,6 @@ dies and runs its batches again, so a lost worker costs time, not rows. Needs th
 from __future__ import annotations
 
 import glob
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -26,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..encoder import Encoder
+from ..encoder import Encoder, EncodeStats
 from ..errors import FtengineError, InputError
-from ..records import open_records
+from ..records import embed_records, open_records
 from ..textio import EmbeddingWriter
 
 PATH_COLUMN = "path"  # the source file of each row, where the dataset was read with include_paths=True
@@ -191,158 +190,106 @@ def _shard_format(path: str) -> str | None:
     return _SHARD_EXTENSIONS.get(os.path.splitext(path)[1].lower())
 
 
-def _read(fmt: str, paths: list, text_column: str, id_column: str | None):
-    """The shards as one Ray dataset of the text (and id) column with each row's source path."""
-    import pyarrow as pa
-    import ray.data
-    columns = [text_column] + ([id_column] if id_column is not None and id_column != text_column else [])
-    common = dict(include_paths=True, partitioning=None, file_extensions=None)
-    if fmt == "parquet":
-        return ray.data.read_parquet(paths, columns=columns, **common)
-    if fmt == "jsonl":
-        return ray.data.read_json(paths, **common).select_columns(columns + [PATH_COLUMN])
-    from pyarrow import csv
-    return ray.data.read_csv(
-        paths, parse_options=csv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", newlines_in_values=True),
-        convert_options=csv.ConvertOptions(include_columns=columns, column_types={c: pa.string() for c in columns},
-                                           strings_can_be_null=False, quoted_strings_can_be_null=False),
-        **common)
+class ShardEncoder:
+    """The worker of `encode-dataset`, run as a Ray actor: it loads the model once, then embeds
+    whole input files, each read and written as `ftengine encode FILE -o OUT.parquet` does (the
+    records streamed through the encoder, the output written beside its target and renamed into
+    place when complete), so a worker's tokeniser and device stay busy for a whole file and
+    its rows never cross the object store."""
+
+    def __init__(self, fmt: str, text_column: str, id_column: str | None, embedder: dict):
+        self.fmt, self.text_column, self.id_column = fmt, text_column, id_column
+        self.error = None
+        try:
+            self.embedder = FtengineEmbedder(**embedder, text_column=text_column)
+        except FtengineError as e:  # raised by each call: an actor whose constructor fails dies without its message
+            self.error = e
+
+    def encode_shard(self, source: str, target: str) -> tuple[int, int]:
+        """Embed `source` into the Parquet file `target`; (rows, tokens)."""
+        if self.error is not None:
+            raise self.error
+        e = self.embedder
+        records = open_records(source, self.fmt, text_field=self.text_column, id_field=self.id_column)
+        stats = EncodeStats()
+        with EmbeddingWriter(target, "parquet", e.dim, key_name=records.key_name, key_type=records.key_type) as writer:
+            embed_records(e.encoder, records, writer, truncate=e.truncate, stats=stats, **e.options)
+        return stats.lines, stats.tokens
+
+
+STOP_WAIT_SECONDS = 30  # after a failure or an interruption, how long the driver waits for killed workers to go
+
+
+def default_cpus_per_worker(gpus_per_worker: float) -> float:
+    """A GPU worker's share of its machine's CPUs (the smallest share any machine with GPUs
+    gives), at least 1; 1 for CPU workers. Needs ray.init()."""
+    import ray
+    if not gpus_per_worker:
+        return 1.0
+    shares = [node["Resources"].get("CPU", 0) * gpus_per_worker / node["Resources"]["GPU"]
+              for node in ray.nodes() if node["Alive"] and node["Resources"].get("GPU")]
+    return float(max(1, int(min(shares)))) if shares else 1.0
 
 
 def encode_dataset(shards: list[Shard], fmt: str, *, text_column: str = "text", id_column: str | None = None,
                    workers: int = 1, gpus_per_worker: float = 1.0, cpus_per_worker: float = 1.0,
-                   batch_rows: int = 16384, batches_per_worker: int = 1, embedder: dict | None = None,
-                   progress=None) -> DatasetStats:
-    """Embed the shards not yet done on the Ray cluster this process is connected to: read with
-    Ray Data, embedded by `workers` FtengineEmbedder actors, each with `gpus_per_worker` GPUs
-    (0: on the CPU) and `batches_per_worker` batches of `batch_rows` in flight, and written
-    here, one Parquet file per shard: the key column (`id_column`,
-    or `row`, the row's number in its shard from 1) and `embedding`. Each file is written
-    beside its target and renamed into place when its last row is in, so an interrupted job
-    leaves finished shards only, and a re-run does the rest. `progress(n)`: n more rows written."""
-    import ray.data
+                   embedder: dict | None = None, progress=None) -> DatasetStats:
+    """Embed the shards not yet done on the Ray cluster this process is connected to: `workers`
+    ShardEncoder actors, each with `gpus_per_worker` GPUs (0: on the CPU) and `cpus_per_worker`
+    CPUs (its tokeniser's threads), take the files one at a time and write one Parquet file per
+    shard: the key column (`id_column`, or the line / row number as `ftengine encode` numbers
+    them) and `embedding`. Ray restarts a worker that dies and gives it its file again; a file
+    is renamed into place only when complete, so an interrupted job leaves finished shards
+    only, and a re-run does the rest. `progress(n)`: a shard of n rows written."""
+    import ray
     start = time.perf_counter()
     stats = DatasetStats(shards_skipped=sum(s.done for s in shards))
     pending = [s for s in shards if not s.done]
     if not pending:
         return stats
-    kwargs = dict(embedder or {}, text_column=text_column, embedding_column="embedding")
+    _remove_partial_files(pending)  # of workers killed in an earlier job
+    for shard in pending:
+        os.makedirs(os.path.dirname(shard.target), exist_ok=True)
+    kwargs = dict(embedder or {})
     if gpus_per_worker == 0:
         kwargs.setdefault("device", "cpu")
-    # a dataset keeps the context of its creation; each shard's rows must arrive together, in order
-    context = ray.data.DataContext.get_current()
-    context.execution_options.preserve_order = True
-    context.raise_original_map_exception = True  # the worker's InputError, not a generic wrapper
-    ds = _read(fmt, [s.source for s in pending], text_column, id_column)
-    # one batch a block, so that every worker has blocks to take (a read task may cover many files)
-    ds = ds.repartition(target_num_rows_per_block=batch_rows)
-    ds = ds.map_batches(FtengineEmbedder, fn_constructor_kwargs=kwargs, batch_format="pyarrow",
-                        batch_size=batch_rows, num_gpus=gpus_per_worker, num_cpus=cpus_per_worker,
-                        compute=ray.data.ActorPoolStrategy(size=workers,
-                                                           max_concurrent_calls_per_actor=batches_per_worker))
-    writers = _ShardWriters(pending, id_column)
-    # a failed task is raised here, once; Ray Data's own log of it would repeat it as a traceback
-    data_log = logging.getLogger("ray.data")
-    level = data_log.level
-    data_log.setLevel(logging.CRITICAL)
+    threads = str(max(1, int(cpus_per_worker)))
+    worker = ray.remote(ShardEncoder).options(
+        num_gpus=gpus_per_worker, num_cpus=cpus_per_worker, max_restarts=-1, max_task_retries=-1,
+        runtime_env={"env_vars": {"RAYON_NUM_THREADS": threads}})
+    actors = [worker.remote(fmt, text_column, id_column, kwargs) for _ in range(min(workers, len(pending)))]
+    idle, todo, running = list(actors), list(reversed(pending)), {}
     try:
-        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            stats.rows += writers.write(batch)
+        while todo or running:
+            while idle and todo:
+                shard, actor = todo.pop(), idle.pop()
+                running[actor.encode_shard.remote(shard.source, shard.target)] = actor
+            (ref,), _ = ray.wait(list(running), num_returns=1)
+            idle.append(running.pop(ref))
+            rows, _tokens = ray.get(ref)
+            stats.rows += rows
+            stats.shards_written += 1
             if progress is not None:
-                progress(batch.num_rows)
-        writers.finish(kwargs)
-    except BaseException:
-        writers.discard()
-        raise
+                progress(rows)
     finally:
-        data_log.setLevel(level)
-    stats.shards_written = len(pending)
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        if running:  # a failure or an interruption: let the killed workers go before their files are removed
+            ray.wait(list(running), num_returns=len(running), timeout=STOP_WAIT_SECONDS)
+        _remove_partial_files(pending)
     stats.seconds = time.perf_counter() - start
     return stats
 
 
-class _ShardWriters:
-    """Rows coming back in shard order -> one committed Parquet file per shard."""
-
-    def __init__(self, pending: list[Shard], id_column: str | None):
-        self.pending = pending
-        self.by_source = {os.path.realpath(s.source): s for s in pending}
-        self.id_column = id_column
-        self.position = 0          # shards before this one in self.pending are committed
-        self.current = None        # (shard, writer) of the shard being written
-        self.dim = None
-        self.key_type = None
-
-    def write(self, batch) -> int:
-        """Write a batch (rows of one or more shards, in order); its row count."""
-        paths = batch.column(PATH_COLUMN).to_pylist()
-        begin = 0
-        for i in range(1, len(paths) + 1):
-            if i == len(paths) or paths[i] != paths[begin]:
-                self._write_run(batch.slice(begin, i - begin), self._shard_of(paths[begin]))
-                begin = i
-        return len(paths)
-
-    def _write_run(self, part, shard: Shard):
-        import pyarrow.compute as pc
-        embeddings = part.column("embedding")
-        self.dim = embeddings.type.list_size
-        if self.id_column is not None:
-            self.key_type = part.column(self.id_column).type
-        values = pc.list_flatten(embeddings).to_numpy(zero_copy_only=False).reshape(-1, self.dim)
-        # without an id column the writer numbers the shard's rows from 1
-        keys = None if self.id_column is None else part.column(self.id_column).to_pylist()
-        self._writer_for(shard).write(values, keys)
-
-    def _shard_of(self, path: str) -> Shard:
-        shard = self.by_source.get(os.path.realpath(path))
-        if shard is None:
-            raise InputError(f"Ray returned rows of {path}, which is not one of this job's inputs")
-        return shard
-
-    def _writer_for(self, shard: Shard):
-        if self.current is not None and self.current[0] is shard:
-            return self.current[1]
-        index = self.pending.index(shard)
-        if index < self.position:
-            raise InputError(f"rows of {shard.source} came back after its file was finished")
-        self._commit_current()
-        self._write_empty(self.pending[self.position:index])  # shards with no rows: Ray returns nothing for them
-        self.position = index
-        self.current = (shard, self._open(shard))
-        return self.current[1]
-
-    def _open(self, shard: Shard):
-        import pyarrow as pa
-        os.makedirs(os.path.dirname(shard.target), exist_ok=True)
-        writer = EmbeddingWriter(shard.target, "parquet", self.dim, key_name=self.id_column or "row",
-                                 key_type=self.key_type or (pa.string() if self.id_column else None))
-        return writer.__enter__()
-
-    def _commit_current(self):
-        if self.current is not None:
-            self.current[1].__exit__(None, None, None)
-            self.current = None
-            self.position += 1
-
-    def _write_empty(self, shards: list):
-        for shard in shards:
-            self._open(shard).__exit__(None, None, None)
-
-    def finish(self, embedder: dict):
-        self._commit_current()
-        if self.position < len(self.pending):
-            if self.dim is None:  # not one row in the whole job: the model says how wide rows are
-                probe = FtengineEmbedder(**dict(embedder, device="cpu", dtype=None))
-                self.dim = probe.dim
-                probe.encoder.close()
-            self._write_empty(self.pending[self.position:])
-            self.position = len(self.pending)
-
-    def discard(self):
-        if self.current is not None:
-            self.current[1].__exit__(RuntimeError, RuntimeError("discarded"), None)
-            self.current = None
+def _remove_partial_files(shards: list[Shard]):
+    """The temporary files that killed workers left beside the shards' targets."""
+    for shard in shards:
+        folder, name = os.path.split(shard.target)
+        for path in glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.*.tmp")):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def ftengine_error_in(error: BaseException):
