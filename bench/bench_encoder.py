@@ -206,13 +206,14 @@ OP_NAMES = ("matmul", "batched_matmul", "embed_layernorm", "add_qkv_bias_split_h
 class RecordedOps:
     """The CUDA ops module, also recording every op call (label, function, arguments)."""
 
-    def __init__(self, ops):
+    def __init__(self, ops, names=OP_NAMES):
         self._ops = ops
+        self._names = names
         self.calls = []
 
     def __getattr__(self, name):
         fn = getattr(self._ops, name)
-        if name not in OP_NAMES:
+        if name not in self._names:
             return fn
 
         def recorded(*args, **kwargs):

@@ -72,7 +72,8 @@ __global__ void residual_layernorm(T* hidden, T* __restrict__ normed, const T* _
     layernorm_row_store<T, VEC, ITEMS>(normed + base, v, valid, gamma, beta, H, eps, scratch);
 }
 
-// Token t's key and value (+ bias) -> cache[seq_ids[t], head, positions[t], :], caches (B, heads, L, D).
+// Token t's key and value (+ bias) -> cache[seq_ids[t], head, positions[t], :], caches (B, heads, L, D);
+// a token of sequence -1 (prefill padding) writes nothing.
 // grid (T), each thread VEC elements of the 2E key|value columns.
 template <typename T, int VEC>
 __global__ void write_kv_cache(T* __restrict__ k_cache, T* __restrict__ v_cache, const T* __restrict__ qkv,
@@ -81,6 +82,7 @@ __global__ void write_kv_cache(T* __restrict__ k_cache, T* __restrict__ v_cache,
     const int E = heads * D;
     const long t = blockIdx.x;
     const long b = seq_ids[t], pos = positions[t];
+    if (b < 0) return;  // a padding token: no cache row
     for (int c = threadIdx.x * VEC; c < 2 * E; c += blockDim.x * VEC) {
         const int which = c / E, within = c - which * E, head = within / D, d = within - head * D;
         float a[VEC], bb[VEC];

@@ -335,11 +335,11 @@ __global__ void __launch_bounds__(CHOOSE_THREADS) choose_tokens(
     if (threadIdx.x == 0) out[b] = min(pick, last);
 }
 
-// seen (B, V): seen[rows[i], tokens[i]] = 1 for the n tokens just fed.
+// seen (B, V): seen[rows[i], tokens[i]] = 1 for the n tokens just fed (row -1: padding, skipped).
 __global__ void mark_seen(unsigned char* __restrict__ seen, const int* __restrict__ tokens,
                           const int* __restrict__ rows, int n, int V) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-        seen[(long)rows[i] * V + tokens[i]] = 1;
+        if (rows[i] >= 0) seen[(long)rows[i] * V + tokens[i]] = 1;  // row -1: a padding token
 }
 
 // After choose_tokens, one block: history[step, b] = chosen[b] (-2 for a row finished earlier);

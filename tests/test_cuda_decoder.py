@@ -10,6 +10,7 @@ from ftengine.config import load_gpt2_config
 from ftengine.decoding.generate import GenerationParams, stream_tokens
 from ftengine.models.gpt2 import GPT2Runner
 from tests.test_cuda_ops import DTYPES, assert_close, assert_close_host, ints, poisoned, quantize
+from tests.tolerances import GPU_FP32_REL
 from weights.fixtures import write_gpt2_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -77,6 +78,28 @@ def test_kv_cache_and_attention_every_cache_length(cu, rng, dtype, heads, d):
         cu.cached_attention(out, qkv, bias, k, v, ints(cu, seq), ints(cu, pos), heads=heads)
         ref.cached_attention(expected, qkvh, biash, k_ref, v_ref, seq, pos, heads=heads)
         assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padding_tokens_write_no_cache_row_and_mark_nothing(cu, rng, dtype):
+    """A prefill's padding tokens (sequence -1) leave every cache row and the seen bitmap as they
+    were; the real tokens among them are written as the reference writes them."""
+    heads, d, length, batch, vocab = 4, 64, 32, 3, 50
+    e, shape = heads * d, (batch, heads, length, d)
+    (k, k_ref), (v, v_ref) = (quantize(cu, rng.standard_normal(shape), dtype) for _ in range(2))
+    seq, pos = np.array([0, 0, 2, -1, -1, 1, -1]), np.array([0, 1, 0, 0, 0, 5, 0])
+    qkv, qkvh = quantize(cu, rng.standard_normal((len(seq), 3 * e)), dtype)
+    bias, biash = quantize(cu, 0.3 * rng.standard_normal(3 * e), dtype)
+    cu.write_kv_cache(k, v, qkv, bias, ints(cu, seq), ints(cu, pos), heads=heads)
+    ref.write_kv_cache(k_ref, v_ref, qkvh, biash, seq, pos, heads=heads)
+    for stored, expected in ((cu.to_host(k), k_ref), (cu.to_host(v), v_ref)):
+        assert_close_host(stored.astype(np.float32), expected, dtype)
+    tokens = rng.integers(0, vocab, len(seq))
+    seen = cu.to_device(np.zeros((batch, vocab), np.uint8))
+    expected_seen = np.zeros((batch, vocab), np.uint8)
+    cu.mark_seen(seen, ints(cu, tokens), ints(cu, seq))
+    ref.mark_seen(expected_seen, tokens, seq)
+    assert expected_seen.sum() == 4 and np.array_equal(cu.to_host(seen), expected_seen)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -186,6 +209,31 @@ def test_cuda_and_numpy_sample_the_same_tokens_fp32(cu, gpt2):
     prompts = _prompts(257, seed=3)[:3]
     kwargs = dict(max_new_tokens=16, do_sample=True, top_p=0.95, seed=5)
     assert _generate(gpt2, cu, "fp32", prompts, **kwargs) == _generate(gpt2, ref, "fp32", prompts, **kwargs)
+
+
+def test_prefill_graphs_replay_new_prompts_of_a_captured_shape(cu, gpt2):
+    """Prefills are padded to bucketed shapes and replayed from graphs: prompts of a shape seen
+    before (other lengths, other ids) give the NumPy backend's last-token logits, and a decode
+    step after each reads a cache the padding did not touch."""
+    config = load_gpt2_config(gpt2)
+    weights = load_gpt2_weights(gpt2, config)
+    runner = GPT2Runner(config, weights, cu, dtype="fp32", max_batch=4, max_len=config.n_positions)
+    reference = GPT2Runner(config, weights, ref, dtype="fp32", max_batch=4, max_len=config.n_positions)
+    rng = np.random.default_rng(11)
+    shapes = ([5, 17], [7, 13], [1, 2, 3], [64], [40, 30, 20], [6, 8])  # (64, 2, 64) three times
+    for lengths in shapes:
+        prompts = [rng.integers(0, config.vocab_size - 1, n).tolist() for n in lengths]
+        tokens, positions = rng.integers(0, config.vocab_size - 1, len(prompts)), np.array(lengths)
+        for r in (runner, reference):
+            r.prefill(prompts)
+        got, expected = runner.logits(len(prompts)), reference.logits(len(prompts))
+        scale = max(1.0, float(np.abs(expected).max()))
+        assert np.abs(got - expected).max() / scale <= GPU_FP32_REL, lengths
+        for r in (runner, reference):
+            r.decode(tokens, positions)
+        got, expected = runner.logits(len(prompts)), reference.logits(len(prompts))
+        assert np.abs(got - expected).max() / max(1.0, float(np.abs(expected).max())) <= GPU_FP32_REL, lengths
+    assert sorted(runner.prefill_graphs.graphs) == [(64, 1, 64), (64, 2, 64), (64, 4, 64), (128, 4, 64)]
 
 
 def _stream(path, ops, prompts, **kwargs):

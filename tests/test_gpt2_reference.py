@@ -13,7 +13,7 @@ from ftengine.errors import CheckpointError, InputError
 from ftengine.generator import Generator
 from ftengine.models.gpt2 import GPT2Runner
 from tests.hf_oracle import hf_gpt2
-from tests.tolerances import BEAM_SCORE_FP32, HF_FP32_MAX_ABS
+from tests.tolerances import BATCHING_INVARIANCE_FP32, BEAM_SCORE_FP32, HF_FP32_MAX_ABS
 from weights.fixtures import gpt2_config, random_gpt2_tensors, write_gpt2_checkpoint
 
 PROMPT_LENGTHS = [1, 5, 17, 3, 40, 9, 2, 28]
@@ -69,6 +69,27 @@ def test_prompt_logits_match_hf(gpt2, hf):
             ref = hf(torch.tensor([p])).logits[0, -1].numpy()
         assert np.abs(ref).max() > 1.0
         assert np.abs(ours[b] - ref).max() <= HF_FP32_MAX_ABS, f"prompt {b}"
+
+
+def test_padded_prefill_equals_the_unpadded_one(gpt2):
+    """The bucketed prefill the CUDA backend replays from graphs, run here on the NumPy backend:
+    padding tokens and empty prompts change neither the logits nor the cache (beyond the rounding
+    of matrix products over more rows) nor the seen tokens."""
+    plain, padded = _runner(gpt2), _runner(gpt2)
+    padded.bucket_prefill = True
+    prompts = _prompts(6, plain.config.vocab_size, [5, 17, 3])
+    for r in (plain, padded):
+        r.prefill(prompts)
+    assert np.abs(padded.logits(3) - plain.logits(3)).max() <= BATCHING_INVARIANCE_FP32
+    for i in range(plain.config.n_layer):
+        for ours, theirs in zip(padded._caches(i), plain._caches(i)):
+            for b, p in enumerate(prompts):
+                assert np.abs(ours[b, :, :len(p)] - theirs[b, :, :len(p)]).max() <= BATCHING_INVARIANCE_FP32, (i, b)
+    seen = (plain.max_batch, plain.config.vocab_size)
+    assert np.array_equal(padded.ws.view("seen", seen), plain.ws.view("seen", seen))
+    for r in (plain, padded):
+        r.decode([7, 8, 9], [5, 17, 3])
+    assert np.abs(padded.logits(3) - plain.logits(3)).max() <= BATCHING_INVARIANCE_FP32
 
 
 def test_decode_step_logits_match_hf(gpt2, hf):

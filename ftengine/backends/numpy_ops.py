@@ -482,12 +482,13 @@ def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):
 
 
 def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads):
-    """Token t's key and value (columns E..3E of qkv + bias) go to cache[seq_ids[t], :, positions[t]].
-    Caches (B, heads, L, D)."""
+    """Token t's key and value (columns E..3E of qkv + bias) go to cache[seq_ids[t], :, positions[t]];
+    tokens of sequence -1 (padding) are skipped. Caches (B, heads, L, D)."""
     e = qkv.shape[1] // 3
     x = (qkv + bias).reshape(-1, 3, heads, e // heads)                 # (T, 3, heads, D)
-    k_cache[seq_ids, :, positions] = x[:, 1]
-    v_cache[seq_ids, :, positions] = x[:, 2]
+    keep = seq_ids >= 0                                                # -1: a padding token, no cache row
+    k_cache[seq_ids[keep], :, positions[keep]] = x[keep, 1]
+    v_cache[seq_ids[keep], :, positions[keep]] = x[keep, 2]
 
 
 def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, heads, indir=None):
@@ -520,8 +521,9 @@ def zero(array):
 
 
 def mark_seen(seen, tokens, rows):
-    """seen (B, V): seen[rows[i], tokens[i]] = 1."""
-    seen[rows, tokens] = 1
+    """seen (B, V): seen[rows[i], tokens[i]] = 1, for rows[i] >= 0 (-1: a padding token)."""
+    keep = rows >= 0
+    seen[rows[keep], tokens[keep]] = 1
 
 
 def choose_tokens(out, logits, seen, eos, step, *, scratch, params, seq=None, lengths=None):

@@ -22,7 +22,7 @@ from ..decoding.beam import CANDIDATE_CHUNK, KEEP_MAX, NEG
 from ..decoding.generate import MAX_EOS_IDS
 from ..errors import InputError
 from ..workspace import Workspace
-from .bert import PACKED_HEAD_DIMS
+from .bert import PACKED_HEAD_DIMS, bucket_packed
 
 BEAM_FLOATS = ("run_scores", "fin_scores")
 BEAM_INTS = ("fin_len", "fin_flag", "next_ids", "next_pos")
@@ -45,6 +45,11 @@ class GPT2Runner:
         self.max_batch, self.max_len = max_batch, max_len
         ops.prepare_kernels(KERNEL_FILES, dtype)
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps, keyed by kind, batch and parameters
+        # prefills, keyed by their bucketed shape (tokens, prompts, longest): a prompt batch of a shape
+        # seen before replays a graph instead of ~110 launches from Python
+        self.prefill_graphs = ops.GraphCache(enabled=graphs)
+        # pad prefills to shared shapes where they are captured (the fused attention's head sizes)
+        self.bucket_prefill = graphs and ops.name == "cuda" and config.head_dim in PACKED_HEAD_DIMS
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.wte, self.wpe = up(weights.wte), up(weights.wpe)           # (V, E), (P, E)
         self.lm_head = self.wte if weights.lm_head is weights.wte else up(weights.lm_head)
@@ -56,8 +61,9 @@ class GPT2Runner:
         cache = b * c.n_head * max_len * c.head_dim
         table = {f"{kind}{i}": (cache, self.dtype) for i in range(c.n_layer) for kind in ("k", "v")}
         table.update({
-            "tokens": (3 * t, np.int32),          # prefill: ids, sequence index, position (T each)
-            "cu_seqlens": (b + 1, np.int32),      # prefill: prompt offsets
+            # prefill: ids, sequence index (-1: padding), position (T each), each prompt's last row (B),
+            # prompt offsets (B + 1)
+            "prefill_inputs": (3 * t + 2 * b + 1, np.int32),
             "hidden": (t * e, self.dtype),        # (T, E)
             "normed": (t * e, self.dtype),        # (T, E)
             "qkv": (t * 3 * e, self.dtype),       # (T, 3E)
@@ -65,7 +71,6 @@ class GPT2Runner:
             "proj": (t * e, self.dtype),          # (T, E)
             "inter": (t * c.n_inner, self.dtype),  # (T, I)
             "last": (b * e, self.dtype),          # (B, E): the rows whose logits are wanted
-            "rows": (b, np.int32),                # (B,)
             "logits": (b * v, np.float32),        # (B, V)
             "scores": (b * v, np.float32),        # (B, V): token choice scratch
             "seen": (b * v, np.uint8),            # (B, V): tokens fed so far (repetition penalty)
@@ -124,13 +129,17 @@ class GPT2Runner:
             gamma, beta = (after["ln1_gamma"], after["ln1_beta"]) if after else self.ln_f
             ops.residual_layernorm(hidden, normed, proj, w["proj_bias"], gamma, beta, eps=eps)
 
+    def _prefill_inputs(self, t: int, n: int) -> tuple:
+        """Views of ws prefill_inputs for t tokens and n prompts: ids, sequence indices, positions
+        (t each), last rows (n), offsets (n + 1)."""
+        flat = self.ws.view("prefill_inputs", (3 * t + 2 * n + 1,))
+        return flat[:t], flat[t:2 * t], flat[2 * t:3 * t], flat[3 * t:3 * t + n], flat[3 * t + n:]
+
     def _prefill_launches(self, t: int, n: int, max_len: int):
         ops, c, ws = self.ops, self.config, self.ws
-        tokens = ws.view("tokens", (3 * t,))
-        d_ids, d_seq, d_pos = tokens[:t], tokens[t:2 * t], tokens[2 * t:]
+        d_ids, d_seq, d_pos, rows, cu_seqlens = self._prefill_inputs(t, n)
         ops.mark_seen(ws.view("seen", (self.max_batch, c.vocab_size)), d_ids, d_seq)
         ops.embed_positions(ws.view("hidden", (t, c.n_embd)), d_ids, d_pos, self.wte, self.wpe)
-        cu_seqlens = ws.view("cu_seqlens", (n + 1,))
 
         def attend(i, qkv, ctx):
             k_cache, v_cache = self._caches(i)
@@ -142,7 +151,7 @@ class GPT2Runner:
                 ops.cached_attention(ctx, qkv, bias, k_cache, v_cache, d_seq, d_pos, heads=c.n_head)
         self._layers(t, attend)
         last = ws.view("last", (n, c.n_embd))
-        ops.gather_rows(last, ws.view("normed", (t, c.n_embd)), ws.view("rows", (n,)))
+        ops.gather_rows(last, ws.view("normed", (t, c.n_embd)), rows)
         ops.matmul(ws.view("logits", (n, c.vocab_size)), last, self.lm_head)
 
     def _decode_launches(self, b: int, indirect: bool = False):
@@ -170,13 +179,24 @@ class GPT2Runner:
             raise InputError(f"a prompt of {lengths.max()} tokens exceeds this runner's max_len {self.max_len}")
         ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
         self._check_ids(ids)
-        t, n = len(ids), len(prompts)
-        self._upload("tokens", np.concatenate([ids, np.repeat(np.arange(n), lengths),
-                                               np.concatenate([np.arange(k) for k in lengths])]))
-        self._upload("rows", np.cumsum(lengths) - 1)
-        self._upload("cu_seqlens", np.concatenate([[0], np.cumsum(lengths)]))
+        real, count, longest = len(ids), len(prompts), int(lengths.max())
+        t, n, s = real, count, longest
+        if self.bucket_prefill:  # padding tokens (sequence -1: no cache row, nothing seen) and empty prompts
+            t, n, s = bucket_packed(real, count, longest, max_batch_tokens=self.max_batch * self.max_len,
+                                    max_seq_len=self.max_len)
+            n = min(n, self.max_batch)
+        ends = np.cumsum(lengths)
+        inputs = np.zeros(3 * t + 2 * n + 1, np.int32)
+        d_ids, d_seq, d_pos, rows, cu_seqlens = (inputs[:t], inputs[t:2 * t], inputs[2 * t:3 * t],
+                                                 inputs[3 * t:3 * t + n], inputs[3 * t + n:])
+        d_ids[:real] = ids
+        d_seq[:real], d_seq[real:] = np.repeat(np.arange(count), lengths), -1
+        d_pos[:real] = np.arange(real) - np.repeat(ends - lengths, lengths)
+        rows[:count] = ends - 1
+        cu_seqlens[1:count + 1], cu_seqlens[count + 1:] = ends, real
+        self._upload("prefill_inputs", inputs)
         self.ops.zero(self.ws.view("seen", (self.max_batch * self.config.vocab_size,)))
-        self._prefill_launches(t, n, int(lengths.max()))
+        self.prefill_graphs.run((t, n, s), lambda: self._prefill_launches(t, n, s))
 
     def _check_ids(self, ids):
         v = self.config.vocab_size
