@@ -162,6 +162,32 @@ def test_matmul(cu, rng, dtype, m, k, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n", GEMMS)
+@pytest.mark.parametrize("form", ["erf", "tanh"])
+def test_matmul_bias_gelu_many_rows(cu, rng, dtype, m, k, n, form):
+    """Past the gemv's rows: the tanh form in cuBLASLt's GELU_BIAS epilogue, the erf form as a
+    product then the bias + GELU kernel; both against the NumPy twin on the same values."""
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
+    bias, biash = quantize(cu, rng.standard_normal(n), dtype)
+    out, expected = poisoned(cu, (m, n), dtype), np.empty((m, n), np.float32)
+    cu.matmul_bias_gelu(out, x, w, bias, form=form)
+    ref.matmul_bias_gelu(expected, xh.astype(np.float64), wh.astype(np.float64), biash, form=form)
+    assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_of_operands_not_256_byte_aligned(cu, rng, dtype):
+    """A view starting inside an allocation (here one row in: 400 bytes in fp32, 200 in 16-bit)
+    goes through cuBLAS's GemmEx; cuBLASLt's plans assume 256-byte aligned operands."""
+    m, k, n = 37, 100, 96
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m + 1, k), (n, k)))
+    assert x[1:].data.ptr % 256 != 0
+    out = poisoned(cu, (m, n), dtype)
+    cu.matmul(out, x[1:], w)
+    assert_close(cu, out, (xh[1:].astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, k, n", [(1, 768, 2304), (3, 200, 77), (8, 3072, 768), (4, 768, 50257), (2, 7, 5)])
 def test_few_row_matmul_and_fused_bias_gelu(cu, rng, dtype, m, k, n):
     """Few rows (decode steps: the weight-streaming kernel up to GEMV_ROWS, cuBLAS past it): plain,

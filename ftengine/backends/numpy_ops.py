@@ -246,7 +246,8 @@ def matmul(out, x, weight):
 
 def matmul_bias_gelu(out, x, weight, bias, *, form):
     """out (M, N) = GELU(x @ weight^T + bias), erf or tanh form."""
-    out[...] = _gelu(x @ weight.T + bias, form)
+    matmul(out, x, weight)
+    add_bias_gelu(out, out, bias, form=form)
 
 
 def add_qkv_bias_split_heads(q, k, v, qkv, bias, *, batch, seq, heads):

@@ -397,8 +397,7 @@ class BertRunner:
             ops.matmul(proj, ctx, w["attn_out_weight"])
             ops.add_bias_residual_layernorm(attn_ln, proj, w["attn_out_bias"], hidden,
                                             w["attn_ln_gamma"], w["attn_ln_beta"], eps=c.layer_norm_eps)
-            ops.matmul(inter, attn_ln, w["ffn_in_weight"])
-            ops.add_bias_gelu(inter, inter, w["ffn_in_bias"], form=c.gelu)
+            ops.matmul_bias_gelu(inter, attn_ln, w["ffn_in_weight"], w["ffn_in_bias"], form=c.gelu)
             ops.matmul(proj, inter, w["ffn_out_weight"])
             ops.add_bias_residual_layernorm(hidden, proj, w["ffn_out_bias"], attn_ln,
                                             w["ffn_ln_gamma"], w["ffn_ln_beta"], eps=c.layer_norm_eps)

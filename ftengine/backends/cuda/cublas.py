@@ -1,5 +1,5 @@
-"""A capture-safe cuBLAS binding: ctypes calls into the libcublas that CuPy already loaded,
-with our own handle bound to our stream and a preallocated workspace.
+"""A capture-safe cuBLAS binding: ctypes calls into the libcublas (and libcublasLt) that CuPy
+already loaded, with our own handles bound to our stream and a preallocated workspace.
 
 CuPy's own cuBLAS wrapper refuses any call during CUDA-graph capture (cupy#6290); calling the
 library directly does not, provided the handle, stream and workspace are set before capture.
@@ -20,20 +20,21 @@ DATA_TYPES = {"float32": CUDA_R_32F, "float16": CUDA_R_16F, "uint16": CUDA_R_16B
 WORKSPACE_BYTES = 32 << 20  # cuBLAS asks for 32 MiB on Hopper
 
 
-def _loaded_libcublas() -> str:
-    """Path of the libcublas that CuPy's cuBLAS module pulled into this process."""
+def _loaded_library(name: str) -> str:
+    """Path of the library `name` (libcublas.so, libcublasLt.so) that CuPy's cuBLAS module
+    pulled into this process (libcublas loads libcublasLt)."""
     import cupy_backends.cuda.libs.cublas  # noqa: F401  (loads libcublas)
     with open("/proc/self/maps") as maps:
         for line in maps:
             path = line.split()[-1]
-            if "libcublas.so" in path and "libcublasLt" not in path:
+            if f"/{name}" in path:
                 return path
-    raise DeviceError("libcublas is not loaded by CuPy; cannot bind cuBLAS")
+    raise DeviceError(f"{name} is not loaded by CuPy; cannot bind cuBLAS")
 
 
 class Cublas:
     def __init__(self, stream_ptr: int, workspace_ptr: int, workspace_bytes: int):
-        lib = ctypes.CDLL(_loaded_libcublas())
+        lib = ctypes.CDLL(_loaded_library("libcublas.so"))
         self._lib = lib
         lib.cublasGetStatusString.restype = ctypes.c_char_p
         vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
@@ -68,3 +69,110 @@ class Cublas:
             self.handle, transa, transb, m, n, k, ctypes.byref(alpha_c), a, a_type, lda, stride_a,
             b, b_type, ldb, stride_b, ctypes.byref(self._zero), c, c_type, ldc, stride_c, batch,
             COMPUTE_32F, GEMM_DEFAULT), f"GemmStridedBatchedEx m={m} n={n} k={k} batch={batch}")
+
+
+# cuBLASLt (cublasLt.h): matmul descriptor, layout and preference attributes, epilogues
+DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
+PREF_MAX_WORKSPACE_BYTES = 1
+EPILOGUES = {"none": 1, "bias": 4, "gelu_bias": 36}  # DEFAULT, BIAS, GELU_BIAS (tanh-form GELU after the bias)
+
+
+class _Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [("algo", _Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+class CublasLt:
+    """cuBLASLt matrix products with a fused epilogue (bias, bias + tanh GELU) on our stream and
+    workspace; one plan (descriptor, layouts, algorithm from cuBLASLt's heuristic) per shape,
+    made on first use (outside a graph capture or inside: planning launches nothing)."""
+
+    def __init__(self, stream_ptr: int, workspace_ptr: int, workspace_bytes: int):
+        lib = ctypes.CDLL(_loaded_library("libcublasLt.so"))
+        self._lib = lib
+        vp, i32, u64, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+        lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(vp), i32, i32]
+        lib.cublasLtMatmulDescSetAttribute.argtypes = [vp, i32, vp, sz]
+        lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(vp), i32, u64, u64, i64]
+        lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, i32, vp, sz]
+        lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, ctypes.POINTER(_Heuristic),
+                                                       ctypes.POINTER(i32)]
+        lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz,
+                                       vp]
+        self.handle = vp()
+        self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self._stream = vp(stream_ptr)
+        self._workspace, self._workspace_bytes = vp(workspace_ptr), workspace_bytes
+        self._pref = vp()
+        self._check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self._pref)), "cublasLtMatmulPreferenceCreate")
+        limit = ctypes.c_uint64(workspace_bytes)
+        self._check(lib.cublasLtMatmulPreferenceSetAttribute(self._pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
+                                                             ctypes.sizeof(limit)), "preference")
+        self._plans = {}
+        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def _check(self, status: int, what: str):
+        if status != 0:
+            get = getattr(self._lib, "cublasLtGetStatusString", None)
+            text = ""
+            if get is not None:
+                get.restype = ctypes.c_char_p
+                text = get(status).decode() + " "
+            raise DeviceError(f"cuBLASLt {what} failed: {text}(status {status})")
+
+    def _set(self, desc, attr: int, value):
+        self._check(self._lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+                    f"descriptor attribute {attr}")
+
+    def _layout(self, dtype: int, rows: int, cols: int, ld: int):
+        layout = ctypes.c_void_p()
+        self._check(self._lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "layout")
+        return layout
+
+    def _plan(self, key):
+        plan = self._plans.get(key)
+        if plan is None:
+            desc, a, b, c, found = self.heuristics(key, 1)
+            plan = self._plans[key] = (desc, a, b, c, found[0].algo)
+        return plan
+
+    def heuristics(self, key, count: int) -> tuple:
+        """(descriptor, A, B, C layouts, up to `count` heuristic results, best first) for a plan key
+        (transa, transb, m, n, k, a_type, lda, b_type, ldb, c_type, ldc, epilogue)."""
+        transa, transb, m, n, k, a_type, lda, b_type, ldb, c_type, ldc, epilogue = key
+        desc = ctypes.c_void_p()
+        self._check(self._lib.cublasLtMatmulDescCreate(ctypes.byref(desc), COMPUTE_32F, CUDA_R_32F), "descriptor")
+        self._set(desc, DESC_TRANSA, ctypes.c_int32(transa))
+        self._set(desc, DESC_TRANSB, ctypes.c_int32(transb))
+        self._set(desc, DESC_EPILOGUE, ctypes.c_uint32(EPILOGUES[epilogue]))
+        if epilogue != "none":  # the heuristic reads the bias pointer's alignment: any 256-byte aligned one
+            self._set(desc, DESC_BIAS_POINTER, ctypes.c_void_p(256))
+        a = self._layout(a_type, *((k, m) if transa == OP_T else (m, k)), lda)
+        b = self._layout(b_type, *((n, k) if transb == OP_T else (k, n)), ldb)
+        c = self._layout(c_type, m, n, ldc)
+        found, returned = (_Heuristic * count)(), ctypes.c_int(0)
+        self._check(self._lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, self._pref, count,
+                                                             found, ctypes.byref(returned)),
+                    f"heuristic m={m} n={n} k={k} epilogue={epilogue}")
+        if returned.value < 1:
+            raise DeviceError(f"cuBLASLt has no algorithm for m={m} n={n} k={k} with epilogue {epilogue}")
+        return desc, a, b, c, list(found)[:returned.value]
+
+    def matmul(self, transa, transb, m, n, k, a, a_type, lda, b, b_type, ldb, c, c_type, ldc, *,
+               epilogue: str = "none", bias: int = 0, algo: _Algo | None = None):
+        """Column-major C (m, n) = epilogue(op(A) op(B) [+ bias (m,)]); fp32 compute. Pointers
+        must be 256-byte aligned (every workspace entry and device array is). `algo`: another of
+        the plan's heuristic results instead of the first (benchmarks)."""
+        desc, la, lb, lc, first = self._plan((transa, transb, m, n, k, a_type, lda, b_type, ldb, c_type, ldc,
+                                              epilogue))
+        algo = first if algo is None else algo
+        if epilogue != "none":
+            self._set(desc, DESC_BIAS_POINTER, ctypes.c_void_p(bias))
+        self._check(self._lib.cublasLtMatmul(self.handle, desc, ctypes.byref(self._one), a, la, b, lb,
+                                             ctypes.byref(self._zero), c, lc, c, lc, ctypes.byref(algo),
+                                             self._workspace, self._workspace_bytes, self._stream),
+                    f"matmul m={m} n={n} k={k} epilogue={epilogue}")

@@ -33,6 +33,7 @@ class _Context:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.cublas_workspace = cupy.empty((cb.WORKSPACE_BYTES,), dtype=np.uint8)
         self.blas = cb.Cublas(self.stream.ptr, self.cublas_workspace.data.ptr, cb.WORKSPACE_BYTES)
+        self.lt = cb.CublasLt(self.stream.ptr, self.cublas_workspace.data.ptr, cb.WORKSPACE_BYTES)
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         self.sm_count = props["multiProcessorCount"]
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
@@ -217,26 +218,44 @@ def _gemv(out, x, weight, bias, epilogue):
 def matmul(out, x, weight):
     """out (M, N) = x (M, K) @ weight (N, K)^T; out may be float32 while x and weight are 16-bit
     (the LM head's logits). Up to GEMV_ROWS rows: the weight-streaming kernel (gemv.cu); more:
-    cuBLAS, column-major: out^T = op_T(W^T) @ x^T."""
-    m, k = x.shape
-    if m <= GEMV_ROWS:
+    cuBLASLt, column-major: out^T = op_T(W^T) @ x^T."""
+    if x.shape[0] <= GEMV_ROWS:
         _gemv(out, x, weight, None, 0)
-        return
+    else:
+        _lt_matmul(out, x, weight)
+
+
+def _lt_matmul(out, x, weight, bias=None, epilogue="none"):
+    """out = epilogue(x @ weight^T [+ bias]) through cuBLASLt; cuBLAS's GemmEx (no epilogue) for
+    operands not 256-byte aligned, which cuBLASLt's plans assume."""
+    m, k = x.shape
     n = weight.shape[0]
     types = [cb.DATA_TYPES[a.dtype.name] for a in (weight, x, out)]
-    with context().stream:
-        context().blas.gemm(cb.OP_T, cb.OP_N, n, m, k, weight.data.ptr, types[0], k, x.data.ptr, types[1], k,
-                            out.data.ptr, types[2], n)
+    pointers = [a.data.ptr for a in (weight, x, out)]
+    ctx = context()
+    with ctx.stream:
+        if all(p % 256 == 0 for p in pointers + ([bias.data.ptr] if bias is not None else [])):
+            ctx.lt.matmul(cb.OP_T, cb.OP_N, n, m, k, pointers[0], types[0], k, pointers[1], types[1], k,
+                          pointers[2], types[2], n, epilogue=epilogue, bias=0 if bias is None else bias.data.ptr)
+            return
+        if epilogue != "none":
+            raise DeviceError("a fused cuBLASLt epilogue needs 256-byte aligned operands")
+        ctx.blas.gemm(cb.OP_T, cb.OP_N, n, m, k, pointers[0], types[0], k, pointers[1], types[1], k, pointers[2],
+                      types[2], n)
 
 
 def matmul_bias_gelu(out, x, weight, bias, *, form):
-    """out (M, N) = GELU(x @ weight^T + bias): fused into the gemv for a few rows."""
+    """out (M, N) = GELU(x @ weight^T + bias): fused into the gemv for a few rows; past them, the
+    tanh form in cuBLASLt's GELU_BIAS epilogue (the same formula, on the fp32 accumulator), the
+    erf form (no cuBLASLt epilogue computes it) as a product, then one bias + GELU pass."""
     if form not in GELU_FORMS:
         raise ValueError(f"unknown GELU form {form!r}")
     if x.shape[0] <= GEMV_ROWS:
         _gemv(out, x, weight, bias, 1 + GELU_FORMS[form])
+    elif form == "tanh" and all(a.data.ptr % 256 == 0 for a in (out, x, weight, bias)):
+        _lt_matmul(out, x, weight, bias, "gelu_bias")
     else:
-        matmul(out, x, weight)
+        _lt_matmul(out, x, weight)
         add_bias_gelu(out, out, bias, form=form)
 
 
