@@ -198,7 +198,7 @@ def attention_alone(b=64, s=512, heads=12, d=64):
     return row
 
 
-OP_NAMES = ("matmul", "batched_matmul", "embed_layernorm", "add_qkv_bias_split_heads", "masked_softmax",
+OP_NAMES = ("matmul", "matmul_bias_gelu", "batched_matmul", "embed_layernorm", "add_qkv_bias_split_heads", "masked_softmax",
             "merge_heads", "add_bias_residual_layernorm", "add_bias_gelu", "pool", "l2_normalize",
             "varlen_attention", "pool_packed")
 
@@ -218,8 +218,8 @@ class RecordedOps:
 
         def recorded(*args, **kwargs):
             label = name
-            if name == "matmul":
-                label = f"matmul {args[1].shape[1]}->{args[2].shape[0]}"
+            if name in ("matmul", "matmul_bias_gelu"):
+                label = f"{name} {args[1].shape[1]}->{args[2].shape[0]}"
             elif name == "batched_matmul":
                 label = "batched_matmul QK^T" if kwargs.get("transpose_b") else "batched_matmul PV"
             self.calls.append((label, fn, args, kwargs))

@@ -175,6 +175,32 @@ def test_matmul_bias_gelu_many_rows(cu, rng, dtype, m, k, n, form):
     assert_close(cu, out, expected, dtype)
 
 
+def test_matmul_algorithm_timed_once_per_shape_and_shared_by_threads(cu, rng):
+    """A new product shape of TRIAL_MIN_ROWS rows or more gets its cuBLASLt algorithm timed on its
+    first call outside a capture; every thread then runs that one algorithm, so two threads'
+    results are identical bit for bit."""
+    import threading
+    m, k, n = cu.TRIAL_MIN_ROWS + 3, 256, 320
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, "fp16") for s in ((m, k), (n, k)))
+    x_host, w_host = cu.to_host(x), cu.to_host(w)
+    results = {}
+
+    def run(name):  # each thread has its own stream and cuBLASLt handle
+        xs, ws = cu.to_device(x_host, np.float16), cu.to_device(w_host, np.float16)
+        out = poisoned(cu, (m, n), "fp16")
+        cu.matmul(out, xs, ws)
+        results[name] = cu.to_host(out)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    keys = [key for key in cu._ALGOS if key[2:5] == (n, m, k)]
+    assert len(keys) == 1
+    assert np.array_equal(results[0], results[1])
+    assert_close_host(results[0], (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_of_operands_not_256_byte_aligned(cu, rng, dtype):
     """A view starting inside an allocation (here one row in: 400 bytes in fp32, 200 in 16-bit)

@@ -75,6 +75,7 @@ class Cublas:
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
 PREF_MAX_WORKSPACE_BYTES = 1
 EPILOGUES = {"none": 1, "bias": 4, "gelu_bias": 36}  # DEFAULT, BIAS, GELU_BIAS (tanh-form GELU after the bias)
+CANDIDATES = 8  # heuristic algorithms kept per shape (bench/results/gemm.md: the best was among the first 8)
 
 
 class _Algo(ctypes.Structure):
@@ -88,8 +89,10 @@ class _Heuristic(ctypes.Structure):
 
 class CublasLt:
     """cuBLASLt matrix products with a fused epilogue (bias, bias + tanh GELU) on our stream and
-    workspace; one plan (descriptor, layouts, algorithm from cuBLASLt's heuristic) per shape,
-    made on first use (outside a graph capture or inside: planning launches nothing)."""
+    workspace; one plan per shape (descriptor, layouts and up to CANDIDATES algorithms from
+    cuBLASLt's heuristic, best guess first), made on first use: planning launches nothing, so it
+    may happen inside a graph capture. Which candidate runs is the caller's choice (ops.py
+    times them once per shape), the heuristic's first by default."""
 
     def __init__(self, stream_ptr: int, workspace_ptr: int, workspace_bytes: int):
         lib = ctypes.CDLL(_loaded_library("libcublasLt.so"))
@@ -133,16 +136,19 @@ class CublasLt:
         self._check(self._lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "layout")
         return layout
 
+    def candidates(self, key) -> list:
+        """The plan's algorithms for a key (transa, transb, m, n, k, a_type, lda, b_type, ldb,
+        c_type, ldc, epilogue), the heuristic's best guess first."""
+        return self._plan(key)[4]
+
     def _plan(self, key):
         plan = self._plans.get(key)
         if plan is None:
-            desc, a, b, c, found = self.heuristics(key, 1)
-            plan = self._plans[key] = (desc, a, b, c, found[0].algo)
+            plan = self._plans[key] = self._heuristics(key, CANDIDATES)
         return plan
 
-    def heuristics(self, key, count: int) -> tuple:
-        """(descriptor, A, B, C layouts, up to `count` heuristic results, best first) for a plan key
-        (transa, transb, m, n, k, a_type, lda, b_type, ldb, c_type, ldc, epilogue)."""
+    def _heuristics(self, key, count: int) -> tuple:
+        """(descriptor, A, B, C layouts, the algorithms of up to `count` heuristic results, best first)."""
         transa, transb, m, n, k, a_type, lda, b_type, ldb, c_type, ldc, epilogue = key
         desc = ctypes.c_void_p()
         self._check(self._lib.cublasLtMatmulDescCreate(ctypes.byref(desc), COMPUTE_32F, CUDA_R_32F), "descriptor")
@@ -160,16 +166,16 @@ class CublasLt:
                     f"heuristic m={m} n={n} k={k} epilogue={epilogue}")
         if returned.value < 1:
             raise DeviceError(f"cuBLASLt has no algorithm for m={m} n={n} k={k} with epilogue {epilogue}")
-        return desc, a, b, c, list(found)[:returned.value]
+        return desc, a, b, c, [_Algo.from_buffer_copy(r.algo) for r in list(found)[:returned.value]]
 
     def matmul(self, transa, transb, m, n, k, a, a_type, lda, b, b_type, ldb, c, c_type, ldc, *,
                epilogue: str = "none", bias: int = 0, algo: _Algo | None = None):
         """Column-major C (m, n) = epilogue(op(A) op(B) [+ bias (m,)]); fp32 compute. Pointers
-        must be 256-byte aligned (every workspace entry and device array is). `algo`: another of
-        the plan's heuristic results instead of the first (benchmarks)."""
-        desc, la, lb, lc, first = self._plan((transa, transb, m, n, k, a_type, lda, b_type, ldb, c_type, ldc,
-                                              epilogue))
-        algo = first if algo is None else algo
+        must be 256-byte aligned (every workspace entry and device array is). `algo`: one of the
+        plan's candidates (default: the heuristic's first)."""
+        desc, la, lb, lc, candidates = self._plan((transa, transb, m, n, k, a_type, lda, b_type, ldb, c_type, ldc,
+                                                   epilogue))
+        algo = candidates[0] if algo is None else algo
         if epilogue != "none":
             self._set(desc, DESC_BIAS_POINTER, ctypes.c_void_p(bias))
         self._check(self._lib.cublasLtMatmul(self.handle, desc, ctypes.byref(self._one), a, la, b, lb,

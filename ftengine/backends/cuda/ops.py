@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -40,6 +41,32 @@ class _Context:
 
 
 _local = threading.local()
+# the cuBLASLt algorithm each product shape runs, timed once per process and shared by every
+# thread (so two engines compute a shape with the same algorithm, bit for bit): plan key -> algo
+_ALGOS = {}
+_ALGOS_LOCK = threading.Lock()
+TRIAL_REPEATS = 10  # products per timed graph of each candidate algorithm
+# products of fewer rows run cuBLASLt's heuristic's first algorithm untimed: the best of its candidates
+# gained 0-8% there (bench/results/gemm.md, 128 and 4096 rows), less than the trials cost the many
+# batch shapes of a short run; past it, up to 19%
+TRIAL_MIN_ROWS = 8192
+
+
+@contextmanager
+def planning():
+    """While the body runs, ops launch nothing: each new matrix product shape only gets its
+    algorithm chosen, timed on the call's own buffers (its input filled with random values, its
+    output overwritten: activations, which the pass that follows computes again). A graph is
+    captured after such a pass, since nothing can be timed inside a capture."""
+    _local.planning = True
+    try:
+        yield
+    finally:
+        _local.planning = False
+
+
+def _planning() -> bool:
+    return getattr(_local, "planning", False)
 
 
 def context() -> _Context:
@@ -148,6 +175,8 @@ class GraphCache:
             return
         graph = self.graphs.get(key)
         if graph is None:
+            with planning():  # new product shapes' algorithms chosen first: no timing inside a capture
+                launch()
             ctx.stream.begin_capture()
             try:
                 launch()
@@ -168,6 +197,8 @@ def _ctype(a) -> str:
 
 
 def _launch(file, kname, grid, block, args, shared_mem=0):
+    if _planning():
+        return
     k = kernel(file, kname)
     if shared_mem > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared_mem:
         k.max_dynamic_shared_size_bytes = shared_mem  # opt in past the 48 KiB default, once
@@ -226,22 +257,69 @@ def matmul(out, x, weight):
 
 
 def _lt_matmul(out, x, weight, bias=None, epilogue="none"):
-    """out = epilogue(x @ weight^T [+ bias]) through cuBLASLt; cuBLAS's GemmEx (no epilogue) for
-    operands not 256-byte aligned, which cuBLASLt's plans assume."""
+    """out = epilogue(x @ weight^T [+ bias]) through cuBLASLt, with the algorithm timed fastest for
+    this shape from TRIAL_MIN_ROWS rows on (chosen on its first call outside a capture; the
+    heuristic's first inside one, and for fewer rows);
+    cuBLAS's GemmEx (no epilogue) for operands not 256-byte aligned, which cuBLASLt's plans assume."""
     m, k = x.shape
     n = weight.shape[0]
     types = [cb.DATA_TYPES[a.dtype.name] for a in (weight, x, out)]
     pointers = [a.data.ptr for a in (weight, x, out)]
     ctx = context()
-    with ctx.stream:
-        if all(p % 256 == 0 for p in pointers + ([bias.data.ptr] if bias is not None else [])):
-            ctx.lt.matmul(cb.OP_T, cb.OP_N, n, m, k, pointers[0], types[0], k, pointers[1], types[1], k,
-                          pointers[2], types[2], n, epilogue=epilogue, bias=0 if bias is None else bias.data.ptr)
-            return
+    if not all(p % 256 == 0 for p in pointers + ([bias.data.ptr] if bias is not None else [])):
         if epilogue != "none":
             raise DeviceError("a fused cuBLASLt epilogue needs 256-byte aligned operands")
-        ctx.blas.gemm(cb.OP_T, cb.OP_N, n, m, k, pointers[0], types[0], k, pointers[1], types[1], k, pointers[2],
-                      types[2], n)
+        if not _planning():
+            with ctx.stream:
+                ctx.blas.gemm(cb.OP_T, cb.OP_N, n, m, k, pointers[0], types[0], k, pointers[1], types[1], k,
+                              pointers[2], types[2], n)
+        return
+    key = (cb.OP_T, cb.OP_N, n, m, k, types[0], k, types[1], k, types[2], n, epilogue)
+
+    def product(algo):
+        ctx.lt.matmul(*key[:5], pointers[0], types[0], k, pointers[1], types[1], k, pointers[2], types[2], n,
+                      epilogue=epilogue, bias=0 if bias is None else bias.data.ptr, algo=algo)
+    with ctx.stream:
+        algo = _ALGOS.get(key)
+        if algo is None and m >= TRIAL_MIN_ROWS and not ctx.stream.is_capturing():
+            if _planning():  # x holds what the skipped launches left (zeros in a new workspace): time on real-like values
+                _fill_random(x)
+            algo = _choose_algo(ctx, key, product)
+        if not _planning():
+            product(algo)
+
+
+def _fill_random(a):
+    """a = standard normal values in its storage type (bf16 words truncated from float32)."""
+    cupy = context().cupy
+    values = cupy.random.standard_normal(a.shape, dtype=np.float32)
+    a[...] = (values.view(np.uint32) >> 16).astype(np.uint16) if a.dtype == np.uint16 else values.astype(a.dtype)
+
+
+def _choose_algo(ctx, key, product):
+    """The fastest of the shape's candidate algorithms on this call's operands, recorded for the
+    whole process: each candidate's TRIAL_REPEATS products captured in a graph, replayed once to
+    warm up and once between events (launched one by one from Python, a small product would
+    measure the host's launch rate instead of the GPU)."""
+    cupy = ctx.cupy
+    candidates = ctx.lt.candidates(key)
+    times = []
+    for algo in candidates:
+        ctx.stream.begin_capture()
+        try:
+            for _ in range(TRIAL_REPEATS):
+                product(algo)
+        finally:
+            graph = ctx.stream.end_capture()
+        graph.launch(stream=ctx.stream)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(ctx.stream)
+        graph.launch(stream=ctx.stream)
+        end.record(ctx.stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    with _ALGOS_LOCK:
+        return _ALGOS.setdefault(key, candidates[int(np.argmin(times))])
 
 
 def matmul_bias_gelu(out, x, weight, bias, *, form):
@@ -268,9 +346,10 @@ def dense(out, x, weight, bias, *, activation, norm=()):
     one bias + activation (+ norm) pass)."""
     m, k = x.shape
     n = weight.shape[0]
-    with context().stream:
-        context().blas.gemm(cb.OP_T, cb.OP_N, n, m, k, weight.data.ptr, cb.DATA_TYPES["float32"], k, x.data.ptr,
-                            cb.DATA_TYPES["float32"], k, out.data.ptr, cb.DATA_TYPES["float32"], n)
+    if not _planning():
+        with context().stream:
+            context().blas.gemm(cb.OP_T, cb.OP_N, n, m, k, weight.data.ptr, cb.DATA_TYPES["float32"], k, x.data.ptr,
+                                cb.DATA_TYPES["float32"], k, out.data.ptr, cb.DATA_TYPES["float32"], n)
     gamma, beta, eps = norm or (bias, bias, 0.0)
     _launch("activation.cu", "add_bias_act<float>", (m,), (_threads(n, 256),),
             (out, out, bias, np.int32(n), np.int32(HEAD_ACTIVATIONS[activation]), np.int32(bool(norm)), gamma, beta,
@@ -291,6 +370,8 @@ def batched_matmul(out, a, b, *, transpose_b, alpha=1.0):
     p = out.shape[2]
     dt = cb.DATA_TYPES[out.dtype.name]
     op_b, ld_b = (cb.OP_T, k) if transpose_b else (cb.OP_N, p)
+    if _planning():
+        return
     with context().stream:
         context().blas.gemm_strided_batched(op_b, cb.OP_N, p, m, k, b.data.ptr, dt, ld_b, p * k,
                                             a.data.ptr, dt, k, m * k, out.data.ptr, dt, p, m * p, nb,
@@ -481,6 +562,8 @@ def decode_attention(ctx, qkv, bias, k_cache, v_cache, positions, indir=None, *,
 
 
 def zero(array):
+    if _planning():
+        return
     with context().stream:
         array.fill(0)
 
