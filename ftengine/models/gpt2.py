@@ -129,15 +129,16 @@ class GPT2Runner:
             gamma, beta = (after["ln1_gamma"], after["ln1_beta"]) if after else self.ln_f
             ops.residual_layernorm(hidden, normed, proj, w["proj_bias"], gamma, beta, eps=eps)
 
-    def _prefill_inputs(self, t: int, n: int) -> tuple:
-        """Views of ws prefill_inputs for t tokens and n prompts: ids, sequence indices, positions
-        (t each), last rows (n), offsets (n + 1)."""
-        flat = self.ws.view("prefill_inputs", (3 * t + 2 * n + 1,))
+    @staticmethod
+    def _split_prefill_inputs(flat, t: int, n: int) -> tuple:
+        """A prefill's inputs (3t + 2n + 1,) for t tokens and n prompts as ids, sequence indices,
+        positions (t each), last rows (n), offsets (n + 1)."""
         return flat[:t], flat[t:2 * t], flat[2 * t:3 * t], flat[3 * t:3 * t + n], flat[3 * t + n:]
 
     def _prefill_launches(self, t: int, n: int, max_len: int):
         ops, c, ws = self.ops, self.config, self.ws
-        d_ids, d_seq, d_pos, rows, cu_seqlens = self._prefill_inputs(t, n)
+        d_ids, d_seq, d_pos, rows, cu_seqlens = self._split_prefill_inputs(
+            ws.view("prefill_inputs", (3 * t + 2 * n + 1,)), t, n)
         ops.mark_seen(ws.view("seen", (self.max_batch, c.vocab_size)), d_ids, d_seq)
         ops.embed_positions(ws.view("hidden", (t, c.n_embd)), d_ids, d_pos, self.wte, self.wpe)
 
@@ -187,8 +188,7 @@ class GPT2Runner:
             n = min(n, self.max_batch)
         ends = np.cumsum(lengths)
         inputs = np.zeros(3 * t + 2 * n + 1, np.int32)
-        d_ids, d_seq, d_pos, rows, cu_seqlens = (inputs[:t], inputs[t:2 * t], inputs[2 * t:3 * t],
-                                                 inputs[3 * t:3 * t + n], inputs[3 * t + n:])
+        d_ids, d_seq, d_pos, rows, cu_seqlens = self._split_prefill_inputs(inputs, t, n)
         d_ids[:real] = ids
         d_seq[:real], d_seq[real:] = np.repeat(np.arange(count), lengths), -1
         d_pos[:real] = np.arange(real) - np.repeat(ends - lengths, lengths)

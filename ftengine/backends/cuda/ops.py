@@ -54,10 +54,10 @@ TRIAL_MIN_ROWS = 8192
 
 @contextmanager
 def planning():
-    """While the body runs, ops launch nothing: each new matrix product shape only gets its
-    algorithm chosen, timed on the call's own buffers (its input filled with random values, its
-    output overwritten: activations, which the pass that follows computes again). A graph is
-    captured after such a pass, since nothing can be timed inside a capture."""
+    """While the body runs, ops launch nothing: a new matrix product shape of TRIAL_MIN_ROWS rows
+    or more only gets its algorithm chosen, timed on the call's own buffers (its input filled
+    with random values, its output overwritten: activations, which the pass that follows computes
+    again). A graph is captured after such a pass, since nothing can be timed inside a capture."""
     _local.planning = True
     try:
         yield
