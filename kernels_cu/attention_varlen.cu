@@ -8,16 +8,15 @@
 // bias tensor). Q, K, V are column blocks
 // of the fused QKV GEMM output qkv (T, 3H) plus their bias, and sequence b owns tokens
 // cu_seqlens[b] .. cu_seqlens[b+1]. The S x S scores never leave the chip: each block takes
-// 64 queries of one (sequence, head), streams K/V tiles through shared memory and keeps a
+// BLOCK_M queries of one (sequence, head), streams K/V tiles through shared memory and keeps a
 // running max and sum per query row (online softmax).
 //
 // grid (ceil(max_seqlen / BLOCK_M), B * heads + 1): the tensor-core kernel with 32 WARPS
-// threads, BLOCK_M = 16 WARPS and 2 * 4 * 64 * (D + 8) bytes of dynamic shared memory; the fp32
-// one with 128 threads and BLOCK_M = 64. The last row of blocks zeroes the ctx rows past the
+// threads, BLOCK_M = 16 WARPS MT and 2 * 2 * KN * (D + 8) elements of dynamic shared memory; the
+// fp32 one with 128 threads and BLOCK_M = 64. The last row of blocks zeroes the ctx rows past the
 // last sequence (batch padding), so they hold no stale values.
 
 #define VARLEN_BLOCK_M 64
-#define VARLEN_BLOCK_N 64
 #define LOG2E 1.4426950408889634f
 
 // What a block of queries q0 .. q0 + 63 attends to: key tiles [first, end) and each score's mask/bias.
@@ -74,11 +73,15 @@ template <> struct MmaOp<__nv_bfloat16> {
     }
 };
 
-template <typename T>
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    T l = from_float<T>(lo), h = from_float<T>(hi);
-    unsigned short ls = *reinterpret_cast<unsigned short*>(&l), hs = *reinterpret_cast<unsigned short*>(&h);
-    return (unsigned)ls | ((unsigned)hs << 16);
+// Two floats rounded to one 32-bit register of T pairs (lo in the low half): one cvt instruction.
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -87,46 +90,73 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return a;
 }
 
-// Four 8x8 b16 matrices from shared memory; lane l gives a row address of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+// Four 8x8 b16 matrices from shared memory (a 32-bit shared window address); lane l gives a
+// row address of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-// 16 bytes global -> shared without passing through registers; zeros when `valid` is false.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
-// Copy rows [row0, row0 + 64) of one head's K or V columns into a shared tile (zeros past the
-// sequence). K's bias is left out: it adds q.b_k to every score of a query row, which the
-// softmax cancels. V's bias is added to the output instead: each row's weights sum to 1.
-template <typename T, int D, int LD>
-__device__ __forceinline__ void stage_async(T* dst, const T* src_base, int row0, int len, int row_stride) {
-    constexpr int PER_ROW = D / 8;
-    for (int i = threadIdx.x; i < VARLEN_BLOCK_N * PER_ROW; i += blockDim.x) {
-        const int r = i / PER_ROW, c = (i - r * PER_ROW) * 8;
-        const bool valid = row0 + r < len;
-        cp_async_16(dst + r * LD + c, src_base + (long)(valid ? row0 + r : 0) * row_stride + c, valid);
-    }
+// exp2 on the special-function unit, flushing denormals: ex2(-inf) = +0.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
-// Tensor-core path. Each of the WARPS warps owns 16 query rows (a block: 16 WARPS queries;
-// 8 warps share each K/V tile between twice as many queries as 4); K/V tiles of 64 keys are
-// copied asynchronously two stages deep (dynamic shared memory: 2 x (K, V) x 64 x (D + 8)
-// elements, which stage the block's queries first).
+// 16 bytes global -> shared (a 32-bit shared window address) without passing through
+// registers; zeros when `valid` is false.
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+// Copies tiles of ROWS rows of one head's K or V columns into shared memory, THREADS threads
+// sharing each tile: thread i copies 16-byte column i % (D / 8) of rows i / (D / 8) + k STEP, so
+// only its first chunk's offsets are kept. Rows past the sequence are zeros. K's bias is left
+// out: it adds q.b_k to every score of a query row, which the softmax cancels. V's bias is added
+// to the output instead: each row's weights sum to 1.
+template <typename T, int D, int LD, int ROWS, int THREADS>
+struct TileLoader {
+    static constexpr int PER_ROW = D / 8, STEP = THREADS / PER_ROW, CHUNKS = ROWS / STEP;
+    static_assert(THREADS % PER_ROW == 0 && ROWS % STEP == 0, "every thread copies as many chunks");
+    int row, src, step;  // the first chunk's row in the tile, its element offset; STEP rows' offset
+    unsigned dst;        // the first chunk's byte offset in the tile
+    __device__ __forceinline__ TileLoader(int row_stride) {
+        row = threadIdx.x / PER_ROW;
+        const int c = (threadIdx.x - row * PER_ROW) * 8;
+        src = row * row_stride + c;
+        step = STEP * row_stride;
+        dst = (row * LD + c) * sizeof(T);
+    }
+    // rows row0 .. row0 + ROWS of `head` (the head's first column of row 0) into the tile at `tile`
+    __device__ __forceinline__ void load(unsigned tile, const T* head, int row0, int len, int row_stride) const {
+        const T* first = head + (long)row0 * row_stride + src;
+        const int left = len - row0 - row;
+        #pragma unroll
+        for (int k = 0; k < CHUNKS; ++k) {
+            const bool valid = k * STEP < left;
+            cp_async_16(tile + dst + k * STEP * LD * sizeof(T), valid ? first + k * step : head, valid);
+        }
+    }
+};
+
+// Tensor-core path. Each of the WARPS warps owns MT tiles of 16 query rows (a block:
+// 16 WARPS MT queries); every K/V fragment read from shared memory feeds MT products. K/V tiles
+// of KN keys are copied asynchronously two stages deep (dynamic shared memory:
+// 2 x (K, V) x KN x (D + 8) elements, which stage the block's queries first).
 // GENERAL: the sliding window and the relative bias (KeyRange); without them the scores need
-// only the length and causal masks, and the kernel keeps BERT's register budget (4 blocks / SM).
-template <typename T, int D, bool GENERAL, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS, WARPS == 8 && !GENERAL && D <= 64 ? 2 : 0) varlen_attention_mma(
+// only the length and causal masks, and are scaled inside the exponent's FMA.
+// MIN_BLOCKS: __launch_bounds__' blocks per SM (0: no register limit asked).
+template <typename T, int D, bool GENERAL, int WARPS, int MT, int KN, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) varlen_attention_mma(
         T* __restrict__ ctx,              // (T, H)
         const T* __restrict__ qkv,        // (T, 3H)
         const T* __restrict__ bias,       // (3H,)
@@ -134,9 +164,10 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS == 8 && !GENERAL && D <= 64 
         int batch, int heads, int n_tokens, float scale_log2, int causal, int window,
         const float* __restrict__ rel_table, const int* __restrict__ rel_buckets, int rel_max_len) {
     constexpr int LD = D + 8;  // padded smem rows: conflict-free ldmatrix
-    constexpr int TILE = VARLEN_BLOCK_N * LD;
-    constexpr int BLOCK_M = 16 * WARPS;
-    static_assert(BLOCK_M <= 2 * VARLEN_BLOCK_N, "the queries are staged in the two stage-1 tiles");
+    constexpr int TILE = KN * LD;
+    constexpr int BLOCK_M = 16 * WARPS * MT;
+    static_assert(BLOCK_M <= 2 * KN, "the queries are staged in the two stage-1 tiles");
+    static_assert(KN % 16 == 0 && D % 32 == 0, "tile shapes");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* smem = reinterpret_cast<T*>(smem_raw);   // K stage 0 | V stage 0 | K stage 1 | V stage 1
     if (zero_padding_rows(ctx, cu_seqlens, batch, heads, n_tokens, heads * D)) return;
@@ -147,17 +178,26 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS == 8 && !GENERAL && D <= 64 
     const int H = heads * D, row_stride = 3 * H;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
+    const int w0 = q0 + warp * 16 * MT;       // this warp's first query row
     const T* base = qkv + (long)start * row_stride;
+    const T* k_head = base + H + h * D;
+    const T* v_head = base + 2 * H + h * D;
     const KeyRange keys{len, causal, window, rel_max_len, heads, h, rel_table, rel_buckets};
     // only the tiles holding a key some query of this block sees (causal, window)
-    const int tile0 = GENERAL ? keys.first_key(q0) / VARLEN_BLOCK_N : 0;
+    const int tile0 = GENERAL ? keys.first_key(q0) / KN : 0;
     const int kv_end = GENERAL ? keys.end_key(q0, BLOCK_M) : (causal ? min(len, q0 + BLOCK_M) : len);
-    const int n_tiles = (kv_end + VARLEN_BLOCK_N - 1) / VARLEN_BLOCK_N - tile0;
+    const int n_tiles = (kv_end + KN - 1) / KN - tile0;
+    const TileLoader<T, D, LD, KN, 32 * WARPS> loader(row_stride);
+    const unsigned smem_base = smem_addr(smem);
+    constexpr unsigned TILE_BYTES = TILE * sizeof(T);
+    // this lane's ldmatrix row addresses within a K tile and a V tile (bytes)
+    const unsigned k_lane = (lr * LD + lm * 8) * sizeof(T);
+    const unsigned v_lane = (((lm & 1) * 8 + lr) * LD + (lm >> 1) * 8) * sizeof(T);
 
     // K/V tile 0 in flight while Q + bias (rounded to T, as the unfused path stores it) is
     // staged through the stage-1 buffers and read into A fragments.
-    stage_async<T, D, LD>(smem, base + H + h * D, tile0 * VARLEN_BLOCK_N, len, row_stride);
-    stage_async<T, D, LD>(smem + TILE, base + 2 * H + h * D, tile0 * VARLEN_BLOCK_N, len, row_stride);
+    loader.load(smem_base, k_head, tile0 * KN, len, row_stride);
+    loader.load(smem_base + TILE_BYTES, v_head, tile0 * KN, len, row_stride);
     cp_async_commit();
     T* qs = smem + 2 * TILE;
     for (int i = threadIdx.x; i < BLOCK_M * (D / 8); i += blockDim.x) {
@@ -175,125 +215,153 @@ __global__ void __launch_bounds__(32 * WARPS, WARPS == 8 && !GENERAL && D <= 64 
         store_floats<T, 8>(qs + r * LD + c, v);
     }
     __syncthreads();
-    unsigned qa[D / 16][4];
+    unsigned qa[MT][D / 16][4];
     #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-        ldmatrix_x4(qa[kk], qs + (warp * 16 + (lm & 1) * 8 + lr) * LD + kk * 16 + (lm >> 1) * 8);
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            ldmatrix_x4(qa[mt][kk],
+                        smem_addr(qs + (w0 - q0 + mt * 16 + (lm & 1) * 8 + lr) * LD + kk * 16 + (lm >> 1) * 8));
 
-    float o[D / 8][4];
+    float o[MT][D / 8][4];
+    float m[MT][2], l[MT][2];
     #pragma unroll
-    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-    float m[2] = {-FT_INFINITY, -FT_INFINITY}, l[2] = {0.0f, 0.0f};
+    for (int mt = 0; mt < MT; ++mt) {
+        #pragma unroll
+        for (int j = 0; j < D / 8; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.0f;
+        m[mt][0] = m[mt][1] = -FT_INFINITY;
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
+    // the scores' factor inside the exponent: GENERAL scores are already in log2 units
+    const float mul = GENERAL ? 1.0f : scale_log2;
 
     for (int it = 0; it < n_tiles; ++it) {
-        const int n0 = (tile0 + it) * VARLEN_BLOCK_N;
+        const int n0 = (tile0 + it) * KN;
         __syncthreads();  // every warp is done with the stage the next copy overwrites (and with qs)
         if (it + 1 < n_tiles) {
-            T* next = smem + ((it + 1) & 1) * 2 * TILE;
-            stage_async<T, D, LD>(next, base + H + h * D, n0 + VARLEN_BLOCK_N, len, row_stride);
-            stage_async<T, D, LD>(next + TILE, base + 2 * H + h * D, n0 + VARLEN_BLOCK_N, len, row_stride);
+            const unsigned next = smem_base + ((it + 1) & 1) * 2 * TILE_BYTES;
+            loader.load(next, k_head, n0 + KN, len, row_stride);
+            loader.load(next + TILE_BYTES, v_head, n0 + KN, len, row_stride);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         __syncthreads();
-        const T* Ks = smem + (it & 1) * 2 * TILE;
-        const T* Vs = Ks + TILE;
+        const unsigned ks = smem_base + (it & 1) * 2 * TILE_BYTES + k_lane;
+        const unsigned vs = smem_base + (it & 1) * 2 * TILE_BYTES + TILE_BYTES + v_lane;
 
-        // S = Q K^T for this warp's 16 rows x 64 keys
-        float s[VARLEN_BLOCK_N / 8][4];
+        // S = Q K^T for this warp's MT x 16 rows x KN keys
+        float s[MT][KN / 8][4];
         #pragma unroll
-        for (int j = 0; j < VARLEN_BLOCK_N / 8; ++j) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        for (int j = 0; j < KN / 8; ++j) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.0f;
             #pragma unroll
             for (int kk = 0; kk < D / 16; kk += 2) {
                 unsigned kb[4];  // b0, b1 of k-chunk kk, then of kk + 1
-                ldmatrix_x4(kb, Ks + (j * 8 + lr) * LD + kk * 16 + lm * 8);
-                MmaOp<T>::run(s[j], qa[kk], kb[0], kb[1]);
-                MmaOp<T>::run(s[j], qa[kk + 1], kb[2], kb[3]);
+                ldmatrix_x4(kb, ks + (j * 8 * LD + kk * 16) * sizeof(T));
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    MmaOp<T>::run(s[mt][j], qa[mt][kk], kb[0], kb[1]);
+                    MmaOp<T>::run(s[mt][j], qa[mt][kk + 1], kb[2], kb[3]);
+                }
             }
         }
-        // scale (in log2 units), add the relative bias, mask the keys a row does not see, row
-        // maxima over the 4 threads of a row; a tile of real keys with no other limit needs no mask
-        float mx[2] = {-FT_INFINITY, -FT_INFINITY};
-        const int row_lo = q0 + warp * 16 + g;  // this thread's rows: row_lo (e < 2), row_lo + 8
-        const bool plain_tile = !GENERAL && !causal && n0 + VARLEN_BLOCK_N <= len;
+        // mask the keys a row does not see (GENERAL: scale and add the relative bias first), row
+        // maxima over the 4 threads of a row; a tile of keys every row of this warp sees needs no mask
+        const bool masked = GENERAL || n0 + KN > len || (causal && n0 + KN - 1 > w0);
         #pragma unroll
-        for (int j = 0; j < VARLEN_BLOCK_N / 8; ++j) {
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = n0 + j * 8 + t4 * 2 + (e & 1), row = row_lo + (e >> 1) * 8;
-                if (plain_tile)
-                    s[j][e] *= scale_log2;
-                else if (GENERAL)
-                    s[j][e] = keys.visible(key, row) ? keys.score(s[j][e], scale_log2, key, row) : -FT_INFINITY;
-                else
-                    s[j][e] = key < len && (!causal || key <= row) ? s[j][e] * scale_log2 : -FT_INFINITY;
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+        for (int mt = 0; mt < MT; ++mt) {
+            const int row_lo = w0 + mt * 16 + g;  // this thread's rows: row_lo (e < 2), row_lo + 8
+            if (masked) {
+                #pragma unroll
+                for (int j = 0; j < KN / 8; ++j) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = n0 + j * 8 + t4 * 2 + (e & 1), row = row_lo + (e >> 1) * 8;
+                        if (GENERAL)
+                            s[mt][j][e] = keys.visible(key, row) ? keys.score(s[mt][j][e], scale_log2, key, row)
+                                                                 : -FT_INFINITY;
+                        else if (!(key < len && (!causal || key <= row)))
+                            s[mt][j][e] = -FT_INFINITY;
+                    }
+                }
             }
-        }
-        float alpha[2], m_use[2];
-        #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m[r], mx[r]);
-            // GENERAL: a row that has seen no key yet (a window starting past this tile) keeps
-            // m = -inf: exponents are taken against 0 then, so every weight and alpha is 0, never
-            // NaN. Otherwise key n0 <= q0 is visible to every row, so m_new is finite.
-            m_use[r] = GENERAL && m_new == -FT_INFINITY ? 0.0f : m_new;
-            alpha[r] = exp2f(m[r] - m_use[r]);
-            m[r] = m_new;
-            l[r] *= alpha[r];
-        }
-        #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
-            o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
-        }
-        #pragma unroll
-        for (int j = 0; j < VARLEN_BLOCK_N / 8; ++j) {
+            float mx[2] = {-FT_INFINITY, -FT_INFINITY};
             #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[j][e] = exp2f(s[j][e] - m_use[e >> 1]);
-                l[e >> 1] += s[j][e];
+            for (int j = 0; j < KN / 8; ++j) {
+                mx[0] = fmaxf(mx[0], fmaxf(s[mt][j][0], s[mt][j][1]));
+                mx[1] = fmaxf(mx[1], fmaxf(s[mt][j][2], s[mt][j][3]));
+            }
+            float m_use[2];
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float m_new = fmaxf(m[mt][r], mx[r] * mul);
+                // GENERAL: a row that has seen no key yet (a window starting past this tile) keeps
+                // m = -inf: exponents are taken against 0 then, so every weight and alpha is 0, never
+                // NaN. Otherwise key n0 <= q0 is visible to every row, so m_new is finite.
+                m_use[r] = GENERAL && m_new == -FT_INFINITY ? 0.0f : m_new;
+                const float alpha = fast_exp2(m[mt][r] - m_use[r]);
+                m[mt][r] = m_new;
+                l[mt][r] *= alpha;
+                #pragma unroll
+                for (int j = 0; j < D / 8; ++j) {
+                    o[mt][j][2 * r] *= alpha;
+                    o[mt][j][2 * r + 1] *= alpha;
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < KN / 8; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[mt][j][e] = fast_exp2(fmaf(s[mt][j][e], mul, -m_use[e >> 1]));
+                    l[mt][e >> 1] += s[mt][j][e];
+                }
             }
         }
         // O += P V, P re-used from the score accumulators as A fragments
         #pragma unroll
-        for (int kk = 0; kk < VARLEN_BLOCK_N / 16; ++kk) {
-            unsigned pa[4];
-            pa[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        for (int kk = 0; kk < KN / 16; ++kk) {
+            unsigned pa[MT][4];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
             #pragma unroll
             for (int j = 0; j < D / 8; j += 2) {
                 unsigned vb[4];  // b0, b1 of dims j*8.., then of (j+1)*8..
-                ldmatrix_x4_trans(vb, Vs + (kk * 16 + (lm & 1) * 8 + lr) * LD + (j + (lm >> 1)) * 8);
-                MmaOp<T>::run(o[j], pa, vb[0], vb[1]);
-                MmaOp<T>::run(o[j + 1], pa, vb[2], vb[3]);
+                ldmatrix_x4_trans(vb, vs + (kk * 16 * LD + j * 8) * sizeof(T));
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    MmaOp<T>::run(o[mt][j], pa[mt], vb[0], vb[1]);
+                    MmaOp<T>::run(o[mt][j + 1], pa[mt], vb[2], vb[3]);
+                }
             }
         }
     }
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        l[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    }
-    const int r0 = q0 + warp * 16 + g;
     const T* bv = bias + 2 * H + h * D + t4 * 2;
     #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = r0 + r * 8;
-        if (row < len) {
-            T* out = ctx + (long)(start + row) * H + h * D + t4 * 2;
-            #pragma unroll
-            for (int j = 0; j < D / 8; ++j)
-                *reinterpret_cast<unsigned*>(out + j * 8) = pack2<T>(o[j][r * 2] * l[r] + to_float(bv[j * 8]),
-                                                                     o[j][r * 2 + 1] * l[r] + to_float(bv[j * 8 + 1]));
+    for (int mt = 0; mt < MT; ++mt) {
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float sum = l[mt][r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const int row = w0 + mt * 16 + g + r * 8;
+            if (row < len) {
+                T* out = ctx + (long)(start + row) * H + h * D + t4 * 2;
+                #pragma unroll
+                for (int j = 0; j < D / 8; ++j)
+                    *reinterpret_cast<unsigned*>(out + j * 8) =
+                        pack2<T>(o[mt][j][r * 2] * inv + to_float(bv[j * 8]), o[mt][j][r * 2 + 1] * inv + to_float(bv[j * 8 + 1]));
+            }
         }
     }
 }

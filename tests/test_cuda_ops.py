@@ -201,6 +201,25 @@ def test_matmul_algorithm_timed_once_per_shape_and_shared_by_threads(cu, rng):
     assert_close_host(results[0], (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")
 
 
+def test_matmul_shapes_of_one_row_bucket_share_one_trial(cu, rng, monkeypatch):
+    """The first shape of a row bucket (rows up to the next power of two) is timed; a later shape of
+    the same bucket runs the algorithm chosen for it, without a trial of its own, and computes
+    the right product."""
+    k, n = 192, 288
+    trials = []
+    choose = cu._choose_algo
+    monkeypatch.setattr(cu, "_choose_algo", lambda ctx, key, product: trials.append(key) or choose(ctx, key, product))
+    for m in (cu.TRIAL_MIN_ROWS + 5, cu.TRIAL_MIN_ROWS + 1000):
+        (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, "fp16") for s in ((m, k), (n, k)))
+        out = poisoned(cu, (m, n), "fp16")
+        cu.matmul(out, x, w)
+        assert_close(cu, out, (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")
+    assert [key[3] for key in trials] == [cu.TRIAL_MIN_ROWS + 5]
+    first, second = ([key for key in cu._ALGOS if key[2:5] == (n, m, k)][0] for m in (cu.TRIAL_MIN_ROWS + 5,
+                                                                                      cu.TRIAL_MIN_ROWS + 1000))
+    assert bytes(cu._ALGOS[first]) == bytes(cu._ALGOS[second])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_of_operands_not_256_byte_aligned(cu, rng, dtype):
     """A view starting inside an allocation (here one row in: 400 bytes in fp32, 200 in 16-bit)
@@ -283,7 +302,8 @@ VARLEN = [  # (lengths, heads)
     ([512, 300], 4),
     ([2048, 1024, 3], 2),                         # longer than BERT's 512 positions
     (lambda rng: rng.integers(1, 129, 128).tolist(), 2),  # batch 128
-    ([512] * 23 + [300], 12),                     # enough blocks for the 8-warp kernel (head dim 64+)
+    ([512] * 23 + [300], 12),                     # many blocks of 512-token sequences
+    ([1024] * 3 + [1500, 7], 12),                 # the wide tiles (VARLEN_TILES) at head dim <= 64
 ]
 
 
@@ -327,7 +347,7 @@ def test_pool_packed(cu, rng, dtype, lengths, h, skip):
 
 # ModernBERT's local layers (window) and MPNet's relative bias inside the fused kernel, lengths 1..4096
 WINDOWED = [([1, 63, 64, 65, 200], 16), ([4096, 130, 1], 64), ([1000, 2047], 200), ([300, 5], 1),
-            ([600] * 39 + [257], 48)]  # the 8-warp kernel
+            ([600] * 39 + [257], 48), ([1100] * 15 + [1030], 40)]  # the last: the wide tiles (head dim <= 64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

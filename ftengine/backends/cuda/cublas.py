@@ -106,6 +106,8 @@ class CublasLt:
                                                        ctypes.POINTER(i32)]
         lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz,
                                        vp]
+        lib.cublasLtMatmulAlgoCheck.argtypes = [vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo),
+                                                ctypes.POINTER(_Heuristic)]
         self.handle = vp()
         self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self._stream = vp(stream_ptr)
@@ -140,6 +142,15 @@ class CublasLt:
         """The plan's algorithms for a key (transa, transb, m, n, k, a_type, lda, b_type, ldb,
         c_type, ldc, epilogue), the heuristic's best guess first."""
         return self._plan(key)[4]
+
+    def supports(self, key, algo: _Algo) -> bool:
+        """Whether `algo` (chosen for another shape) runs the product of plan key `key`, within our
+        workspace (cublasLtMatmulAlgoCheck)."""
+        desc, a, b, c, _ = self._plan(key)
+        result = _Heuristic()
+        status = self._lib.cublasLtMatmulAlgoCheck(self.handle, desc, a, b, c, c, ctypes.byref(algo),
+                                                   ctypes.byref(result))
+        return status == 0 and result.workspace_size <= self._workspace_bytes
 
     def _plan(self, key):
         plan = self._plans.get(key)

@@ -23,12 +23,23 @@ VECS = {"float": (4, 2, 1), "__half": (8, 4, 2, 1), "__nv_bfloat16": (8, 4, 2, 1
 ROW_ITEMS = (1, 4)  # vectors per thread in the row (LayerNorm) kernels
 VARLEN_HEAD_DIMS = (32, 64, 128)  # fused attention (attention_varlen.cu)
 VARLEN_BLOCK_M = 64               # its query tile (fp32)
-VARLEN_WARPS = (4, 8)             # tensor-core kernel: warps per block, 16 queries each
+# tensor-core kernel tiles: (warps, 16-query tiles per warp, keys per K/V tile); narrow by
+# default, wide (twice the queries per warp) for sequences of 1024+ at head dim <= 64 with blocks
+# for every SM twice (measured on the H100 by kernels_cu/dev/attention_tiles.py)
+VARLEN_TILES = {"narrow": (4, 1, 64), "wide": (4, 2, 64)}
 ATTENTION_FLAGS = {"rows_are_tokens": 1, "indirect": 2, "write_kv": 4}  # decoder.cu cached_attention
 ATTENTION_THREADS = 256           # its block (ATTN_THREADS)
 GEMV_ROWS, GEMV_COLS, GEMV_THREADS = 4, 2, 128  # gemv.cu: most rows of x, output columns and threads per block
 SAMPLING_KERNELS = ["choose_tokens", "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates",
                     "beam_select"]
+
+
+def varlen_mma_name(ctype: str, d: int, general: bool, tiles: str) -> str:
+    """The tensor-core varlen attention kernel for head dim d and the VARLEN_TILES entry `tiles`;
+    the narrow plain kernels ask the register allocator for 4 blocks per SM (2 at head dim 128)."""
+    warps, mt, kn = VARLEN_TILES[tiles]
+    min_blocks = 0 if general or tiles != "narrow" else (4 if d <= 64 else 2)
+    return f"varlen_attention_mma<{ctype}, {d}, {'true' if general else 'false'}, {warps}, {mt}, {kn}, {min_blocks}>"
 
 
 def _softmax_variants(t: str) -> list[str]:
@@ -57,8 +68,9 @@ FAMILIES = {
     "attention.cu": lambda t: (_vec_variants("add_qkv_bias_split_heads", t) + _vec_variants("merge_heads", t)
                                + _softmax_variants(t) + [f"add_relative_bias<{t}>"]),
     "attention_varlen.cu": lambda t: ([f"varlen_attention_simt<{d}>" for d in VARLEN_HEAD_DIMS] if t == "float" else
-                                      [f"varlen_attention_mma<{t}, {d}, {g}, {w}>" for d in VARLEN_HEAD_DIMS
-                                       for g in ("false", "true") for w in VARLEN_WARPS]),
+                                      [varlen_mma_name(t, d, g, tiles) for d in VARLEN_HEAD_DIMS
+                                       for g in (False, True) for tiles in VARLEN_TILES
+                                       if tiles == "narrow" or d <= 64]),
     "pooling.cu": lambda t: [f"pool<{t}>", f"pool_packed<{t}>"],
     "decoder.cu": lambda t: (_vec_variants("embed_positions", t) + _row_variants("layernorm", t)
                              + _vec_variants("add_bias_residual", t) + _row_variants("residual_layernorm", t)

@@ -18,8 +18,8 @@ import numpy as np
 from ...errors import DeviceError
 from . import cublas as cb
 from .kernels import (ATTENTION_FLAGS, ATTENTION_THREADS, CUDA_TYPES, GEMV_COLS, GEMV_ROWS, GEMV_THREADS, ROW_ITEMS,
-                      SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_WARPS, VECS, kernel,
-                      prepare)
+                      SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VECS, kernel,
+                      prepare, varlen_mma_name)
 
 name = "cuda"
 STORAGE = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
@@ -41,9 +41,13 @@ class _Context:
 
 
 _local = threading.local()
-# the cuBLASLt algorithm each product shape runs, timed once per process and shared by every
-# thread (so two engines compute a shape with the same algorithm, bit for bit): plan key -> algo
+# the cuBLASLt algorithm each product shape runs, chosen once per process and shared by every
+# thread (so two engines compute a shape with the same algorithm, bit for bit): plan key -> algo;
+# and per row bucket (rows up to the next power of two, the other dimensions the same) the algorithm
+# timed fastest for the first shape of that bucket, which later shapes of it reuse where cuBLASLt
+# accepts it (a batch's padded shapes are many, their trials would cost more than they gain)
 _ALGOS = {}
+_BUCKET_ALGOS = {}
 _ALGOS_LOCK = threading.Lock()
 TRIAL_REPEATS = 10  # products per timed graph of each candidate algorithm
 # products of fewer rows run cuBLASLt's heuristic's first algorithm untimed: the best of its candidates
@@ -257,9 +261,9 @@ def matmul(out, x, weight):
 
 
 def _lt_matmul(out, x, weight, bias=None, epilogue="none"):
-    """out = epilogue(x @ weight^T [+ bias]) through cuBLASLt, with the algorithm timed fastest for
-    this shape from TRIAL_MIN_ROWS rows on (chosen on its first call outside a capture; the
-    heuristic's first inside one, and for fewer rows);
+    """out = epilogue(x @ weight^T [+ bias]) through cuBLASLt, from TRIAL_MIN_ROWS rows on with the
+    algorithm timed fastest for the first shape of its row bucket (chosen on its first call outside
+    a capture; the heuristic's first inside one, and for fewer rows);
     cuBLAS's GemmEx (no epilogue) for operands not 256-byte aligned, which cuBLASLt's plans assume."""
     m, k = x.shape
     n = weight.shape[0]
@@ -282,9 +286,11 @@ def _lt_matmul(out, x, weight, bias=None, epilogue="none"):
     with ctx.stream:
         algo = _ALGOS.get(key)
         if algo is None and m >= TRIAL_MIN_ROWS and not ctx.stream.is_capturing():
-            if _planning():  # x holds what the skipped launches left (zeros in a new workspace): time on real-like values
-                _fill_random(x)
-            algo = _choose_algo(ctx, key, product)
+            algo = _bucket_algo(ctx, key)
+            if algo is None:
+                if _planning():  # x holds what the skipped launches left (zeros in a new workspace): time on real-like values
+                    _fill_random(x)
+                algo = _choose_algo(ctx, key, product)
         if not _planning():
             product(algo)
 
@@ -294,6 +300,21 @@ def _fill_random(a):
     cupy = context().cupy
     values = cupy.random.standard_normal(a.shape, dtype=np.float32)
     a[...] = (values.view(np.uint32) >> 16).astype(np.uint16) if a.dtype == np.uint16 else values.astype(a.dtype)
+
+
+def _row_bucket(key):
+    """The plan key with its rows (key[3]) rounded up to a power of two."""
+    return key[:3] + (1 << (key[3] - 1).bit_length(),) + key[4:]
+
+
+def _bucket_algo(ctx, key):
+    """The algorithm timed for an earlier shape of key's row bucket, now key's own, if cuBLASLt
+    runs key with it; else None (key gets a trial of its own)."""
+    algo = _BUCKET_ALGOS.get(_row_bucket(key))
+    if algo is None or not ctx.lt.supports(key, algo):
+        return None
+    with _ALGOS_LOCK:
+        return _ALGOS.setdefault(key, algo)
 
 
 def _choose_algo(ctx, key, product):
@@ -319,7 +340,9 @@ def _choose_algo(ctx, key, product):
         end.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, end))
     with _ALGOS_LOCK:
-        return _ALGOS.setdefault(key, candidates[int(np.argmin(times))])
+        algo = _ALGOS.setdefault(key, candidates[int(np.argmin(times))])
+        _BUCKET_ALGOS.setdefault(_row_bucket(key), algo)
+        return algo
 
 
 def matmul_bias_gelu(out, x, weight, bias, *, form):
@@ -416,14 +439,16 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
     threads, block_m = 128, VARLEN_BLOCK_M
     if ct == "float":
         name, smem = f"varlen_attention_simt<{d}>", 0
-    else:  # two stages of K and V tiles, 64 rows of D + 8 elements; the general variant for windows and biases;
-        # 8 warps (128 queries share each K/V tile) for long sequences of head dim 64+ when that still
-        # gives every SM two blocks (measured on the H100: bench/results/encoder.md)
-        general = "true" if window or rel_bias is not None else "false"
-        wide = d >= 64 and max_seqlen >= 256 and b * heads * -(-max_seqlen // 128) >= 2 * context().sm_count
-        warps = VARLEN_WARPS[-1] if wide else VARLEN_WARPS[0]
-        threads, block_m = 32 * warps, 16 * warps
-        name, smem = f"varlen_attention_mma<{ct}, {d}, {general}, {warps}>", 2 * 2 * 64 * (d + 8) * 2
+    else:  # two stages of K and V tiles of KN rows of D + 8 elements; the general variant for windows
+        # and biases; the wide tiles for long sequences (VARLEN_TILES)
+        general = bool(window or rel_bias is not None)
+        warps, mt, kn = VARLEN_TILES["wide"]
+        blocks = b * heads * -(-max_seqlen // (16 * warps * mt))
+        wide = d <= 64 and max_seqlen >= 1024 and blocks >= 2 * context().sm_count
+        tiles = "wide" if wide else "narrow"
+        warps, mt, kn = VARLEN_TILES[tiles]
+        threads, block_m = 32 * warps, 16 * warps * mt
+        name, smem = varlen_mma_name(ct, d, general, tiles), 2 * 2 * kn * (d + 8) * 2
     scale_log2 = np.float32(1.4426950408889634 / np.sqrt(d))
     table, buckets, max_len = rel_bias if rel_bias is not None else (cu_seqlens, cu_seqlens, 0)
     _launch("attention_varlen.cu", name, (-(-max_seqlen // block_m), b * heads + 1), (threads,),
