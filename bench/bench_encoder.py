@@ -40,6 +40,7 @@ from weights.fixtures import WORDS, write_bert_checkpoint  # noqa: E402
 FULL = [(1, 128), (32, 128), (256, 128), (64, 512)]
 TARGETS_FP16 = {"1x128 full": 0.4, "32x128 full": 1.6, "256x128 full": 10.0, "64x512 full": 11.0}
 MAX_TOKENS = 32768
+GEMM_FLOOR_TFLOPS = 800  # an 8192^3 fp16 product's rate on the H100 (cuBLAS): the per-op table's reference
 
 
 def cases(rng):
@@ -243,6 +244,10 @@ def breakdown(folder, b, s, layout="packed", dtype="fp16"):
     runner.graphs.enabled = True
     whole = median_ms(lambda: runner.embed(batch, pooling=("mean",), normalize=True), sync=cuda_ops.synchronize)
     rows = [{"op": k, "calls": count[k], "ms": round(v, 4)} for k, v in sorted(total.items(), key=lambda kv: -kv[1])]
+    for row in rows:  # the products' rate: 2 x tokens x in x out per call
+        if row["op"].startswith("matmul"):
+            n_in, n_out = (int(x) for x in row["op"].split()[-1].split("->"))
+            row["tflops"] = round(2 * b * s * n_in * n_out * row["calls"] / row["ms"] / 1e9, 1)
     return {"model": "bert-base", "dtype": dtype, "batch": b, "seq": s, "layout": layout, "ops": rows,
             "sum_ms": round(sum(total.values()), 4), "end_to_end_ms": round(whole, 4)}
 
@@ -270,13 +275,47 @@ def time_sentence_transformers(folder, lines, *, half: bool) -> float:
     return sec
 
 
-def throughput(tmp: Path):
-    """`Encoder.encode` on a large synthetic file with a realistic length spread (log-normal,
-    median ~16 words, cut at 256 tokens): packed and padded ftengine, sentence-transformers."""
-    folder = write_bert_checkpoint(
+def minilm_folder(tmp: Path) -> Path:
+    """A random-weight checkpoint of the all-MiniLM-L6-v2 shape, as a sentence-transformers folder."""
+    if (tmp / "minilm").is_dir():
+        return tmp / "minilm"
+    return write_bert_checkpoint(
         tmp / "minilm", seed=3, init="hf", hidden=384, layers=6, heads=12, intermediate=1536, max_positions=512,
         sentence_transformers={"pooling": {"word_embedding_dimension": 384, "pooling_mode_mean_tokens": True},
                                "normalize": True, "max_seq_length": 256})
+
+
+def gpu_only(folder: Path, b: int = 256, s: int = 128) -> dict:
+    """GPU-only tokens/s of a model: one b x s fp16 batch's captured pass (layers, mean pooling,
+    normalisation) replayed back to back, its inputs already on the device."""
+    import cupy
+    config = load_bert_config(folder)
+    runner = BertRunner(config, load_bert_weights(folder, config), cuda_ops, dtype="fp16", max_batch_tokens=b * s,
+                        max_seq_len=s)
+    ids = np.random.default_rng(4).integers(0, config.vocab_size, (b, s)).tolist()
+    runner.embed(Batch.from_lists(ids, [[0] * s] * b), pooling=("mean",), normalize=True)
+    graph = next(reversed(runner.graphs.graphs.values()))
+    stream = cuda_ops.context().stream
+    times = []
+    for _ in range(5):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(10):
+            graph.launch(stream=stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 10)
+    ms = statistics.median(times)
+    row = {"model": "all-MiniLM-L6-v2 shape", "batch": b, "seq": s, "ms": round(ms, 4),
+           "tokens_per_s": round(b * s / ms * 1e3)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def throughput(tmp: Path):
+    """`Encoder.encode` on a large synthetic file with a realistic length spread (log-normal,
+    median ~16 words, cut at 256 tokens): packed and padded ftengine, sentence-transformers."""
+    folder = minilm_folder(tmp)
     lines = synthetic_lines(50_000, np.random.default_rng(2))
     out = []
     for layout in ("packed", "padded"):
@@ -337,9 +376,13 @@ def markdown(result) -> str:
         lines += ["", f"GPU time per op, one forward pass, {bd['batch']} x {bd['seq']} {bd['dtype']} {bd['layout']} "
                   f"(each op call replayed alone from a graph): {bd['sum_ms']:.3f} ms in ops; end to end "
                   f"{bd['end_to_end_ms']:.3f} ms (graph replay + input copy + result copy back)",
-                  "", "| op | calls | ms | share |", "|---|---|---|---|"]
+                  "", f"| op | calls | ms | share | TFLOP/s (share of {GEMM_FLOOR_TFLOPS}) |", "|---|---|---|---|---|"]
         for r in bd["ops"]:
-            lines.append(f"| {r['op']} | {r['calls']} | {r['ms']:.3f} | {100 * r['ms'] / bd['sum_ms']:.1f}% |")
+            rate = f"{r['tflops']} ({r['tflops'] / GEMM_FLOOR_TFLOPS:.0%})" if "tflops" in r else ""
+            lines.append(f"| {r['op']} | {r['calls']} | {r['ms']:.3f} | {100 * r['ms'] / bd['sum_ms']:.1f}% | {rate} |")
+    g = result["gpu_only"]
+    lines += ["", f"GPU only, {g['model']} (random weights), fp16, {g['batch']} x {g['seq']} tokens, the captured pass "
+              f"replayed back to back with its inputs on the device: {g['ms']:.3f} ms, {g['tokens_per_s']:,} tokens/s."]
     lines += ["", "`Encoder.encode` on 50,000 synthetic lines (all-MiniLM-L6-v2 shape, random weights, "
               "log-normal lengths):", "", "| engine | lines/s | tokens/s | seconds |", "|---|---|---|---|"]
     for r in result["throughput"]:
@@ -360,7 +403,8 @@ def main():
         result["attention"] = [attention_alone(b=b, s=s, heads=heads, d=d) for d, heads in ATTENTION_HEADS
                                for b, s in ATTENTION_SHAPES]
         result["breakdown"] = [breakdown(folder, 1, 128), breakdown(folder, 32, 128),
-                               breakdown(folder, 32, 128, layout="padded")]
+                               breakdown(folder, 32, 128, layout="padded"), breakdown(folder, 256, 128)]
+        result["gpu_only"] = gpu_only(minilm_folder(Path(tmp)))
         result["throughput"] = throughput(Path(tmp))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

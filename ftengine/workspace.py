@@ -20,6 +20,7 @@ class Workspace:
             offset += self._aligned(count, dtype)
         self.nbytes = offset
         self.buffer = ops.empty((max(offset, ALIGN),), np.uint8)
+        self._views = {}  # (name, shape) -> view: each batch asks for the same few (creating one costs microseconds)
 
     @staticmethod
     def _aligned(count, dtype) -> int:
@@ -32,8 +33,13 @@ class Workspace:
 
     def view(self, name: str, shape):
         """The first prod(shape) elements of entry `name`, shaped. Refuses shapes over the entry's size."""
+        key = (name, tuple(shape))
+        found = self._views.get(key)
+        if found is not None:
+            return found
         offset, count, dtype = self.entries[name]
         n = math.prod(shape)
         if n > count:
             raise ValueError(f"workspace entry {name!r}: {shape} needs {n} elements, {count} allocated")
-        return self.buffer[offset:offset + n * dtype.itemsize].view(dtype).reshape(shape)
+        view = self._views[key] = self.buffer[offset:offset + n * dtype.itemsize].view(dtype).reshape(shape)
+        return view

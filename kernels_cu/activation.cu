@@ -1,19 +1,29 @@
 // Add bias + GELU, FasterTransformer's add_bias_act; `form` as gelu() in common.cuh.
 // Reference: ftengine/backends/numpy_ops.py add_bias_gelu. `out` may alias `x`.
-// grid (rows), each thread VEC consecutive columns at a time.
+// grid (ceil(rows / GELU_ROWS)): a block takes GELU_ROWS rows, each thread VEC columns of each of
+// them at a time, so that GELU_ROWS loads are in flight per thread (a memory-bound pass).
+#define GELU_ROWS 4
 
 template <typename T, int VEC>
-__global__ void add_bias_gelu(T* out, const T* x,          // (T, I)
+__global__ void add_bias_gelu(T* out, const T* x,          // (rows, I)
                               const T* __restrict__ bias,  // (I,)
-                              int I, int form) {
-    const long base = (long)blockIdx.x * I;
+                              int I, int rows, int form) {
+    const long row0 = (long)blockIdx.x * GELU_ROWS;
+    const int n = min(GELU_ROWS, (int)(rows - row0));
     for (int col = threadIdx.x * VEC; col < I; col += blockDim.x * VEC) {
-        float a[VEC], b[VEC];
-        load_floats<T, VEC>(a, x + base + col);
+        float a[GELU_ROWS][VEC], b[VEC];
+        #pragma unroll
+        for (int r = 0; r < GELU_ROWS; ++r)
+            if (r < n) load_floats<T, VEC>(a[r], x + (row0 + r) * I + col);
         load_floats<T, VEC>(b, bias + col);
         #pragma unroll
-        for (int j = 0; j < VEC; ++j) a[j] = gelu(a[j] + b[j], form);
-        store_floats<T, VEC>(out + base + col, a);
+        for (int r = 0; r < GELU_ROWS; ++r) {
+            if (r < n) {
+                #pragma unroll
+                for (int j = 0; j < VEC; ++j) a[r][j] = gelu(a[r][j] + b[j], form);
+                store_floats<T, VEC>(out + (row0 + r) * I + col, a[r]);
+            }
+        }
     }
 }
 

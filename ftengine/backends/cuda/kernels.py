@@ -29,6 +29,7 @@ VARLEN_BLOCK_M = 64               # its query tile (fp32)
 VARLEN_TILES = {"narrow": (4, 1, 64), "wide": (4, 2, 64)}
 ATTENTION_FLAGS = {"rows_are_tokens": 1, "indirect": 2, "write_kv": 4}  # decoder.cu cached_attention
 ATTENTION_THREADS = 256           # its block (ATTN_THREADS)
+GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
 GEMV_ROWS, GEMV_COLS, GEMV_THREADS = 4, 2, 128  # gemv.cu: most rows of x, output columns and threads per block
 SAMPLING_KERNELS = ["choose_tokens", "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates",
                     "beam_select"]

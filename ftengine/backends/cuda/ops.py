@@ -17,8 +17,8 @@ import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
-from .kernels import (ATTENTION_FLAGS, ATTENTION_THREADS, CUDA_TYPES, GEMV_COLS, GEMV_ROWS, GEMV_THREADS, ROW_ITEMS,
-                      SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VECS, kernel,
+from .kernels import (ATTENTION_FLAGS, ATTENTION_THREADS, CUDA_TYPES, GELU_ROWS, GEMV_COLS, GEMV_ROWS, GEMV_THREADS,
+                      ROW_ITEMS, SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VECS, kernel,
                       prepare, varlen_mma_name)
 
 name = "cuda"
@@ -494,7 +494,13 @@ def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
 
 
 def add_bias_gelu(out, x, bias, *, form):
-    _gelu_rows("add_bias_gelu", out, x, bias, form)
+    """out (T, I) = GELU(x + bias), GELU_ROWS rows per block."""
+    t, i = out.shape
+    if form not in GELU_FORMS:
+        raise ValueError(f"unknown GELU form {form!r}")
+    vec = _vec(out, i)
+    _launch("activation.cu", f"add_bias_gelu<{_ctype(out)}, {vec}>", (-(-t // GELU_ROWS),), (_threads(i // vec),),
+            (out, x, bias, np.int32(i), np.int32(t), np.int32(GELU_FORMS[form])))
 
 
 def _pool_modes(kernel: str, out, hidden, modes, extra_args, skip: int):
