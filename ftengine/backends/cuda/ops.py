@@ -260,6 +260,11 @@ def matmul(out, x, weight):
         _lt_matmul(out, x, weight)
 
 
+def _lt_aligned(*arrays) -> bool:
+    """Whether every array starts on a 256-byte boundary, as cuBLASLt's plans assume."""
+    return all(a.data.ptr % 256 == 0 for a in arrays)
+
+
 def _lt_matmul(out, x, weight, bias=None, epilogue="none"):
     """out = epilogue(x @ weight^T [+ bias]) through cuBLASLt, from TRIAL_MIN_ROWS rows on with the
     algorithm timed fastest for the first shape of its row bucket (chosen on its first call outside
@@ -270,7 +275,7 @@ def _lt_matmul(out, x, weight, bias=None, epilogue="none"):
     types = [cb.DATA_TYPES[a.dtype.name] for a in (weight, x, out)]
     pointers = [a.data.ptr for a in (weight, x, out)]
     ctx = context()
-    if not all(p % 256 == 0 for p in pointers + ([bias.data.ptr] if bias is not None else [])):
+    if not _lt_aligned(weight, x, out, *([bias] if bias is not None else [])):
         if epilogue != "none":
             raise DeviceError("a fused cuBLASLt epilogue needs 256-byte aligned operands")
         if not _planning():
@@ -353,7 +358,7 @@ def matmul_bias_gelu(out, x, weight, bias, *, form):
         raise ValueError(f"unknown GELU form {form!r}")
     if x.shape[0] <= GEMV_ROWS:
         _gemv(out, x, weight, bias, 1 + GELU_FORMS[form])
-    elif form == "tanh" and all(a.data.ptr % 256 == 0 for a in (out, x, weight, bias)):
+    elif form == "tanh" and _lt_aligned(out, x, weight, bias):
         _lt_matmul(out, x, weight, bias, "gelu_bias")
     else:
         _lt_matmul(out, x, weight)
