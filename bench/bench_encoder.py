@@ -129,24 +129,31 @@ def time_batches(folder, rows):
         del models, runners
 
 
-def graph_ms(fn, repeat=20):
-    """GPU time of fn's launches: captured `repeat` times into one graph, replayed between events."""
+def replay_ms(graph, per: int, launches: int = 1):
+    """GPU time of one of the `per` passes a graph holds: `launches` replays between events,
+    median of 5 (after one replay to warm up)."""
     import cupy
     stream = cuda_ops.context().stream
-    stream.begin_capture()
-    for _ in range(repeat):
-        fn()
-    graph = stream.end_capture()
     graph.launch(stream=stream)
     times = []
     for _ in range(5):
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record(stream)
-        graph.launch(stream=stream)
+        for _ in range(launches):
+            graph.launch(stream=stream)
         end.record(stream)
         end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / repeat)
+        times.append(cupy.cuda.get_elapsed_time(start, end) / (per * launches))
     return statistics.median(times)
+
+
+def graph_ms(fn, repeat=20):
+    """GPU time of fn's launches: captured `repeat` times into one graph, replayed between events."""
+    stream = cuda_ops.context().stream
+    stream.begin_capture()
+    for _ in range(repeat):
+        fn()
+    return replay_ms(stream.end_capture(), repeat)
 
 
 # the attention step alone: head dims (with BERT-base's 768 wide heads) and (batch, sequence) shapes
@@ -288,24 +295,12 @@ def minilm_folder(tmp: Path) -> Path:
 def gpu_only(folder: Path, b: int = 256, s: int = 128) -> dict:
     """GPU-only tokens/s of a model: one b x s fp16 batch's captured pass (layers, mean pooling,
     normalisation) replayed back to back, its inputs already on the device."""
-    import cupy
     config = load_bert_config(folder)
     runner = BertRunner(config, load_bert_weights(folder, config), cuda_ops, dtype="fp16", max_batch_tokens=b * s,
                         max_seq_len=s)
     ids = np.random.default_rng(4).integers(0, config.vocab_size, (b, s)).tolist()
     runner.embed(Batch.from_lists(ids, [[0] * s] * b), pooling=("mean",), normalize=True)
-    graph = next(reversed(runner.graphs.graphs.values()))
-    stream = cuda_ops.context().stream
-    times = []
-    for _ in range(5):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        for _ in range(10):
-            graph.launch(stream=stream)
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 10)
-    ms = statistics.median(times)
+    ms = replay_ms(next(reversed(runner.graphs.graphs.values())), 1, launches=10)
     row = {"model": "all-MiniLM-L6-v2 shape", "batch": b, "seq": s, "ms": round(ms, 4),
            "tokens_per_s": round(b * s / ms * 1e3)}
     print(json.dumps(row), flush=True)

@@ -242,6 +242,13 @@ def embed_layernorm(out, ids, token_types, positions, word_emb, pos_emb, type_em
 GELU_FORMS = {"erf": 0, "tanh": 1}
 
 
+def _gelu_form(form: str) -> int:
+    """The kernels' code for a GELU form; an unknown one is refused."""
+    if form not in GELU_FORMS:
+        raise ValueError(f"unknown GELU form {form!r}")
+    return GELU_FORMS[form]
+
+
 def _gemv(out, x, weight, bias, epilogue):
     m, k = x.shape
     n = weight.shape[0]
@@ -354,10 +361,9 @@ def matmul_bias_gelu(out, x, weight, bias, *, form):
     """out (M, N) = GELU(x @ weight^T + bias): fused into the gemv for a few rows; past them, the
     tanh form in cuBLASLt's GELU_BIAS epilogue (the same formula, on the fp32 accumulator), the
     erf form (no cuBLASLt epilogue computes it) as a product, then one bias + GELU pass."""
-    if form not in GELU_FORMS:
-        raise ValueError(f"unknown GELU form {form!r}")
+    code = _gelu_form(form)
     if x.shape[0] <= GEMV_ROWS:
-        _gemv(out, x, weight, bias, 1 + GELU_FORMS[form])
+        _gemv(out, x, weight, bias, 1 + code)
     elif form == "tanh" and _lt_aligned(out, x, weight, bias):
         _lt_matmul(out, x, weight, bias, "gelu_bias")
     else:
@@ -469,18 +475,13 @@ def rotary_qkv(qkv, bias, positions, cos, sin, *, heads):
 
 
 def gated_gelu(out, x, bias, *, form):
-    """GeGLU: out (T, I) = GELU(x[:, :I] + bias[:I]) * (x[:, I:] + bias[I:])."""
-    _gelu_rows("gated_gelu", out, x, bias, form)
-
-
-def _gelu_rows(kernel_name: str, out, x, bias, form: str):
-    """One block per row of out (T, I), VEC columns per thread at a time."""
+    """GeGLU: out (T, I) = GELU(x[:, :I] + bias[:I]) * (x[:, I:] + bias[I:]); one block per row,
+    VEC columns per thread at a time."""
     t, i = out.shape
-    if form not in GELU_FORMS:
-        raise ValueError(f"unknown GELU form {form!r}")
+    code = _gelu_form(form)
     vec = _vec(out, i)
-    _launch("activation.cu", f"{kernel_name}<{_ctype(out)}, {vec}>", (t,), (_threads(i // vec, 256),),
-            (out, x, bias, np.int32(i), np.int32(GELU_FORMS[form])))
+    _launch("activation.cu", f"gated_gelu<{_ctype(out)}, {vec}>", (t,), (_threads(i // vec, 256),),
+            (out, x, bias, np.int32(i), np.int32(code)))
 
 
 def merge_heads(out, ctx, *, batch, seq, heads):
@@ -501,11 +502,10 @@ def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
 def add_bias_gelu(out, x, bias, *, form):
     """out (T, I) = GELU(x + bias), GELU_ROWS rows per block."""
     t, i = out.shape
-    if form not in GELU_FORMS:
-        raise ValueError(f"unknown GELU form {form!r}")
+    code = _gelu_form(form)
     vec = _vec(out, i)
     _launch("activation.cu", f"add_bias_gelu<{_ctype(out)}, {vec}>", (-(-t // GELU_ROWS),), (_threads(i // vec),),
-            (out, x, bias, np.int32(i), np.int32(t), np.int32(GELU_FORMS[form])))
+            (out, x, bias, np.int32(i), np.int32(t), np.int32(code)))
 
 
 def _pool_modes(kernel: str, out, hidden, modes, extra_args, skip: int):
