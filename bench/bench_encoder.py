@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ftengine import Encoder  # noqa: E402
 from ftengine.backends.cuda import ops as cuda_ops  # noqa: E402
 from ftengine.checkpoint import load_bert_weights  # noqa: E402
+from ftengine.encoder import default_model_path  # noqa: E402
+from ftengine.errors import ConfigError  # noqa: E402
 from ftengine.config import load_bert_config  # noqa: E402
 from ftengine.models.bert import Batch, BertRunner  # noqa: E402
 from weights.fixtures import WORDS, write_bert_checkpoint  # noqa: E402
@@ -208,7 +210,8 @@ def attention_alone(b=64, s=512, heads=12, d=64):
 
 OP_NAMES = ("matmul", "matmul_bias_gelu", "batched_matmul", "embed_layernorm", "add_qkv_bias_split_heads", "masked_softmax",
             "merge_heads", "add_bias_residual_layernorm", "add_bias_gelu", "pool", "l2_normalize",
-            "varlen_attention", "pool_packed")
+            "varlen_attention", "pool_packed", "matmul_fp8", "quantize_rows", "add_bias_residual_layernorm_quantize",
+            "add_bias_gelu_quantize")
 
 
 class RecordedOps:
@@ -228,6 +231,8 @@ class RecordedOps:
             label = name
             if name in ("matmul", "matmul_bias_gelu"):
                 label = f"{name} {args[1].shape[1]}->{args[2].shape[0]}"
+            elif name == "matmul_fp8":
+                label = f"{name} {args[1].shape[1]}->{args[3].shape[0]}"
             elif name == "batched_matmul":
                 label = "batched_matmul QK^T" if kwargs.get("transpose_b") else "batched_matmul PV"
             self.calls.append((label, fn, args, kwargs))
@@ -292,17 +297,58 @@ def minilm_folder(tmp: Path) -> Path:
                                "normalize": True, "max_seq_length": 256})
 
 
-def gpu_only(folder: Path, b: int = 256, s: int = 128) -> dict:
-    """GPU-only tokens/s of a model: one b x s fp16 batch's captured pass (layers, mean pooling,
+def gpu_only(folder: Path, b: int = 256, s: int = 128, dtype: str = "fp16") -> dict:
+    """GPU-only tokens/s of a model: one b x s batch's captured pass (layers, mean pooling,
     normalisation) replayed back to back, its inputs already on the device."""
     config = load_bert_config(folder)
-    runner = BertRunner(config, load_bert_weights(folder, config), cuda_ops, dtype="fp16", max_batch_tokens=b * s,
+    runner = BertRunner(config, load_bert_weights(folder, config), cuda_ops, dtype=dtype, max_batch_tokens=b * s,
                         max_seq_len=s)
     ids = np.random.default_rng(4).integers(0, config.vocab_size, (b, s)).tolist()
     runner.embed(Batch.from_lists(ids, [[0] * s] * b), pooling=("mean",), normalize=True)
     ms = replay_ms(next(reversed(runner.graphs.graphs.values())), 1, launches=10)
-    row = {"model": "all-MiniLM-L6-v2 shape", "batch": b, "seq": s, "ms": round(ms, 4),
+    row = {"model": "all-MiniLM-L6-v2 shape", "dtype": dtype, "batch": b, "seq": s, "ms": round(ms, 4),
            "tokens_per_s": round(b * s / ms * 1e3)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def fp8_rows(folder: Path) -> list:
+    """dtype fp8 against fp16 in the same run (BERT-base, packed, end to end as time_batches), and
+    its pooled, normalised embeddings' cosine against fp32's (fp16's beside it)."""
+    config = load_bert_config(folder)
+    weights = load_bert_weights(folder, config)
+    runners = {dtype: BertRunner(config, weights, cuda_ops, dtype=dtype, max_batch_tokens=MAX_TOKENS, max_seq_len=512)
+               for dtype in ("fp32", "fp16", "fp8")}
+    rng = np.random.default_rng(5)
+    rows = []
+    for b, s in FULL:
+        batch = Batch.from_lists(rng.integers(1000, config.vocab_size, (b, s)).tolist(), [[0] * s] * b)
+        embed = {d: (lambda r=r: r.embed(batch, pooling=("mean",), normalize=True)) for d, r in runners.items()}
+        exact = embed["fp32"]()
+        cos = {d: (embed[d]() * exact).sum(1) for d in ("fp16", "fp8")}
+        ms = {d: median_ms(embed[d], sync=cuda_ops.synchronize) for d in ("fp16", "fp8")}
+        row = {"model": "bert-base", "batch": b, "seq": s, "fp16_ms": round(ms["fp16"], 4),
+               "fp8_ms": round(ms["fp8"], 4), "fp8_speedup": round(ms["fp16"] / ms["fp8"], 2),
+               "fp8_cosine_min": float(cos["fp8"].min()), "fp8_cosine_mean": float(cos["fp8"].mean()),
+               "fp16_cosine_min": float(cos["fp16"].min())}
+        if (b, s) == (256, 128):
+            row["target_ms"] = 6.5
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def fp8_default_model(path: Path | None) -> dict | None:
+    """The default model (all-MiniLM-L6-v2, if installed or given): Encoder.encode in fp8 and
+    fp16 against fp32, cosine of the pooled, normalised embeddings over 5,000 synthetic lines."""
+    if path is None:
+        return None
+    lines = synthetic_lines(5000, np.random.default_rng(6))
+    out = {d: Encoder.from_pretrained(path, device="cuda", dtype=d).encode(lines) for d in ("fp32", "fp16", "fp8")}
+    row = {"model": "all-MiniLM-L6-v2", "lines": len(lines)}
+    for d in ("fp16", "fp8"):
+        cos = (out[d] * out["fp32"]).sum(1)
+        row.update({f"{d}_cosine_min": float(cos.min()), f"{d}_cosine_mean": float(cos.mean())})
     print(json.dumps(row), flush=True)
     return row
 
@@ -375,9 +421,24 @@ def markdown(result) -> str:
         for r in bd["ops"]:
             rate = f"{r['tflops']} ({r['tflops'] / GEMM_FLOOR_TFLOPS:.0%})" if "tflops" in r else ""
             lines.append(f"| {r['op']} | {r['calls']} | {r['ms']:.3f} | {100 * r['ms'] / bd['sum_ms']:.1f}% | {rate} |")
-    g = result["gpu_only"]
-    lines += ["", f"GPU only, {g['model']} (random weights), fp16, {g['batch']} x {g['seq']} tokens, the captured pass "
-              f"replayed back to back with its inputs on the device: {g['ms']:.3f} ms, {g['tokens_per_s']:,} tokens/s."]
+    for g in (result["gpu_only"], result["gpu_only_fp8"]):
+        lines += ["", f"GPU only, {g['model']} (random weights), {g['dtype']}, {g['batch']} x {g['seq']} tokens, the "
+                  f"captured pass replayed back to back with its inputs on the device: {g['ms']:.3f} ms, "
+                  f"{g['tokens_per_s']:,} tokens/s."]
+    lines += ["", "dtype fp8 (e4m3 products after each LayerNorm and the GELU: weights scaled per output channel, "
+              "activations per token; attention, LayerNorms and the output projection in fp16) against fp16, "
+              "BERT-base packed, end to end; pooled, normalised embeddings' cosine against fp32's:", "",
+              "| batch | fp16 ms | fp8 ms | fp8 speed-up | fp8 cosine min (mean) | fp16 cosine min | target ms |",
+              "|---|---|---|---|---|---|---|"]
+    for r in result["fp8"]:
+        lines.append(f"| {r['batch']} x {r['seq']} | {r['fp16_ms']:.3f} | {r['fp8_ms']:.3f} | {r['fp8_speedup']:.2f}x | "
+                     f"{r['fp8_cosine_min']:.6f} ({r['fp8_cosine_mean']:.6f}) | {r['fp16_cosine_min']:.6f} | "
+                     f"{r.get('target_ms', '')} |")
+    d = result["fp8_default_model"]
+    if d:
+        lines += ["", f"{d['model']} (the published weights), `Encoder.encode` of {d['lines']:,} synthetic lines against "
+                  f"fp32: fp8 cosine min {d['fp8_cosine_min']:.6f} (mean {d['fp8_cosine_mean']:.6f}); fp16 min "
+                  f"{d['fp16_cosine_min']:.6f} (mean {d['fp16_cosine_mean']:.6f})."]
     lines += ["", "`Encoder.encode` on 50,000 synthetic lines (all-MiniLM-L6-v2 shape, random weights, "
               "log-normal lengths):", "", "| engine | lines/s | tokens/s | seconds |", "|---|---|---|---|"]
     for r in result["throughput"]:
@@ -388,7 +449,15 @@ def markdown(result) -> str:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--default-model", default=None,
+                   help="all-MiniLM-L6-v2 folder for the fp8 accuracy row (default: the installed package's, if any)")
     args = p.parse_args()
+    default_model = Path(args.default_model) if args.default_model else None
+    if default_model is None:
+        try:
+            default_model = default_model_path()
+        except ConfigError:
+            pass
     result = {"device": cuda_ops.context().device_name, "date": date.today().isoformat(),
               "versions": versions(), "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -398,8 +467,12 @@ def main():
         result["attention"] = [attention_alone(b=b, s=s, heads=heads, d=d) for d, heads in ATTENTION_HEADS
                                for b, s in ATTENTION_SHAPES]
         result["breakdown"] = [breakdown(folder, 1, 128), breakdown(folder, 32, 128),
-                               breakdown(folder, 32, 128, layout="padded"), breakdown(folder, 256, 128)]
+                               breakdown(folder, 32, 128, layout="padded"), breakdown(folder, 256, 128),
+                               breakdown(folder, 256, 128, dtype="fp8")]
         result["gpu_only"] = gpu_only(minilm_folder(Path(tmp)))
+        result["gpu_only_fp8"] = gpu_only(minilm_folder(Path(tmp)), dtype="fp8")
+        result["fp8"] = fp8_rows(folder)
+        result["fp8_default_model"] = fp8_default_model(default_model)
         result["throughput"] = throughput(Path(tmp))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

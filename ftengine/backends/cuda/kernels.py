@@ -31,6 +31,7 @@ ATTENTION_FLAGS = {"rows_are_tokens": 1, "indirect": 2, "write_kv": 4}  # decode
 ATTENTION_THREADS = 256           # its block (ATTN_THREADS)
 GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
 GEMV_ROWS, GEMV_COLS, GEMV_THREADS = 4, 2, 128  # gemv.cu: most rows of x, output columns and threads per block
+FP8_KERNELS = ("quantize_rows", "add_bias_residual_layernorm_quantize", "add_bias_gelu_quantize")  # a block per row
 SAMPLING_KERNELS = ["choose_tokens", "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates",
                     "beam_select"]
 
@@ -79,6 +80,8 @@ FAMILIES = {
                              + _vec_variants("gather_rows", t)),
     "sampling.cu": lambda t: [],
     "gemv.cu": lambda t: [f"gemv<{t}, {o}, {v}>" for o in dict.fromkeys((t, "float")) for v in VECS[t]],
+    # dtype fp8: fp16 activations, e4m3 product operands (sm_89+)
+    "fp8.cu": lambda t: ([n for k in FP8_KERNELS for n in _row_variants(k, t)] if t == "__half" else []),
 }
 # file -> kernels every dtype uses (not templated on the element type): one module of their own,
 # so that an fp16 run never compiles the fp32 instantiations (the fp32 varlen attention alone

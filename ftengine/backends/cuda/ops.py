@@ -22,7 +22,8 @@ from .kernels import (ATTENTION_FLAGS, ATTENTION_THREADS, CUDA_TYPES, GELU_ROWS,
                       prepare, varlen_mma_name)
 
 name = "cuda"
-STORAGE = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
+# dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
+STORAGE = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16, "fp8": np.float16}
 POOL_CODES = {"cls": 0, "max": 1, "mean": 2, "mean_sqrt_len": 3, "lasttoken": 4, "weightedmean": 5}
 ROW_THREADS = 256
 
@@ -37,7 +38,11 @@ class _Context:
         self.lt = cb.CublasLt(self.stream.ptr, self.cublas_workspace.data.ptr, cb.WORKSPACE_BYTES)
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         self.sm_count = props["multiProcessorCount"]
-        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        self.device_name = _device_name(props)
+
+
+def _device_name(props) -> str:
+    return props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
 
 
 _local = threading.local()
@@ -272,19 +277,20 @@ def _lt_aligned(*arrays) -> bool:
     return all(a.data.ptr % 256 == 0 for a in arrays)
 
 
-def _lt_matmul(out, x, weight, bias=None, epilogue="none"):
+def _lt_matmul(out, x, weight, bias=None, epilogue="none", scales=()):
     """out = epilogue(x @ weight^T [+ bias]) through cuBLASLt, from TRIAL_MIN_ROWS rows on with the
     algorithm timed fastest for the first shape of its row bucket (chosen on its first call outside
     a capture; the heuristic's first inside one, and for fewer rows);
-    cuBLAS's GemmEx (no epilogue) for operands not 256-byte aligned, which cuBLASLt's plans assume."""
+    cuBLAS's GemmEx (no epilogue) for operands not 256-byte aligned, which cuBLASLt's plans assume.
+    e4m3 x and weight: scales = (weight's per row, x's per row), float32."""
     m, k = x.shape
     n = weight.shape[0]
     types = [cb.DATA_TYPES[a.dtype.name] for a in (weight, x, out)]
     pointers = [a.data.ptr for a in (weight, x, out)]
     ctx = context()
-    if not _lt_aligned(weight, x, out, *([bias] if bias is not None else [])):
-        if epilogue != "none":
-            raise DeviceError("a fused cuBLASLt epilogue needs 256-byte aligned operands")
+    if not _lt_aligned(weight, x, out, *([bias] if bias is not None else []), *scales):
+        if epilogue != "none" or scales:
+            raise DeviceError("a fused cuBLASLt epilogue or an fp8 product needs 256-byte aligned operands")
         if not _planning():
             with ctx.stream:
                 ctx.blas.gemm(cb.OP_T, cb.OP_N, n, m, k, pointers[0], types[0], k, pointers[1], types[1], k,
@@ -294,7 +300,8 @@ def _lt_matmul(out, x, weight, bias=None, epilogue="none"):
 
     def product(algo):
         ctx.lt.matmul(*key[:5], pointers[0], types[0], k, pointers[1], types[1], k, pointers[2], types[2], n,
-                      epilogue=epilogue, bias=0 if bias is None else bias.data.ptr, algo=algo)
+                      epilogue=epilogue, bias=0 if bias is None else bias.data.ptr,
+                      scales=tuple(a.data.ptr for a in scales), algo=algo)
     with ctx.stream:
         algo = _ALGOS.get(key)
         if algo is None and m >= TRIAL_MIN_ROWS and not ctx.stream.is_capturing():
@@ -506,6 +513,49 @@ def add_bias_gelu(out, x, bias, *, form):
     vec = _vec(out, i)
     _launch("activation.cu", f"add_bias_gelu<{_ctype(out)}, {vec}>", (-(-t // GELU_ROWS),), (_threads(i // vec),),
             (out, x, bias, np.int32(i), np.int32(t), np.int32(code)))
+
+
+FP8_MIN_CAPABILITY = 89  # e4m3 tensor cores: Ada (8.9), Hopper (9.0) and later
+
+
+def check_fp8():
+    """Refuse dtype fp8 on a GPU without FP8 tensor cores (the current device of this thread)."""
+    import cupy
+    device = cupy.cuda.Device()
+    capability = int(device.compute_capability)
+    if capability < FP8_MIN_CAPABILITY:
+        name = _device_name(cupy.cuda.runtime.getDeviceProperties(device.id))
+        raise DeviceError(f"dtype fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper or later); "
+                          f"{name} is {capability // 10}.{capability % 10}")
+
+
+def quantize_rows(q, scales, x):
+    """q (rows, H) e4m3 bytes, scales (rows,) float32 = x's rows, each scaled by amax / 448."""
+    t, h = x.shape
+    vec, items, threads = _row_kernel_shape(x, h)
+    _launch("fp8.cu", f"quantize_rows<{_ctype(x)}, {vec}, {items}>", (t,), (threads,), (q, scales, x, np.int32(h)))
+
+
+def add_bias_residual_layernorm_quantize(out, q, scales, x, bias, residual, gamma, beta, *, eps):
+    """add_bias_residual_layernorm, its output also as e4m3 rows (q, scales) for the next product."""
+    t, h = out.shape
+    vec, items, threads = _row_kernel_shape(out, h)
+    _launch("fp8.cu", f"add_bias_residual_layernorm_quantize<{_ctype(out)}, {vec}, {items}>", (t,), (threads,),
+            (out, q, scales, x, bias, residual, gamma, beta, np.int32(h), np.float32(eps)))
+
+
+def add_bias_gelu_quantize(q, scales, x, bias, *, form):
+    """q (T, I) e4m3, scales (T,) = GELU(x + bias), quantised per row."""
+    t, i = x.shape
+    vec, items, threads = _row_kernel_shape(x, i)
+    _launch("fp8.cu", f"add_bias_gelu_quantize<{_ctype(x)}, {vec}, {items}>", (t,), (threads,),
+            (q, scales, x, bias, np.int32(i), np.int32(_gelu_form(form))))
+
+
+def matmul_fp8(out, x, x_scales, weight, w_scales):
+    """out (M, N) = (x_scales[:, None] * x) @ (w_scales[:, None] * weight)^T: e4m3 x (M, K) and
+    weight (N, K) with a float32 scale per row, fp32 accumulation (cuBLASLt, outer-vector scales)."""
+    _lt_matmul(out, x, weight, scales=(w_scales, x_scales))
 
 
 def _pool_modes(kernel: str, out, hidden, modes, extra_args, skip: int):
