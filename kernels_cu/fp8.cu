@@ -17,11 +17,21 @@ __device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
 template <int VEC>
 struct alignas(VEC) Bytes { unsigned char b[VEC]; };
 
-// Vectors k of a row held in registers (vector k at columns (first + k * stride) * VEC) stored as
-// e4m3 bytes of value * inv.
+// The row's scale (written to *scale by thread 0) and its e4m3 bytes, from a row held by the
+// whole block in load_row_sum's layout.
 template <int VEC, int ITEMS>
-__device__ __forceinline__ void store_e4m3(unsigned char* q, const float (&v)[ITEMS][VEC], const bool (&valid)[ITEMS],
-                                           float inv, int first, int stride) {
+__device__ __forceinline__ void quantize_row_store(unsigned char* q, float* scale, const float (&v)[ITEMS][VEC],
+                                                   const bool (&valid)[ITEMS], float* scratch) {
+    float amax = 0.0f;
+    #pragma unroll
+    for (int k = 0; k < ITEMS; ++k)
+        if (valid[k]) {
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(v[k][j]));
+        }
+    amax = block_reduce(amax, scratch, 0.0f, MaxOp());
+    if (threadIdx.x == 0) *scale = amax > 0.0f ? amax / E4M3_MAX : 1.0f;
+    const float inv = amax > 0.0f ? E4M3_MAX / amax : 1.0f;
     #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
         if (valid[k]) {
@@ -32,34 +42,8 @@ __device__ __forceinline__ void store_e4m3(unsigned char* q, const float (&v)[IT
                 out.b[j] = pair & 0xff;
                 if (j + 1 < VEC) out.b[j + 1] = pair >> 8;
             }
-            *reinterpret_cast<Bytes<VEC>*>(q + (first + k * stride) * VEC) = out;
+            *reinterpret_cast<Bytes<VEC>*>(q + (threadIdx.x + k * blockDim.x) * VEC) = out;
         }
-}
-
-template <int VEC, int ITEMS>
-__device__ __forceinline__ float abs_max(const float (&v)[ITEMS][VEC], const bool (&valid)[ITEMS]) {
-    float amax = 0.0f;
-    #pragma unroll
-    for (int k = 0; k < ITEMS; ++k)
-        if (valid[k]) {
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(v[k][j]));
-        }
-    return amax;
-}
-
-// The row's scale (written to *scale by the first thread) and the factor that maps it to e4m3.
-__device__ __forceinline__ float row_scale(float amax, float* scale, bool first) {
-    if (first) *scale = amax > 0.0f ? amax / E4M3_MAX : 1.0f;
-    return amax > 0.0f ? E4M3_MAX / amax : 1.0f;
-}
-
-// The row's scale and e4m3 bytes from a row held by the whole block (load_row_sum's layout).
-template <int VEC, int ITEMS>
-__device__ __forceinline__ void quantize_row_store(unsigned char* q, float* scale, const float (&v)[ITEMS][VEC],
-                                                   const bool (&valid)[ITEMS], float* scratch) {
-    const float amax = block_reduce(abs_max<VEC, ITEMS>(v, valid), scratch, 0.0f, MaxOp());
-    store_e4m3<VEC, ITEMS>(q, v, valid, row_scale(amax, scale, threadIdx.x == 0), threadIdx.x, blockDim.x);
 }
 
 // q (rows, H) e4m3, scales (rows,) = the rows of x (rows, H): the embeddings' output, and the

@@ -426,47 +426,38 @@ class BertRunner:
         attn_ln = ws.view("attn_ln", (t, h))
         inter = ws.view("inter", (t, c.intermediate_size))
         attention = self._attention_packed if self.layout == "packed" else self._attention_padded
+        eps, fp8 = c.layer_norm_eps, self.fp8
         ops.embed_layernorm(hidden, ids, token_types, positions, self.word_emb, self.pos_emb,
-                            self.type_emb, *self.emb_ln, eps=c.layer_norm_eps)
-        if self.fp8:
-            self._fp8_layers(t, b, s, attention)
-            return
-        for w in self.layers:
-            ops.matmul(qkv, hidden, w["qkv_weight"])
-            ctx = attention(w, t, b, s)
-            ops.matmul(proj, ctx, w["attn_out_weight"])
-            ops.add_bias_residual_layernorm(attn_ln, proj, w["attn_out_bias"], hidden,
-                                            w["attn_ln_gamma"], w["attn_ln_beta"], eps=c.layer_norm_eps)
-            ops.matmul_bias_gelu(inter, attn_ln, w["ffn_in_weight"], w["ffn_in_bias"], form=c.gelu)
-            ops.matmul(proj, inter, w["ffn_out_weight"])
-            ops.add_bias_residual_layernorm(hidden, proj, w["ffn_out_bias"], attn_ln,
-                                            w["ffn_ln_gamma"], w["ffn_ln_beta"], eps=c.layer_norm_eps)
+                            self.type_emb, *self.emb_ln, eps=eps)
+        if fp8:  # e4m3 rows for the products: x8 holds the hidden states', then the attention LayerNorm's
+            x8, x_scales = ws.view("x8", (t, h)), ws.view("x_scales", (t,))
+            inter8, inter_scales = ws.view("inter8", (t, c.intermediate_size)), ws.view("inter_scales", (t,))
+            ops.quantize_rows(x8, x_scales, hidden)
 
-    def _fp8_layers(self, t: int, b: int, s: int, attention):
-        """The layers of dtype fp8 after the embedding: each LayerNorm also writes its output as
-        e4m3 rows for the product after it (x8 holds the hidden states', then the attention
-        LayerNorm's), the FFN's bias + GELU writes e4m3 rows only."""
-        ops, c, ws = self.ops, self.config, self.ws
-        h, inner, eps = c.hidden_size, c.intermediate_size, c.layer_norm_eps
-        hidden, qkv, proj = ws.view("hidden", (t, h)), ws.view("qkv", (t, 3 * h)), ws.view("proj", (t, h))
-        attn_ln, inter = ws.view("attn_ln", (t, h)), ws.view("inter", (t, inner))
-        x8, x_scales = ws.view("x8", (t, h)), ws.view("x_scales", (t,))
-        inter8, inter_scales = ws.view("inter8", (t, inner)), ws.view("inter_scales", (t,))
-        ops.quantize_rows(x8, x_scales, hidden)
+        def layernorm(out, x, bias, residual, gamma, beta, quantize: bool):
+            """add_bias_residual_layernorm; quantize: its output also as e4m3 rows into x8."""
+            if quantize:
+                ops.add_bias_residual_layernorm_quantize(out, x8, x_scales, x, bias, residual, gamma, beta, eps=eps)
+            else:
+                ops.add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, eps=eps)
+
         for i, w in enumerate(self.layers):
-            ops.matmul_fp8(qkv, x8, x_scales, *w["qkv_weight"])
+            if fp8:
+                ops.matmul_fp8(qkv, x8, x_scales, *w["qkv_weight"])
+            else:
+                ops.matmul(qkv, hidden, w["qkv_weight"])
             ctx = attention(w, t, b, s)
             ops.matmul(proj, ctx, w["attn_out_weight"])
-            ops.add_bias_residual_layernorm_quantize(attn_ln, x8, x_scales, proj, w["attn_out_bias"], hidden,
-                                                     w["attn_ln_gamma"], w["attn_ln_beta"], eps=eps)
-            ops.matmul_fp8(inter, x8, x_scales, *w["ffn_in_weight"])
-            ops.add_bias_gelu_quantize(inter8, inter_scales, inter, w["ffn_in_bias"], form=c.gelu)
-            ops.matmul_fp8(proj, inter8, inter_scales, *w["ffn_out_weight"])
-            args = (hidden, proj, w["ffn_out_bias"], attn_ln, w["ffn_ln_gamma"], w["ffn_ln_beta"])
-            if i + 1 < len(self.layers):
-                ops.add_bias_residual_layernorm_quantize(args[0], x8, x_scales, *args[1:], eps=eps)
+            layernorm(attn_ln, proj, w["attn_out_bias"], hidden, w["attn_ln_gamma"], w["attn_ln_beta"], fp8)
+            if fp8:  # the bias + GELU writes e4m3 rows only
+                ops.matmul_fp8(inter, x8, x_scales, *w["ffn_in_weight"])
+                ops.add_bias_gelu_quantize(inter8, inter_scales, inter, w["ffn_in_bias"], form=c.gelu)
+                ops.matmul_fp8(proj, inter8, inter_scales, *w["ffn_out_weight"])
             else:
-                ops.add_bias_residual_layernorm(*args, eps=eps)
+                ops.matmul_bias_gelu(inter, attn_ln, w["ffn_in_weight"], w["ffn_in_bias"], form=c.gelu)
+                ops.matmul(proj, inter, w["ffn_out_weight"])
+            layernorm(hidden, proj, w["ffn_out_bias"], attn_ln, w["ffn_ln_gamma"], w["ffn_ln_beta"],
+                      fp8 and i + 1 < len(self.layers))
 
     def _modernbert_layers(self, t: int, b: int, s: int):
         """ModernBERT: embedding norm, then pre-LayerNorm layers (rotary positions, global or

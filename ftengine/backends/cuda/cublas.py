@@ -91,9 +91,10 @@ class _Heuristic(ctypes.Structure):
 
 class CublasLt:
     """cuBLASLt matrix products with a fused epilogue (bias, bias + tanh GELU) on our stream and
-    workspace; e4m3 operands (A and B both) carry outer-vector scales: D = sa[i] sb[j] (A8 B8)[i, j]; one plan per shape (descriptor, layouts and up to CANDIDATES algorithms from
-    cuBLASLt's heuristic, best guess first), made on first use: planning launches nothing, so it
-    may happen inside a graph capture. Which candidate runs is the caller's choice (ops.py
+    workspace; e4m3 operands (A and B both) carry outer-vector scales: D = sa[i] sb[j] (A8 B8)[i, j].
+    One plan per shape (descriptor, layouts and up to CANDIDATES algorithms from cuBLASLt's
+    heuristic, best guess first), made on first use: planning launches nothing, so it may happen
+    inside a graph capture. Which candidate runs is the caller's choice (ops.py
     times them once per shape), the heuristic's first by default."""
 
     def __init__(self, stream_ptr: int, workspace_ptr: int, workspace_bytes: int):
