@@ -42,6 +42,9 @@ PREFILL_TARGETS = {(1, 512): 0.4, (32, 128): 1.6}
 PREFILL_OPS = ("matmul", "matmul_bias_gelu", "embed_positions", "layernorm", "residual_layernorm", "write_kv_cache",
                "varlen_attention", "gather_rows", "mark_seen")
 PROMPT, NEW = 32, 128
+CHOICE_MODES = [("greedy", {}), ("sample", {"do_sample": True}), ("top-k 40", {"do_sample": True, "top_k": 40}),
+                ("top-p 0.9", {"do_sample": True, "top_p": 0.9}),
+                ("top-k 50 + top-p 0.9", {"do_sample": True, "top_k": 50, "top_p": 0.9})]
 
 
 def save_gpt2_small(folder: Path):
@@ -74,6 +77,27 @@ def prefill_breakdown(config, weights, prompts) -> dict:
         count[label] += 1
     ops = [{"op": k, "calls": count[k], "ms": round(v, 4)} for k, v in sorted(total.items(), key=lambda kv: -kv[1])]
     return {"ops": ops, "ops_sum_ms": round(sum(total.values()), 4)}
+
+
+def choice_alone(vocab_size: int, rng) -> list:
+    """GPU time of the token choice alone (choose_tokens' kernels replayed from a graph) on random
+    float32 logits of GPT-2's vocabulary, per batch and mode."""
+    from ftengine.backends.cuda.ops import choice_slices
+    rows = []
+    for b in (1, 32):
+        logits = cuda_ops.to_device((rng.standard_normal((b, vocab_size)) * 2).astype(np.float32))
+        seen = cuda_ops.to_device(np.zeros((b, vocab_size), np.uint8))
+        eos, step = cuda_ops.to_device(np.array([50256], np.int32)), cuda_ops.to_device(np.array([0], np.int32))
+        out, scratch = cuda_ops.empty((b,), np.int32), cuda_ops.empty((b, vocab_size), np.float32)
+        state = cuda_ops.to_device(np.zeros((b, cuda_ops.CHOICE_STATE_WORDS), np.uint64))
+        for label, options in CHOICE_MODES:
+            params = GenerationParams(max_new_tokens=1, seed=1, **options).checked(vocab_size=vocab_size)
+            ms = graph_ms(lambda: cuda_ops.choose_tokens(out, logits, seen, eos, step, scratch=scratch, state=state,
+                                                         params=params))
+            rows.append({"batch": b, "mode": label, "blocks_per_row": choice_slices(b, vocab_size)[0],
+                         "us": round(ms * 1e3, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main():
@@ -130,6 +154,7 @@ def main():
                                  "direct_launches_ms": round(direct, 3), "target_ms": PREFILL_TARGETS[(b, s)],
                                  **prefill_breakdown(config, weights, prompts)})
             print(json.dumps(prefill_rows[-1]), flush=True)
+        choice_rows = choice_alone(config.vocab_size, rng)
     weight_bytes = sum(a.nbytes for a in [weights.wte, weights.wpe] + [x for l in weights.layers for x in vars(l).values()]) // 2
     floor_ms = weight_bytes / 3.0e12 * 1e3
     import cupy
@@ -137,7 +162,7 @@ def main():
     result = {"device": cuda_ops.context().device_name, "date": date.today().isoformat(),
               "versions": {"python": platform.python_version(), "cupy": cupy.__version__, "torch": torch.__version__,
                            "transformers": transformers.__version__, "numpy": np.__version__},
-              "rows": rows, "prefill": prefill_rows,
+              "rows": rows, "prefill": prefill_rows, "token_choice": choice_rows,
               "weight_read_floor": {"fp16_weight_bytes": int(weight_bytes), "ms_at_3TBps": round(floor_ms, 4)}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -162,6 +187,10 @@ def main():
         lines += ["", f"GPU time per op, prefill {r['batch']} x {r['prompt']} fp16 (each op call replayed alone from "
                       "a graph):", "", "| op | calls | ms |", "|---|---|---|"]
         lines += [f"| {o['op']} | {o['calls']} | {o['ms']:.3f} |" for o in r["ops"]]
+    lines += ["", "Token choice alone (the processors, top-k / top-p selects and the seeded draw; each row's vocabulary "
+              "split over several blocks), GPU time replayed from a graph, random float32 logits:", "",
+              "| batch | mode | blocks per row | us |", "|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['mode']} | {r['blocks_per_row']} | {r['us']:.1f} |" for r in choice_rows]
     lines += ["", f"Weight-read floor of a greedy batch-1 step: {weight_bytes / 1e6:.0f} MB of fp16 weights, "
               f"{floor_ms:.3f} ms at 3 TB/s."]
     (out / "decoder.md").write_text("\n".join(lines) + "\n")

@@ -1,16 +1,16 @@
-// Token choice on the GPU with HF `generate` semantics and order.
-// choose_tokens, one block (1024 threads) per sequence: repetition penalty, no-repeat n-grams,
-// min-new-tokens (eos masked), then greedy argmax, or temperature, top-k, top-p and a seeded
-// inverse-CDF draw (Philox4x32-10 uniform for (seed, sequence, step)). A row with a non-finite
-// logit gets token -1 (the host reports it). append_tokens then records the choice and feeds it
-// to the next step: the step counter, sequences and finished flags live in device memory.
+// Token choice on the GPU with HF `generate` semantics and order, each row's vocabulary split
+// over several blocks: choose_prepare (repetition penalty, no-repeat n-grams, min-new-tokens
+// (eos masked), temperature; greedy argmax), then for sampling choose_level three times for
+// top-k's threshold and three times for top-p's (radix selects over all slices), and
+// choose_draw (a seeded inverse-CDF draw, Philox4x32-10 uniform for (seed, sequence, step)).
+// A row with a non-finite logit gets token -1 (the host reports it). append_tokens then records
+// the choice and feeds it to the next step: the step counter, sequences and finished flags live
+// in device memory.
 // Beam search (beam_logsumexp, beam_candidates, beam_select): log-softmax, the processors, and
 // FasterTransformer's two-stage top-k (per beam over vocabulary slices, then per batch item over
 // beams), then HF's finished-hypothesis bookkeeping, one block per batch item.
 // Reference: ftengine/decoding/processors.py choose, ftengine/decoding/philox.py,
 // ftengine/decoding/beam.py reference_step.
-
-#define CHOOSE_THREADS 1024
 
 __device__ __forceinline__ float philox_uniform(unsigned step, unsigned seq, unsigned key0, unsigned key1) {
     unsigned c0 = step, c1 = seq, c2 = 0u, c3 = 0u;
@@ -59,133 +59,6 @@ __device__ __forceinline__ void sweep(const float* src, int n, F f) {
     if ((int)threadIdx.x < n - tail) f(tail + threadIdx.x, src[tail + threadIdx.x]);
 }
 
-// Top-k's threshold: the k-th largest key (order_key) of the scores. A radix select from the
-// top, 11, 11 and 10 bits at a time: counts per digit of the keys matching the bits chosen so far,
-// in shared memory (each warp adds its lanes of equal digit with one atomic: exact counts,
-// little contention), then a block scan from the largest digit to the one holding the k-th key.
-// Block-wide; hist holds 2048 counts, scan 32.
-#define RADIX_BINS 2048
-
-__device__ unsigned kth_largest_key(const float* s, int V, int k, unsigned long long* hist, unsigned long long* scan,
-                                    unsigned* found_key, unsigned long long* found_above) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    unsigned prefix = 0u;
-    unsigned long long above = 0ull;  // count of the keys above the prefix's range
-    for (int level = 0; level < 3; ++level) {
-        const int bits = level < 2 ? 11 : 10, shift = level == 0 ? 21 : (level == 1 ? 10 : 0);
-        const unsigned high = level == 0 ? 0u : ~0u << (shift + bits);
-        const int bins = 1 << bits;
-        for (int i = threadIdx.x; i < bins; i += blockDim.x) hist[i] = 0ull;
-        __syncthreads();
-        for (int base = threadIdx.x - lane; base < V; base += SWEEP_UNROLL * blockDim.x) {  // warp-uniform
-            float x[SWEEP_UNROLL];
-            #pragma unroll
-            for (int u = 0; u < SWEEP_UNROLL; ++u) {
-                const int i = base + lane + u * blockDim.x;
-                x[u] = i < V ? s[i] : 0.0f;
-            }
-            #pragma unroll
-            for (int u = 0; u < SWEEP_UNROLL; ++u) {
-                const unsigned key = order_key(x[u]);
-                const bool in = base + lane + u * (int)blockDim.x < V && (key & high) == prefix;
-                const unsigned want = __ballot_sync(0xffffffffu, in);
-                if (in) {
-                    const unsigned digit = (key >> shift) & (bins - 1);
-                    const unsigned peers = __match_any_sync(want, digit);
-                    if (lane == __ffs(peers) - 1) atomicAdd(&hist[digit], (unsigned long long)__popc(peers));
-                }
-            }
-        }
-        __syncthreads();
-        // thread t sums the digits of rank t * per .. from the top; a block scan gives what lies above
-        const int per = (bins + blockDim.x - 1) / blockDim.x, first = threadIdx.x * per;
-        unsigned long long mine = 0ull;
-        for (int q = first; q < min(bins, first + per); ++q) mine += hist[bins - 1 - q];
-        unsigned long long incl = mine;
-        #pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const unsigned long long y = __shfl_up_sync(0xffffffffu, incl, off);
-            if (lane >= off) incl += y;
-        }
-        if (lane == 31) scan[warp] = incl;
-        __syncthreads();
-        if (warp == 0) {
-            unsigned long long w = lane < warps ? scan[lane] : 0ull;
-            #pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const unsigned long long y = __shfl_up_sync(0xffffffffu, w, off);
-                if (lane >= off) w += y;
-            }
-            scan[lane] = w;
-        }
-        __syncthreads();
-        auto reached = [&](unsigned long long count) { return count >= (unsigned long long)k; };
-        unsigned long long run = above + (warp > 0 ? scan[warp - 1] : 0ull) + incl - mine;
-        if (!reached(run) && reached(run + mine)) {  // one thread: the goal is reached in its digits
-            for (int q = first; q < min(bins, first + per); ++q) {
-                const int d = bins - 1 - q;
-                if (reached(run + hist[d])) {
-                    *found_key = prefix | ((unsigned)d << shift);
-                    *found_above = run;
-                    break;
-                }
-                run += hist[d];
-            }
-        }
-        __syncthreads();
-        prefix = *found_key;
-        above = *found_above;
-    }
-    return prefix;
-}
-
-// HF's top-p cut-off: the largest key threshold Y with mass(order_key(score) >= Y) / total >=
-// top_p, the mass of a score being exp(score - mx), summed in double. Four bits at a time from
-// the top: each thread's mass per digit among the keys matching the bits chosen so far, summed
-// over the block in a fixed order (the same inputs give the same Y every run), then the largest
-// digit whose mass from the top reaches the goal. (Per-digit atomics, as kth_largest_key uses,
-// would make double sums depend on timing.) Block-wide; sums (32 x 16), bins (16), key and
-// weight are shared scratch.
-__device__ unsigned top_p_threshold(const float* s, int V, float mx, float top_p, double total,
-                                    double (*sums)[16], double* bins, unsigned* key, double* weight) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned prefix = 0u;
-    double above = 0.0;  // mass of the keys above the prefix's range
-    for (int shift = 28; shift >= 0; shift -= 4) {
-        const unsigned high = shift == 28 ? 0u : ~0u << (shift + 4);
-        double acc[16];
-        #pragma unroll
-        for (int d = 0; d < 16; ++d) acc[d] = 0.0;
-        sweep(s, V, [&](int, float x) {
-            const unsigned k = order_key(x);
-            if ((k & high) == prefix) acc[(k >> shift) & 15] += (double)expf(x - mx);
-        });
-        #pragma unroll
-        for (int d = 0; d < 16; ++d) {
-            const double v = warp_reduce(acc[d], SumOp());
-            if (lane == 0) sums[warp][d] = v;
-        }
-        __syncthreads();
-        if (threadIdx.x < 16) {
-            double t = 0.0;
-            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += sums[w][threadIdx.x];
-            bins[threadIdx.x] = t;
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {  // digit 0 always reaches the goal: the bits chosen so far do
-            double run = above;
-            int d = 15;
-            for (; d > 0 && (run + bins[d]) / total < (double)top_p; --d) run += bins[d];
-            *key = prefix | ((unsigned)d << shift);
-            *weight = run;
-        }
-        __syncthreads();
-        prefix = *key;
-        above = *weight;
-    }
-    return prefix;
-}
-
 // -inf for every token of s (tokens lo..hi-1) that would complete an n-gram already in
 // seq[0..len) (HF NoRepeatNGramLogitsProcessor): for each i whose n-1 tokens equal the last n-1,
 // seq[i + n - 1] is banned. Block-wide; the caller synchronises after it.
@@ -198,7 +71,72 @@ __device__ __forceinline__ void ban_repeated_ngrams(float* s, int lo, int hi, co
     }
 }
 
-__global__ void __launch_bounds__(CHOOSE_THREADS) choose_tokens(
+// ---------------------------------------------------------------- token choice
+// Grid (B, S) for every kernel: row b's vocabulary in S slices of `slice` tokens, a block each,
+// so that a few rows still fill the GPU. Row b's state (`words` u64 words at state + b * words,
+// zero between calls: the kernel that finishes a row clears what it used) holds CHOICE_BINS
+// words (the selects' digit counts, then the draw's chunk sums) and 8 at CHOICE_BINS + CH_*.
+// A kernel that needs all slices' results takes them in the row's last block to finish (a
+// ticket counter, __threadfence).
+#define CHOICE_THREADS 256
+#define CHOICE_BINS 2048
+#define CH_FLAGS 0   // bit 0: a non-finite logit
+#define CH_MAX 1     // max over the scores of (order_key << 32) | ~index
+#define CH_K 2       // top-k: the key prefix chosen so far, then the k-th largest key
+#define CH_K_ABOVE 3
+#define CH_Y 4       // top-p: the same for its cut-off key
+#define CH_Y_ABOVE 5
+#define CH_TOTAL 6   // top-p: the mass of the tokens top-k keeps (fixed point)
+#define CH_TICKETS 7  // a row's state: CHOICE_BINS + 8 words
+
+// Whether this block is the last of the row's S to get here (its writes before the call are
+// then visible to it). Block-wide.
+__device__ __forceinline__ bool last_of_row(unsigned long long* tickets, int S) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(tickets, 1ull) == (unsigned long long)(S - 1);
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// Exclusive prefix sums of v over the block in thread order; total gets the block's sum.
+template <typename V>
+__device__ __forceinline__ V block_exclusive_scan(V v, V* scratch, V& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    V incl = v;
+    #pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const V y = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += y;
+    }
+    V excl = __shfl_up_sync(0xffffffffu, incl, 1);
+    excl = lane ? excl : V(0);
+    if (lane == 31) scratch[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        V w = lane < warps ? scratch[lane] : V(0);
+        #pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const V y = __shfl_up_sync(0xffffffffu, w, off);
+            if (lane >= off) w += y;
+        }
+        scratch[lane] = w;
+    }
+    __syncthreads();
+    total = scratch[warps - 1];
+    const V out = (warp > 0 ? scratch[warp - 1] : V(0)) + excl;
+    __syncthreads();
+    return out;
+}
+
+// choose_prepare: HF's processors in HF's order over one slice (repetition penalty, no-repeat
+// n-grams, eos masked before min_new_tokens, then the temperature when sampling), the slice's
+// largest (key, first index) into CH_MAX, non-finite logits into CH_FLAGS. Greedy ends here:
+// the row's last block writes the argmax (-1 for a non-finite row) and clears the row.
+// Sampling writes the processed scores to `scores`.
+__global__ void __launch_bounds__(CHOICE_THREADS) choose_prepare(
         int* __restrict__ out,                    // (B,)
         float* __restrict__ scores_all,           // (B, V) scratch
         const float* __restrict__ logits_all,     // (B, V)
@@ -207,132 +145,279 @@ __global__ void __launch_bounds__(CHOOSE_THREADS) choose_tokens(
         const int* __restrict__ step_counter,     // (1,): tokens chosen so far
         const int* __restrict__ seq_all,          // (B, L): prompt + generated tokens (no-repeat n-grams)
         const int* __restrict__ lengths,          // (B,)
-        int L, int ngram,
-        int V, int min_new, int do_sample, float temperature, int top_k, float top_p,
-        float penalty, unsigned seed_lo, unsigned seed_hi) {
-    __shared__ float fscratch[32];
-    __shared__ double dscratch[32];
-    __shared__ int iscratch[32];
+        int L, int ngram, int V, int slice, int min_new, int do_sample, float temperature, float penalty,
+        unsigned long long* __restrict__ state, int words) {
     __shared__ unsigned long long uscratch[32];
-    __shared__ unsigned long long hist[RADIX_BINS], shared_count;
-    __shared__ double dsums[CHOOSE_THREADS / 32][16], dbins[16], shared_mass;
-    __shared__ unsigned shared_key;
-    const int b = blockIdx.x;
-    const float* logits = logits_all + (long)b * V;
-    const unsigned char* seen = seen_all + (long)b * V;
-    float* s = scores_all + (long)b * V;
-
-    const int step = *step_counter;
+    const int b = blockIdx.x, lo = blockIdx.y * slice, n = max(0, min(V, lo + slice) - lo);
+    const float* logits = logits_all + (long)b * V + lo;
+    const unsigned char* seen = seen_all + (long)b * V + lo;
+    float* s = scores_all + (long)b * V + lo;
+    unsigned long long* row = state + (long)b * words + CHOICE_BINS;
+    const bool mask_eos = *step_counter < min_new;
     int bad = 0;
-    if (!do_sample && ngram == 0) {  // greedy in one pass: the processors inline, then the first largest
-        const bool mask_eos = step < min_new;
-        unsigned long long mine = 0ull;  // (order key << 32) | ~index
-        sweep(logits, V, [&](int i, float x) {
-            bad |= !isfinite(x);
-            if (penalty != 1.0f && seen[i]) x = x < 0.0f ? x * penalty : x / penalty;
-            if (mask_eos)
-                for (int e = 0; e < n_eos; ++e) x = i == eos[e] ? -FT_INFINITY : x;
-            const unsigned long long k = ((unsigned long long)order_key(x) << 32) | (unsigned)(~i);
-            mine = k > mine ? k : mine;
-        });
-        bad = __syncthreads_or(bad);
-        mine = block_reduce(mine, uscratch, 0ull, MaxOp());
-        if (threadIdx.x == 0) out[b] = bad ? -1 : (int)(~(unsigned)(mine & 0xffffffffull));
-        return;
-    }
-    sweep(logits, V, [&](int i, float x) {
+    unsigned long long mine = 0ull;  // (order key << 32) | ~index
+    auto consider = [&](int i, float x) {
+        const unsigned long long k = ((unsigned long long)order_key(x) << 32) | (unsigned)(~(lo + i));
+        mine = k > mine ? k : mine;
+    };
+    auto penalised = [&](int i, float x) {
         bad |= !isfinite(x);
-        if (penalty != 1.0f && seen[i]) x = x < 0.0f ? x * penalty : x / penalty;
-        s[i] = x;
-    });
-    if (__syncthreads_or(bad)) {
-        if (threadIdx.x == 0) out[b] = -1;
-        return;
-    }
-    if (ngram > 0) {
-        ban_repeated_ngrams(s, 0, V, seq_all + (long)b * L, lengths[b], ngram);
-        __syncthreads();
-    }
-    if (step < min_new && threadIdx.x < n_eos) s[eos[threadIdx.x]] = -FT_INFINITY;
-    __syncthreads();
-
-    if (!do_sample) {  // greedy with n-gram bans: the first of the largest scores
-        unsigned long long mine = 0ull;
-        sweep(s, V, [&](int i, float x) {
-            const unsigned long long k = ((unsigned long long)order_key(x) << 32) | (unsigned)(~i);
-            mine = k > mine ? k : mine;
+        return penalty != 1.0f && seen[i] ? (x < 0.0f ? x * penalty : x / penalty) : x;
+    };
+    if (!do_sample && ngram == 0) {  // one pass: the processors inline
+        sweep(logits, n, [&](int i, float x) {
+            x = penalised(i, x);
+            if (mask_eos)
+                for (int e = 0; e < n_eos; ++e) x = lo + i == eos[e] ? -FT_INFINITY : x;
+            consider(i, x);
         });
-        mine = block_reduce(mine, uscratch, 0ull, MaxOp());
-        if (threadIdx.x == 0) out[b] = (int)(~(unsigned)(mine & 0xffffffffull));
-        return;
+    } else {
+        sweep(logits, n, [&](int i, float x) { s[i] = penalised(i, x); });
+        __syncthreads();
+        if (ngram > 0) {
+            ban_repeated_ngrams(s, lo, lo + n, seq_all + (long)b * L, lengths[b], ngram);
+            __syncthreads();
+        }
+        if (mask_eos && threadIdx.x < n_eos && eos[threadIdx.x] >= lo && eos[threadIdx.x] < lo + n)
+            s[eos[threadIdx.x] - lo] = -FT_INFINITY;
+        __syncthreads();
+        sweep(s, n, [&](int i, float x) {
+            if (do_sample && temperature != 1.0f) s[i] = x = x / temperature;
+            consider(i, x);
+        });
     }
+    bad = __syncthreads_or(bad);
+    mine = block_reduce(mine, uscratch, 0ull, MaxOp());
+    if (threadIdx.x == 0) {
+        if (bad) atomicOr(row + CH_FLAGS, 1ull);
+        atomicMax(row + CH_MAX, mine);
+    }
+    if (do_sample || !last_of_row(row + CH_TICKETS, gridDim.y)) return;
+    if (threadIdx.x == 0) {
+        out[b] = (__ldcg(row + CH_FLAGS) & 1ull) ? -1 : (int)(~(unsigned)(__ldcg(row + CH_MAX) & 0xffffffffull));
+        row[CH_FLAGS] = row[CH_MAX] = row[CH_TICKETS] = 0ull;
+    }
+}
 
-    if (temperature != 1.0f) sweep(s, V, [&](int i, float x) { s[i] = x / temperature; });
+// A token's mass exp(score - max) in fixed point (`scale` = 2^k with V * scale < 2^63, so that
+// sums are exact, whatever their order, and fit).
+__device__ __forceinline__ unsigned long long fixed_mass(float x, float mx, double scale) {
+    return (unsigned long long)((double)expf(x - mx) * scale);
+}
+
+// One level of a radix select from the top over the row's keys order_key(score): `level` 0, 1,
+// 2 take bits 31..21, 20..10, 9..0. Each block counts, per digit, the tokens of its slice whose
+// key matches the prefix chosen so far (mode 0, top-k) or their mass among the tokens top-k keeps
+// (mode 1, top-p); the row's last block adds the slices' counts (integers: the same sum in any
+// order) and extends the prefix by the largest digit at which the count from the top reaches
+// the goal: k tokens, or top_p of the total mass. After level 2 the prefix is the k-th largest
+// key (CH_K), or the largest key Y with mass(key >= Y) >= top_p * total (CH_Y).
+__global__ void __launch_bounds__(CHOICE_THREADS) choose_level(
+        const float* __restrict__ scores_all, unsigned long long* __restrict__ state, int words, int V, int slice,
+        int level, int mode, int k, float top_p, double scale) {
+    __shared__ unsigned long long h[CHOICE_BINS], scan[32], found_above;
+    __shared__ unsigned found_key;
+    const int b = blockIdx.x, lo = blockIdx.y * slice, n = max(0, min(V, lo + slice) - lo);
+    unsigned long long* hist = state + (long)b * words;
+    unsigned long long* row = hist + CHOICE_BINS;
+    if (__ldcg(row + CH_FLAGS) & 1ull) return;  // a non-finite row: the draw reports it
+    const int bits = level < 2 ? 11 : 10, shift = level == 0 ? 21 : (level == 1 ? 10 : 0), bins = 1 << bits;
+    const unsigned high = level == 0 ? 0u : ~0u << (shift + bits);
+    const unsigned prefix = level == 0 ? 0u : (unsigned)__ldcg(row + (mode ? CH_Y : CH_K));
+    const unsigned floor_key = mode ? (unsigned)__ldcg(row + CH_K) : 0u;  // top-k's threshold (0: none)
+    const float mx = from_order_key((unsigned)(__ldcg(row + CH_MAX) >> 32));
+    for (int i = threadIdx.x; i < bins; i += blockDim.x) h[i] = 0ull;
     __syncthreads();
-    if (top_k > 0 && top_k < V) {  // the k-th largest score's key: #(key >= K) >= k
-        const unsigned K = kth_largest_key(s, V, top_k, hist, uscratch, &shared_key, &shared_count);
-        sweep(s, V, [&](int i, float x) { if (order_key(x) < K) s[i] = -FT_INFINITY; });
+    // counts in 32-bit shared atomics (the first 2048 words of h, spread to 64 bits after), masses
+    // in 64-bit ones
+    unsigned* counts = reinterpret_cast<unsigned*>(h);
+    sweep(scores_all + (long)b * V + lo, n, [&](int, float x) {
+        const unsigned key = order_key(x);
+        if ((key & high) == prefix && key >= floor_key) {
+            const unsigned digit = (key >> shift) & (bins - 1);
+            if (mode) atomicAdd(&h[digit], fixed_mass(x, mx, scale));
+            else atomicAdd(&counts[digit], 1u);
+        }
+    });
+    if (!mode) {
         __syncthreads();
-    }
-    float mx = -FT_INFINITY;
-    sweep(s, V, [&](int, float x) { mx = fmaxf(mx, x); });
-    mx = block_max(mx, fscratch);
-    double total = 0.0;
-    sweep(s, V, [&](int, float x) { total += (double)expf(x - mx); });
-    total = block_reduce(total, dscratch, 0.0, SumOp());
-    if (top_p < 1.0f) {
-        // keep a token iff the probability mass strictly above it is < top_p: the largest Y with
-        // mass(key >= Y) >= top_p bounds the removed tokens (key < Y)
-        const unsigned Y = top_p_threshold(s, V, mx, top_p, total, dsums, dbins, &shared_key, &shared_mass);
-        sweep(s, V, [&](int i, float x) { if (order_key(x) < Y) s[i] = -FT_INFINITY; });
+        unsigned mine[CHOICE_BINS / CHOICE_THREADS];
+        #pragma unroll
+        for (int j = 0; j < CHOICE_BINS / CHOICE_THREADS; ++j) mine[j] = counts[threadIdx.x + j * CHOICE_THREADS];
         __syncthreads();
-        total = 0.0;
-        sweep(s, V, [&](int, float x) { total += (double)expf(x - mx); });
-        total = block_reduce(total, dscratch, 0.0, SumOp());
+        #pragma unroll
+        for (int j = 0; j < CHOICE_BINS / CHOICE_THREADS; ++j) h[threadIdx.x + j * CHOICE_THREADS] = mine[j];
     }
-    // inverse CDF in token order: each thread scans a contiguous chunk after a block scan of chunk sums
-    const double target = (double)philox_uniform((unsigned)step, (unsigned)b, seed_lo, seed_hi) * total;
-    const int chunk = (V + blockDim.x - 1) / blockDim.x;
-    const int lo = min(V, threadIdx.x * chunk), hi = min(V, lo + chunk);
-    double mine = 0.0;
-    int last_nonzero = -1;
-    for (int base = lo; base < hi; base += SWEEP_UNROLL) {  // loads of a stretch in flight together
-        float v[SWEEP_UNROLL];
-        #pragma unroll
-        for (int u = 0; u < SWEEP_UNROLL; ++u) v[u] = base + u < hi ? s[base + u] : -FT_INFINITY;
-        #pragma unroll
-        for (int u = 0; u < SWEEP_UNROLL; ++u) {
-            const float p = expf(v[u] - mx);
-            mine += (double)p;
-            if (p > 0.0f) last_nonzero = base + u;
+    __syncthreads();
+    for (int i = threadIdx.x; i < bins; i += blockDim.x)
+        if (h[i]) atomicAdd(hist + i, h[i]);
+    if (!last_of_row(row + CH_TICKETS, gridDim.y)) return;
+    // the row's counts: all loads first (a store between two would wait for the first load)
+    unsigned long long all = 0ull, got[CHOICE_BINS / CHOICE_THREADS];
+    #pragma unroll
+    for (int j = 0; j < CHOICE_BINS / CHOICE_THREADS; ++j) {
+        const int i = threadIdx.x + j * CHOICE_THREADS;
+        got[j] = i < bins ? __ldcg(hist + i) : 0ull;
+    }
+    #pragma unroll
+    for (int j = 0; j < CHOICE_BINS / CHOICE_THREADS; ++j) {
+        const int i = threadIdx.x + j * CHOICE_THREADS;
+        if (i < bins) {
+            h[i] = got[j];
+            hist[i] = 0ull;
+            all += got[j];
         }
     }
-    __shared__ double prefix[CHOOSE_THREADS];
-    prefix[threadIdx.x] = mine;
     __syncthreads();
-    for (int off = 1; off < blockDim.x; off <<= 1) {  // inclusive Hillis-Steele scan
-        const double add = threadIdx.x >= off ? prefix[threadIdx.x - off] : 0.0;
-        __syncthreads();
-        prefix[threadIdx.x] += add;
-        __syncthreads();
+    unsigned long long total = 0ull;  // top-p: the mass top-k keeps, counted at level 0
+    if (mode) total = level == 0 ? block_reduce(all, scan, 0ull, SumOp()) : __ldcg(row + CH_TOTAL);
+    if (mode && level == 0 && threadIdx.x == 0) row[CH_TOTAL] = total;
+    const unsigned long long above = level == 0 ? 0ull : __ldcg(row + (mode ? CH_Y_ABOVE : CH_K_ABOVE));
+    auto reached = [&](unsigned long long c) {
+        return mode ? (double)c / (double)total >= (double)top_p : c >= (unsigned long long)k;
+    };
+    // thread t sums the digits of rank t * per .. from the top; a block scan gives what lies above
+    const int per = (bins + blockDim.x - 1) / blockDim.x, first = threadIdx.x * per;
+    unsigned long long mine = 0ull, sum;
+    for (int q = first; q < min(bins, first + per); ++q) mine += h[bins - 1 - q];
+    unsigned long long run = above + block_exclusive_scan(mine, scan, sum);
+    if (!reached(run) && reached(run + mine)) {  // one thread: the goal is reached in its digits
+        for (int q = first; q < min(bins, first + per); ++q) {
+            const int d = bins - 1 - q;
+            if (reached(run + h[d])) {
+                found_key = prefix | ((unsigned)d << shift);
+                found_above = run;
+                break;
+            }
+            run += h[d];
+        }
     }
-    double cum = prefix[threadIdx.x] - mine;
-    int found = V;
-    for (int base = lo; base < hi && found == V; base += SWEEP_UNROLL) {
-        float v[SWEEP_UNROLL];
-        #pragma unroll
-        for (int u = 0; u < SWEEP_UNROLL; ++u) v[u] = base + u < hi ? s[base + u] : -FT_INFINITY;
-        #pragma unroll
-        for (int u = 0; u < SWEEP_UNROLL; ++u) {
-            if (found == V && base + u < hi) {
-                cum += (double)expf(v[u] - mx);
-                if (cum > target) found = base + u;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        row[mode ? CH_Y : CH_K] = found_key;
+        row[mode ? CH_Y_ABOVE : CH_K_ABOVE] = found_above;
+        row[CH_TICKETS] = 0ull;
+    }
+}
+
+// The seeded draw: the tokens kept (key >= the top-k and top-p thresholds) with mass
+// exp(score - max) (float, summed in double), the first token in token order whose cumulative
+// mass exceeds u * total (Philox4x32-10 uniform u for (seed, sequence, step)). Each warp sums
+// chunks of `chunk` tokens (a multiple of 32 dividing `slice`) into the row's histogram words
+// (free now); the row's last block scans the chunk sums (block scan in chunk order), finds the
+// chunk where the target falls and scans its tokens (one warp), writes the token (-1 for a
+// non-finite row) and clears the row. A target past the total by rounding takes the last token
+// of nonzero mass.
+#define DRAW_UNROLL 8
+#define DRAW_PER (CHOICE_BINS / CHOICE_THREADS)
+
+__global__ void __launch_bounds__(CHOICE_THREADS) choose_draw(
+        int* __restrict__ out, const float* __restrict__ scores_all, unsigned long long* __restrict__ state,
+        int words, int V, int slice, int chunk, const int* __restrict__ step_counter, unsigned seed_lo,
+        unsigned seed_hi) {
+    __shared__ double dscratch[32], cum[CHOICE_THREADS], base;
+    __shared__ int iscratch[32], found, last_chunk;
+    const int b = blockIdx.x, lo = blockIdx.y * slice, n = max(0, min(V, lo + slice) - lo);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    unsigned long long* sums = state + (long)b * words;
+    unsigned long long* row = sums + CHOICE_BINS;
+    const bool bad = __ldcg(row + CH_FLAGS) & 1ull;
+    const float* s = scores_all + (long)b * V;
+    const unsigned keep = max((unsigned)__ldcg(row + CH_K), (unsigned)__ldcg(row + CH_Y));
+    const float mx = from_order_key((unsigned)(__ldcg(row + CH_MAX) >> 32));
+    auto mass = [&](int i) { return i < V && order_key(s[i]) >= keep ? expf(s[i] - mx) : 0.0f; };
+    if (!bad) {
+        // DRAW_UNROLL chunks per warp at a time: their loads in flight together
+        const int chunks = (n + chunk - 1) / chunk;
+        for (int c = warp * DRAW_UNROLL; c < chunks; c += warps * DRAW_UNROLL) {
+            double sum[DRAW_UNROLL];
+            #pragma unroll
+            for (int u = 0; u < DRAW_UNROLL; ++u) sum[u] = 0.0;
+            for (int i = lane; i < chunk; i += 32) {
+                float p[DRAW_UNROLL];
+                #pragma unroll
+                for (int u = 0; u < DRAW_UNROLL; ++u) p[u] = c + u < chunks ? mass(lo + (c + u) * chunk + i) : 0.0f;
+                #pragma unroll
+                for (int u = 0; u < DRAW_UNROLL; ++u) sum[u] += (double)p[u];
+            }
+            #pragma unroll
+            for (int u = 0; u < DRAW_UNROLL; ++u) {
+                const double total = warp_reduce(sum[u], SumOp());
+                if (lane == 0 && c + u < chunks) sums[lo / chunk + c + u] = __double_as_longlong(total);
             }
         }
     }
-    const int pick = -block_max_int(-found, iscratch);
-    const int last = block_max_int(last_nonzero, iscratch);
-    if (threadIdx.x == 0) out[b] = min(pick, last);
+    if (!last_of_row(row + CH_TICKETS, gridDim.y)) return;
+    // thread t takes chunks c0 = t * DRAW_PER .. (at most CHOICE_BINS of them), held in registers
+    const int total_chunks = (V + chunk - 1) / chunk, c0 = threadIdx.x * DRAW_PER;
+    double v[DRAW_PER];
+    #pragma unroll
+    for (int j = 0; j < DRAW_PER; ++j)
+        v[j] = !bad && c0 + j < total_chunks ? __longlong_as_double((long long)__ldcg(sums + c0 + j)) : 0.0;
+    if (!bad) {
+        double mine = 0.0;
+        int last = -1;
+        #pragma unroll
+        for (int j = 0; j < DRAW_PER; ++j) {
+            mine += v[j];
+            if (v[j] > 0.0) last = c0 + j;
+        }
+        double total;
+        cum[threadIdx.x] = block_exclusive_scan(mine, dscratch, total);
+        last = block_max_int(last, iscratch);
+        if (threadIdx.x == 0) {
+            found = -1;
+            last_chunk = last;
+        }
+        __syncthreads();
+        const double target = (double)philox_uniform((unsigned)*step_counter, (unsigned)b, seed_lo, seed_hi) * total;
+        const double next = threadIdx.x + 1 < blockDim.x ? cum[threadIdx.x + 1] : total;
+        if (cum[threadIdx.x] <= target && target < next) {  // one thread: the target falls in its chunks
+            double run = cum[threadIdx.x];
+            #pragma unroll
+            for (int j = 0; j < DRAW_PER; ++j) {
+                if (run + v[j] > target || c0 + j == last) {  // the crossing (the row's last chunk of mass
+                    found = c0 + j;                           // if rounding hides it)
+                    base = target - run;
+                    break;
+                }
+                run += v[j];
+            }
+        }
+        __syncthreads();
+        if (warp == 0) {  // the chunk's tokens in order: lane l takes per_lane of them from l * per_lane
+            const int c = found >= 0 ? found : last_chunk;
+            const double goal = found >= 0 ? base : FT_INFINITY;
+            const int per_lane = chunk / 32, first = c * chunk + lane * per_lane;
+            double run = 0.0;
+            for (int i = 0; i < per_lane; ++i) run += (double)mass(first + i);
+            double incl = run;
+            #pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const double y = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += y;
+            }
+            double before = incl - run;
+            int pick = V, last_token = -1;
+            for (int i = 0; i < per_lane; ++i) {
+                const float p = mass(first + i);
+                before += (double)p;
+                if (pick == V && before > goal) pick = first + i;
+                if (p > 0.0f) last_token = first + i;
+            }
+            // the first crossing; none (a rounding gap, or past the total): the chunk's last token of mass
+            pick = -warp_reduce(-pick, MaxOp());
+            last_token = warp_reduce(last_token, MaxOp());
+            if (lane == 0) out[b] = pick == V ? last_token : pick;
+        }
+    } else if (threadIdx.x == 0) {
+        out[b] = -1;
+    }
+    #pragma unroll
+    for (int j = 0; j < DRAW_PER; ++j)
+        if (c0 + j < total_chunks) sums[c0 + j] = 0ull;
+    if (threadIdx.x == 0)
+        for (int w = CH_FLAGS; w <= CH_TICKETS; ++w) row[w] = 0ull;
 }
 
 // seen (B, V): seen[rows[i], tokens[i]] = 1 for the n tokens just fed (row -1: padding, skipped).

@@ -278,16 +278,51 @@ def test_choose_tokens_matches_numpy(cu, rng, opts):
     lengths = rng.integers(1, 65, b).astype(np.int32)
     params = GenerationParams(max_new_tokens=8, seed=11, eos_token_ids=(3, 50256), **opts).checked(vocab_size=v)
     eos = np.array(params.eos_token_ids, np.int32)
+    state = cu.to_device(np.zeros((b, cu.CHOICE_STATE_WORDS), np.uint64))
     for step in (0, 6):
         out = cu.to_device(np.full(b, -7, np.int32))
         cu.choose_tokens(out, cu.to_device(logits), cu.to_device(seen), cu.to_device(eos), ints(cu, [step]),
-                         scratch=cu.empty((b, v), np.float32), params=params, seq=ints(cu, seq),
+                         scratch=cu.empty((b, v), np.float32), state=state, params=params, seq=ints(cu, seq),
                          lengths=ints(cu, lengths))
         expected = np.empty(b, np.int32)
-        ref.choose_tokens(expected, logits, seen, eos, np.array([step]), scratch=None, params=params, seq=seq,
-                          lengths=lengths)
+        ref.choose_tokens(expected, logits, seen, eos, np.array([step]), scratch=None, state=None, params=params,
+                          seq=seq, lengths=lengths)
         np.testing.assert_array_equal(cu.to_host(out), expected)
         assert expected[2] == -1
+        assert not cu.to_host(state).any()  # left zero for the next call
+
+
+SLICED_CHOICES = [dict(), dict(do_sample=True, top_k=40), dict(do_sample=True, top_k=3000),
+                  dict(do_sample=True, top_k=60, temperature=0.8), dict(do_sample=True, top_p=0.95),
+                  dict(do_sample=True, top_k=200, top_p=0.5)]
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("opts", SLICED_CHOICES)
+def test_choose_tokens_over_slices_matches_numpy(cu, rng, rows, opts):
+    """Each row's vocabulary split over 50 blocks (1 row), 16 (16 rows) or one (300 rows): the
+    same tokens as NumPy. Greedy and top-k rows have scores on a grid of 1/8, so that the
+    largest score and the k-th one are shared by tokens of several slices (ties at top-k's
+    threshold are kept, as HF keeps them); one row has 9 scores above a floor of -1e30 (top-k
+    keeps the floor's ties, of probability 0). Top-p rows have distinct scores: the reference
+    sorts ties by index, the GPU keeps or drops a tied group whole."""
+    v = 50257
+    logits = (rng.standard_normal((rows, v)) * 2).astype(np.float32)
+    if not opts.get("top_p"):
+        logits = np.round(logits * 8) / 8
+    logits[0, 9:] = -1e30
+    params = GenerationParams(max_new_tokens=4, seed=3, **opts).checked(vocab_size=v)
+    state = cu.to_device(np.zeros((rows, cu.CHOICE_STATE_WORDS), np.uint64))
+    out = cu.to_device(np.full(rows, -7, np.int32))
+    empty_seen = np.zeros((rows, v), np.uint8)
+    cu.choose_tokens(out, cu.to_device(logits), cu.to_device(empty_seen), ints(cu, [0]), ints(cu, [1]),
+                     scratch=cu.empty((rows, v), np.float32), state=state, params=params)
+    expected = np.empty(rows, np.int32)
+    ref.choose_tokens(expected, logits, empty_seen, np.array([0]), np.array([1]), scratch=None, state=None,
+                      params=params)
+    np.testing.assert_array_equal(cu.to_host(out), expected)
+    assert 0 <= expected[0] < 9
+    assert not cu.to_host(state).any()
 
 
 def test_gpu_sampled_frequencies_match_the_distribution(cu):
@@ -300,7 +335,7 @@ def test_gpu_sampled_frequencies_match_the_distribution(cu):
     out = cu.to_device(np.zeros(n, np.int32))
     cu.choose_tokens(out, cu.to_device(np.tile(scores, (n, 1))), cu.to_device(np.zeros((n, 12), np.uint8)),
                      cu.to_device(np.array([11], np.int32)), ints(cu, [0]), scratch=cu.empty((n, 12), np.float32),
-                     params=params)
+                     state=cu.to_device(np.zeros((n, cu.CHOICE_STATE_WORDS), np.uint64)), params=params)
     counts = np.bincount(cu.to_host(out), minlength=12)
     assert counts[-1] == 0
     expected = probs[:-1] * n

@@ -24,6 +24,7 @@ from ..errors import DeviceError
 
 name = "numpy"
 STORAGE = {"fp32": np.float32}
+CHOICE_STATE_WORDS = 1  # choose_tokens' state per row: none here (the CUDA backend's keeps its selects' counts)
 
 
 # ------------------------------------------------------------------ memory
@@ -589,11 +590,11 @@ def mark_seen(seen, tokens, rows):
     seen[rows[keep], tokens[keep]] = 1
 
 
-def choose_tokens(out, logits, seen, eos, step, *, scratch, params, seq=None, lengths=None):
+def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seq=None, lengths=None):
     """out (B,) int32: the next token of each row of logits (B, V) float32 after step[0] chosen
     tokens, HF `generate` processors and order (see decoding/processors.py), eos ids `eos` masked
     before params.min_new_tokens; -1 for a row with a non-finite logit. seq (B, L) and lengths
-    (B,): each row's tokens so far (for no_repeat_ngram_size). scratch: unused here."""
+    (B,): each row's tokens so far (for no_repeat_ngram_size). scratch and state: unused here."""
     from ..decoding.processors import choose
     histories = None
     if params.no_repeat_ngram_size:

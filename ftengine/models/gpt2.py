@@ -73,6 +73,7 @@ class GPT2Runner:
             "last": (b * e, self.dtype),          # (B, E): the rows whose logits are wanted
             "logits": (b * v, np.float32),        # (B, V)
             "scores": (b * v, np.float32),        # (B, V): token choice scratch
+            "choice": (b * ops.CHOICE_STATE_WORDS, np.uint64),  # (B, words): its state, zero between steps
             "seen": (b * v, np.uint8),            # (B, V): tokens fed so far (repetition penalty)
             "chosen": (b, np.int32),              # (B,)
             "eos": (MAX_EOS_IDS, np.int32),
@@ -96,6 +97,7 @@ class GPT2Runner:
             "keys": (b * -(-v // CANDIDATE_CHUNK) * KEEP_MAX, np.uint64),
         })
         self.ws = Workspace(ops, table)
+        ops.zero(self.ws.view("choice", (b * ops.CHOICE_STATE_WORDS,)))
 
     def _caches(self, i: int):
         c = self.config
@@ -235,7 +237,8 @@ class GPT2Runner:
         seq, lengths, step = ws.view("seq", (b, length)), ws.view("lengths", (b,)), ws.view("step", (1,))
         chosen = ws.view("chosen", (b,))
         ops.choose_tokens(chosen, ws.view("logits", (b, v)), seen, eos, step, scratch=ws.view("scores", (b, v)),
-                          params=params, seq=seq, lengths=lengths)
+                          state=ws.view("choice", (b, ops.CHOICE_STATE_WORDS)), params=params, seq=seq,
+                          lengths=lengths)
         ops.append_tokens(ws.view("history", (length, b)), seq, lengths, ws.view("next_ids", (b,)),
                           ws.view("next_pos", (b,)), ws.view("finished", (b,)), seen, step, chosen, eos)
 

@@ -31,8 +31,12 @@ ATTENTION_FLAGS = {"rows_are_tokens": 1, "indirect": 2, "write_kv": 4}  # decode
 ATTENTION_THREADS = 256           # its block (ATTN_THREADS)
 GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
 GEMV_ROWS, GEMV_COLS, GEMV_THREADS = 4, 2, 128  # gemv.cu: most rows of x, output columns and threads per block
+# sampling.cu token choice: threads per block, the most slices per row, the fewest tokens a slice
+# gets, histogram bins and the u64 words of a row's state (the bins and 8 words)
+CHOICE_THREADS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN = 256, 64, 1024
+CHOICE_BINS, CHOICE_STATE_WORDS = 2048, 2048 + 8
 FP8_KERNELS = ("quantize_rows", "add_bias_residual_layernorm_quantize", "add_bias_gelu_quantize")  # a block per row
-SAMPLING_KERNELS = ["choose_tokens", "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates",
+SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates",
                     "beam_select"]
 
 

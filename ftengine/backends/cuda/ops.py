@@ -17,8 +17,8 @@ import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
-from .kernels import (ATTENTION_FLAGS, ATTENTION_THREADS, CUDA_TYPES, GELU_ROWS, GEMV_COLS, GEMV_ROWS, GEMV_THREADS,
-                      ROW_ITEMS, SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VECS, kernel,
+from .kernels import (ATTENTION_FLAGS, ATTENTION_THREADS, CHOICE_BINS, CHOICE_SLICE_MIN, CHOICE_SLICES_MAX, CHOICE_STATE_WORDS,
+                      CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMV_COLS, GEMV_ROWS, GEMV_THREADS, ROW_ITEMS, SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VECS, kernel,
                       prepare, varlen_mma_name)
 
 name = "cuda"
@@ -660,23 +660,52 @@ def mark_seen(seen, tokens, rows):
             (seen, tokens, rows, np.int32(n), np.int32(seen.shape[1])))
 
 
-def choose_tokens(out, logits, seen, eos, step, *, scratch, params, seq=None, lengths=None):
-    """out (B,) int32: the next token of each row of logits (B, V) float32, one block per row;
-    HF processors and order (reference: decoding/processors.py choose); -1 for a non-finite row.
-    step (1,) int32 and, for no_repeat_ngram_size, seq (B, L) / lengths (B,) are device arrays."""
+def choice_slices(b: int, v: int) -> tuple[int, int, int]:
+    """(slices, tokens per slice, tokens per chunk) of each row's vocabulary in the token choice:
+    enough blocks for about two waves of 128 at any batch, slices of at least CHOICE_SLICE_MIN
+    tokens, none empty; the draw's chunks (a multiple of 32 tokens dividing the slice) fit the
+    row's CHOICE_BINS state words. Depends on (b, v) only, so a draw's sums are the same on every GPU."""
+    chunk = 32 * -(-v // (32 * CHOICE_BINS))
+    slices = max(1, min(CHOICE_SLICES_MAX, -(-256 // b), -(-v // CHOICE_SLICE_MIN)))
+    size = -(-v // slices // chunk) * chunk
+    return -(-v // size), size, chunk
+
+
+def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seq=None, lengths=None):
+    """out (B,) int32: the next token of each row of logits (B, V) float32; HF processors and
+    order (reference: decoding/processors.py choose); -1 for a non-finite row. Each row's
+    vocabulary is split over several blocks (sampling.cu). step (1,) int32 and, for
+    no_repeat_ngram_size, seq (B, L) / lengths (B,) are device arrays; scratch (B, V) float32;
+    state (B, CHOICE_STATE_WORDS) uint64, zero before the call and left zero after it."""
     b, v = logits.shape
     ngram = params.no_repeat_ngram_size
     if ngram and (seq is None or lengths is None):
         raise ValueError("no_repeat_ngram_size needs the sequences (seq, lengths)")
+    if state.shape[0] < b or state.shape[1] != CHOICE_STATE_WORDS or state.dtype != np.uint64:
+        raise ValueError(f"state must be ({b}, {CHOICE_STATE_WORDS}) uint64, got {state.shape} {state.dtype}")
     seq = step if seq is None else seq
     lengths = step if lengths is None else lengths
     length = seq.shape[1] if seq.ndim == 2 else 0
-    seed = params.seed or 0
-    _launch("sampling.cu", "choose_tokens", (b,), (1024,),
+    slices, size, chunk = choice_slices(b, v)
+    grid, block, words = (b, slices), (CHOICE_THREADS,), np.int32(CHOICE_STATE_WORDS)
+    sample = bool(params.do_sample)
+    _launch("sampling.cu", "choose_prepare", grid, block,
             (out, scratch, logits, seen, eos, np.int32(eos.size), step, seq, lengths, np.int32(length),
-             np.int32(ngram), np.int32(v), np.int32(params.min_new_tokens), np.int32(bool(params.do_sample)),
-             np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p),
-             np.float32(params.repetition_penalty), np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)))
+             np.int32(ngram), np.int32(v), np.int32(size), np.int32(params.min_new_tokens), np.int32(sample),
+             np.float32(params.temperature), np.float32(params.repetition_penalty), state, words))
+    if not sample:
+        return
+    # token masses in fixed point: v * 2^bits < 2^63
+    scale = np.float64(2.0 ** (63 - int(np.ceil(np.log2(v + 1)))))
+    for mode, on in ((0, 0 < params.top_k < v), (1, params.top_p < 1.0)):
+        for level in range(3) if on else ():
+            _launch("sampling.cu", "choose_level", grid, block,
+                    (scratch, state, words, np.int32(v), np.int32(size), np.int32(level), np.int32(mode),
+                     np.int32(params.top_k), np.float32(params.top_p), scale))
+    seed = params.seed or 0
+    _launch("sampling.cu", "choose_draw", grid, block,
+            (out, scratch, state, words, np.int32(v), np.int32(size), np.int32(chunk), step,
+             np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)))
 
 
 def append_tokens(history, seq, lengths, next_ids, next_pos, finished, seen, step, chosen, eos):
