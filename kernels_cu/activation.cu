@@ -8,6 +8,7 @@ template <typename T, int VEC>
 __global__ void add_bias_gelu(T* out, const T* x,          // (rows, I)
                               const T* __restrict__ bias,  // (I,)
                               int I, int rows, int form) {
+    wait_for_previous();
     const long row0 = (long)blockIdx.x * GELU_ROWS;
     const int n = min(GELU_ROWS, (int)(rows - row0));
     for (int col = threadIdx.x * VEC; col < I; col += blockDim.x * VEC) {
@@ -31,6 +32,7 @@ __global__ void add_bias_gelu(T* out, const T* x,          // (rows, I)
 // Reference: ftengine/backends/numpy_ops.py gated_gelu. grid (rows).
 template <typename T, int VEC>
 __global__ void gated_gelu(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ bias, int I, int form) {
+    wait_for_previous();
     const T* in = x + (long)blockIdx.x * 2 * I;
     for (int col = threadIdx.x * VEC; col < I; col += blockDim.x * VEC) {
         float a[VEC], g[VEC], ba[VEC], bg[VEC];
@@ -51,6 +53,7 @@ __global__ void gated_gelu(T* __restrict__ out, const T* __restrict__ x, const T
 template <typename T>
 __global__ void add_bias_act(T* out, const T* x, const T* __restrict__ bias, int N, int act, int norm,
                              const float* __restrict__ gamma, const float* __restrict__ beta, float eps) {
+    wait_for_previous();
     __shared__ float scratch[32];
     const long base = (long)blockIdx.x * N;
     float sum = 0.0f;

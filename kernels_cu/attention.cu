@@ -8,6 +8,7 @@ template <typename T, int VEC>
 __global__ void add_qkv_bias_split_heads(T* __restrict__ q, T* __restrict__ k, T* __restrict__ v,
                                          const T* __restrict__ qkv, const T* __restrict__ bias,
                                          int S, int heads, int D) {
+    wait_for_previous();
     const int H = heads * D;
     const int t = blockIdx.x, b = t / S, s = t - b * S;
     const T* src = qkv + (long)t * 3 * H;
@@ -27,6 +28,7 @@ __global__ void add_qkv_bias_split_heads(T* __restrict__ q, T* __restrict__ k, T
 // ctx (B*heads, S, D) -> out (B*S, heads*D). grid (B*S tokens), VEC elements per access.
 template <typename T, int VEC>
 __global__ void merge_heads(T* __restrict__ out, const T* __restrict__ ctx, int S, int heads, int D) {
+    wait_for_previous();
     const int H = heads * D;
     const int t = blockIdx.x, b = t / S, s = t - b * S;
     for (int c = threadIdx.x * VEC; c < H; c += blockDim.x * VEC) {
@@ -48,6 +50,7 @@ __device__ __forceinline__ bool key_visible(int key, int len, int query, int win
 template <typename T, int PER_LANE, int VEC>
 __global__ void masked_softmax_warp(T* out, const T* in, const int* __restrict__ lengths,
                                     long rows, int S, int heads, int window) {
+    wait_for_previous();
     const int lane = threadIdx.x & 31;
     const long row = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;
@@ -94,6 +97,7 @@ __global__ void masked_softmax_warp(T* out, const T* in, const int* __restrict__
 template <typename T>
 __global__ void masked_softmax_block(T* out, const T* in, const int* __restrict__ lengths,
                                      long rows, int S, int heads, int window) {
+    wait_for_previous();
     extern __shared__ float buf[];
     __shared__ float scratch[32];
     const long row = blockIdx.x;
@@ -127,6 +131,7 @@ __global__ void add_relative_bias(T* scores,                      // (B*heads, S
                                   const float* __restrict__ table,  // (buckets, heads)
                                   const int* __restrict__ buckets,  // (2*max_len - 1,)
                                   int S, int heads, int max_len) {
+    wait_for_previous();
     const long row = blockIdx.x;                 // n * S + q
     const int q = (int)(row % S);
     const int h = (int)((row / S) % heads);

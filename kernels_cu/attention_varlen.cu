@@ -163,6 +163,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) varlen_attention_mma(
         const int* __restrict__ cu_seqlens,  // (B + 1,)
         int batch, int heads, int n_tokens, float scale_log2, int causal, int window,
         const float* __restrict__ rel_table, const int* __restrict__ rel_buckets, int rel_max_len) {
+    wait_for_previous();
     constexpr int LD = D + 8;  // padded smem rows: conflict-free ldmatrix
     constexpr int TILE = KN * LD;
     constexpr int BLOCK_M = 16 * WARPS * MT;
@@ -376,6 +377,7 @@ __global__ void __launch_bounds__(128) varlen_attention_simt(
         float* __restrict__ ctx, const float* __restrict__ qkv, const float* __restrict__ bias,
         const int* __restrict__ cu_seqlens, int batch, int heads, int n_tokens, float scale_log2, int causal,
         int window, const float* __restrict__ rel_table, const int* __restrict__ rel_buckets, int rel_max_len) {
+    wait_for_previous();
     constexpr int HALF = D / 2;
     __shared__ float Ks[VARLEN_SIMT_N][D];
     __shared__ float Vs[VARLEN_SIMT_N][D];

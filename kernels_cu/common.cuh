@@ -10,6 +10,16 @@
 #define INT_MIN (-2147483647 - 1)
 #endif
 
+// Programmatic dependent launch (sm_90+): a kernel captured into a graph may be scheduled while
+// the kernel before it on the stream is still running (ops.py _launch), so every kernel begins
+// here, waiting until that kernel has finished and its writes are visible, before it touches
+// memory. A no-op for a kernel launched the plain way, and before sm_90.
+__device__ __forceinline__ void wait_for_previous() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }

@@ -13,6 +13,7 @@ __global__ void embed_layernorm(T* __restrict__ out,              // (T, H)
                                 const T* __restrict__ gamma,        // (H,)
                                 const T* __restrict__ beta,         // (H,)
                                 int H, float eps) {
+    wait_for_previous();
     __shared__ float scratch[32];
     const long t = blockIdx.x;
     float v[ITEMS][VEC];

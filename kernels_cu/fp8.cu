@@ -51,6 +51,7 @@ __device__ __forceinline__ void quantize_row_store(unsigned char* q, float* scal
 template <typename T, int VEC, int ITEMS>
 __global__ void quantize_rows(unsigned char* __restrict__ q, float* __restrict__ scales, const T* __restrict__ x,
                               int H) {
+    wait_for_previous();
     __shared__ float scratch[32];
     const long base = (long)blockIdx.x * H;
     float v[ITEMS][VEC];
@@ -68,6 +69,7 @@ __global__ void add_bias_residual_layernorm_quantize(T* out, unsigned char* __re
                                                      const T* __restrict__ bias, const T* residual,
                                                      const T* __restrict__ gamma, const T* __restrict__ beta,
                                                      int H, float eps) {
+    wait_for_previous();
     __shared__ float scratch[32];
     const long base = (long)blockIdx.x * H;
     float v[ITEMS][VEC];
@@ -84,6 +86,7 @@ __global__ void add_bias_residual_layernorm_quantize(T* out, unsigned char* __re
 template <typename T, int VEC, int ITEMS>
 __global__ void add_bias_gelu_quantize(unsigned char* __restrict__ q, float* __restrict__ scales,
                                        const T* __restrict__ x, const T* __restrict__ bias, int I, int form) {
+    wait_for_previous();
     __shared__ float scratch[32];
     const long base = (long)blockIdx.x * I;
     float v[ITEMS][VEC];

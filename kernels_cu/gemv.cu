@@ -15,6 +15,7 @@ template <typename T, typename OutT, int VEC>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(OutT* __restrict__ out, const T* __restrict__ x,
                                                         const T* __restrict__ w, const T* __restrict__ bias,
                                                         int M, int N, int K, int epilogue) {
+    wait_for_previous();
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS * GEMV_COLS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n0 = blockIdx.x * GEMV_COLS;

@@ -11,6 +11,7 @@ __global__ void add_bias_residual_layernorm(T* out,                         // (
                                             const T* __restrict__ gamma,    // (H,)
                                             const T* __restrict__ beta,     // (H,)
                                             int H, float eps) {
+    wait_for_previous();
     __shared__ float scratch[32];
     const long base = (long)blockIdx.x * H;
     float v[ITEMS][VEC];

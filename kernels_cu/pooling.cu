@@ -36,6 +36,7 @@ __global__ void pool(float* __restrict__ out,          // (B, out_stride)
                      const T* __restrict__ hidden,     // (B*S, H)
                      const int* __restrict__ lengths,  // (B,)
                      int S, int H, int out_stride, int offset, int mode, int skip) {
+    wait_for_previous();
     const int b = blockIdx.x;
     const int h = blockIdx.y * blockDim.x + threadIdx.x;
     if (h >= H) return;
@@ -45,6 +46,7 @@ __global__ void pool(float* __restrict__ out,          // (B, out_stride)
 // One block per row: out = x / max(||x||, 1e-12). `out` may alias `x`.
 template <typename T>
 __global__ void l2_normalize(T* out, const T* x, int D) {
+    wait_for_previous();
     __shared__ float scratch[32];
     const long base = (long)blockIdx.x * D;
     float sq = 0.0f;
@@ -65,6 +67,7 @@ __global__ void pool_packed(float* __restrict__ out,             // (B, out_stri
                             const T* __restrict__ hidden,        // (T, H)
                             const int* __restrict__ cu_seqlens,  // (B + 1,)
                             int H, int out_stride, int offset, int mode, int skip) {
+    wait_for_previous();
     const int b = blockIdx.x;
     const int h = blockIdx.y * blockDim.x + threadIdx.x;
     if (h >= H) return;

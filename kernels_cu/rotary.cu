@@ -11,6 +11,7 @@ __global__ void rotary_qkv(T* qkv,                                // (T, 3H)
                            const float* __restrict__ cos_t,       // (P, D/2)
                            const float* __restrict__ sin_t,       // (P, D/2)
                            int heads, int D) {
+    wait_for_previous();
     const int H = heads * D, half = D / 2, pairs = heads * half;
     T* row = qkv + (long)blockIdx.x * 3 * H;
     const float* c = cos_t + (long)positions[blockIdx.x] * half;

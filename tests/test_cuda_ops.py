@@ -432,3 +432,27 @@ def test_dense_head_layer(cu, rng, activation, norm, m, k, n):
     expected = np.empty((m, n), np.float32)
     ref.dense(expected, x, w, b, activation=activation, norm=(gamma, beta, 1e-5) if norm else ())
     assert_close(cu, out, expected, "fp32")
+
+
+def test_a_graph_of_dependent_kernels_gives_numpys_values(cu, rng):
+    """Kernels captured into a graph launch as programmatic dependent launches on sm_90+, through
+    launch_dependent's own argument passing: a chain of 300 kernels, each adding to what the one
+    before wrote, replayed from a graph equals NumPy's sums exactly (small integers: every sum is
+    exact in float32), as do the same launches made directly. (That every kernel waits for the
+    one before it is checked in its source: test_kernels_compile.py.)"""
+    xh = rng.integers(-4, 5, (4, 768)).astype(np.float32)
+    biash = rng.integers(-2, 3, 768).astype(np.float32)
+    x, bias = cu.to_device(xh), cu.to_device(biash)
+    expected = np.zeros((4, 768), np.float32)
+    for _ in range(300):
+        ref.add_bias_residual(expected, xh, biash, expected)
+    stream = cu.context().stream
+    graphed, direct = (cu.to_device(np.zeros((4, 768), np.float32)) for _ in range(2))
+    stream.begin_capture()
+    for _ in range(300):
+        cu.add_bias_residual(graphed, x, bias, graphed)
+    stream.end_capture().launch(stream=stream)
+    for _ in range(300):
+        cu.add_bias_residual(direct, x, bias, direct)
+    for out in (graphed, direct):
+        np.testing.assert_array_equal(cu.to_host(out), expected)

@@ -1,6 +1,7 @@
 """Every kernels_cu/*.cu compiles with nvcc for sm_80 and sm_90, every listed template
 instantiated (CPU only: catches syntax and type errors without a GPU)."""
 
+import re
 import shutil
 import subprocess
 
@@ -15,6 +16,21 @@ NVCC = shutil.which("nvcc")
 def test_every_cu_file_is_listed():
     assert sorted(p.name for p in kernel_dir().glob("*.cu")) == sorted(FAMILIES)
     assert set(SHARED) <= set(FAMILIES)
+
+
+def test_every_kernel_waits_for_the_kernel_before_it_first():
+    """Kernels captured into a graph launch as programmatic dependent launches on sm_90+ (they may
+    start while the kernel before them runs): each must call wait_for_previous() before anything
+    else."""
+    kernels = 0
+    for path in sorted(kernel_dir().glob("*.cu")):
+        text = path.read_text()
+        for match in re.finditer(r"__global__([^{]*)\{", text):
+            signature = re.sub(r"__launch_bounds__\([^)]*\)", "", match.group(1))
+            name = re.search(r"(\w+)\s*\(", signature).group(1)
+            assert text[match.end():].lstrip().startswith("wait_for_previous();"), f"{path.name}: {name}"
+            kernels += 1
+    assert kernels >= 36
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")

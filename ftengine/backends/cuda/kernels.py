@@ -7,10 +7,13 @@ calls `prepare` with the files and types it uses, which compiles them in paralle
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
+
+import numpy as np
 
 from . import kernel_dir
 
@@ -169,3 +172,60 @@ def prepare(files, ctypes, *, workers: int = 8):
 def kernel(file: str, name: str):
     """A compiled kernel, e.g. kernel("layernorm.cu", "add_bias_residual_layernorm<__half, 8, 1>")."""
     return module(file, _owner(file, name)).get_function(name)
+
+
+# ------------------------------------------------------------------ programmatic dependent launch
+
+class _AttributeValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes
+    _fields_ = [("value", ctypes.c_int), ("align", ctypes.c_uint64), ("pad", ctypes.c_char * 64)]
+
+
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
+            np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64,
+            np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+
+
+@lru_cache(maxsize=None)
+def _launch_kernel_ex():
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _dims(d) -> tuple:
+    d = tuple(d) if isinstance(d, tuple) else (d,)
+    return tuple(int(x) for x in d) + (1,) * (3 - len(d))
+
+
+def launch_dependent(k, grid, block, args, shared_mem: int, stream_ptr: int):
+    """Launch kernel k (a CuPy RawKernel) on the stream with programmatic stream serialization
+    (sm_90+): captured into a graph, it may be scheduled while the kernel before it finishes, and
+    waits for that kernel's results in wait_for_previous (common.cuh), which every kernel runs
+    first. Arguments as CuPy takes them: device arrays and NumPy scalars."""
+    holders = []
+    for a in args:
+        if isinstance(a, np.generic):
+            holders.append(_SCALARS[a.dtype](a.item()))
+        elif hasattr(a, "data") and hasattr(a.data, "ptr"):
+            holders.append(ctypes.c_void_p(a.data.ptr))
+        else:
+            raise TypeError(f"kernel argument of type {type(a).__name__}: pass a device array or a NumPy scalar")
+    params = (ctypes.c_void_p * len(holders))(*(ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders))
+    attribute = _Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value.value = 1
+    config = _LaunchConfig((ctypes.c_uint * 3)(*_dims(grid)), (ctypes.c_uint * 3)(*_dims(block)), shared_mem,
+                           stream_ptr, ctypes.pointer(attribute), 1)
+    status = _launch_kernel_ex()(ctypes.byref(config), k.kernel.ptr, params, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
