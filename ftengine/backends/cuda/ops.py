@@ -17,10 +17,10 @@ import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
-from .kernels import (ATTENTION_FLAGS, ATTENTION_THREADS, CHOICE_BINS, CHOICE_SLICE_MIN, CHOICE_SLICES_MAX,
-                      CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMV_COLS, GEMV_ROWS, GEMV_THREADS,
-                      ROW_ITEMS, SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VECS,
-                      kernel, launch_dependent, prepare, varlen_mma_name)
+from .kernels import (ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, CHOICE_BINS, CHOICE_SLICE_MIN,
+                      CHOICE_SLICES_MAX, CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMV_COLS,
+                      GEMV_ROWS, GEMV_THREADS, ROW_ITEMS, SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M,
+                      VARLEN_HEAD_DIMS, VARLEN_TILES, VECS, kernel, launch_dependent, prepare, varlen_mma_name)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -636,7 +636,9 @@ def _attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flag
     per_key = 1 << max(0, (d // vec - 1).bit_length())  # threads per key: a power of two
     if per_key > 32:
         raise DeviceError(f"head_dim {d} is too large for the decoder attention kernel (at most {32 * vec})")
-    threads = ATTENTION_THREADS
+    # a block of ATTENTION_THREADS while there are few (row, head) blocks; half that from
+    # ATTENTION_MANY_BLOCKS of them on, where more blocks per SM gain more than wider ones
+    threads = ATTENTION_THREADS if t * heads < ATTENTION_MANY_BLOCKS else ATTENTION_THREADS // 2
     smem = threads // per_key * (d + 2) * 4
     _launch("decoder.cu", f"cached_attention<{_ctype(qkv)}, {vec}>", (t, heads), (threads,),
             (ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, positions if indir is None else indir,
