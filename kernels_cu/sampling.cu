@@ -101,29 +101,28 @@ __device__ __forceinline__ bool last_of_row(unsigned long long* tickets, int S) 
     return last;
 }
 
+// Inclusive prefix sums of v over the warp in lane order.
+template <typename V>
+__device__ __forceinline__ V warp_inclusive_scan(V v) {
+    const int lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const V y = __shfl_up_sync(0xffffffffu, v, off);
+        if (lane >= off) v += y;
+    }
+    return v;
+}
+
 // Exclusive prefix sums of v over the block in thread order; total gets the block's sum.
 template <typename V>
 __device__ __forceinline__ V block_exclusive_scan(V v, V* scratch, V& total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    V incl = v;
-    #pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const V y = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += y;
-    }
+    const V incl = warp_inclusive_scan(v);
     V excl = __shfl_up_sync(0xffffffffu, incl, 1);
     excl = lane ? excl : V(0);
     if (lane == 31) scratch[warp] = incl;
     __syncthreads();
-    if (warp == 0) {
-        V w = lane < warps ? scratch[lane] : V(0);
-        #pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const V y = __shfl_up_sync(0xffffffffu, w, off);
-            if (lane >= off) w += y;
-        }
-        scratch[lane] = w;
-    }
+    if (warp == 0) scratch[lane] = warp_inclusive_scan(lane < warps ? scratch[lane] : V(0));
     __syncthreads();
     total = scratch[warps - 1];
     const V out = (warp > 0 ? scratch[warp - 1] : V(0)) + excl;
@@ -394,13 +393,7 @@ __global__ void __launch_bounds__(CHOICE_THREADS) choose_draw(
             const int per_lane = chunk / 32, first = c * chunk + lane * per_lane;
             double run = 0.0;
             for (int i = 0; i < per_lane; ++i) run += (double)mass(first + i);
-            double incl = run;
-            #pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const double y = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += y;
-            }
-            double before = incl - run;
+            double before = warp_inclusive_scan(run) - run;
             int pick = V, last_token = -1;
             for (int i = 0; i < per_lane; ++i) {
                 const float p = mass(first + i);
