@@ -54,6 +54,19 @@ def _sigterm_unwinds():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _stop_behind(error: BaseException):
+    """The KeyboardInterrupt or _Terminated that error is or was raised from, else None. A signal
+    can arrive inside a library's C code, which may hand it back wrapped: Ray's CoreWorker.wait
+    raises SystemError("... returned a result with an exception set") from the handler's exception."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, (KeyboardInterrupt, _Terminated)):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 @contextmanager
 def _exits_when_stopped(*, lead: str = "", note: str = ""):
     """While the body runs, Ctrl-C exits with 130 and SIGTERM with 143 (after every cleanup on
@@ -61,12 +74,15 @@ def _exits_when_stopped(*, lead: str = "", note: str = ""):
     try:
         with _sigterm_unwinds():
             yield
-    except KeyboardInterrupt:
-        click.echo(f"{lead}ftengine: interrupted{note}", err=True)
-        sys.exit(130)
-    except _Terminated:
-        click.echo(f"{lead}ftengine: terminated{note}", err=True)
-        sys.exit(143)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        stop = _stop_behind(e)
+        if stop is None:
+            raise
+        terminated = isinstance(stop, _Terminated)
+        click.echo(f"{lead}ftengine: {'terminated' if terminated else 'interrupted'}{note}", err=True)
+        sys.exit(143 if terminated else 130)
 
 
 @click.group()

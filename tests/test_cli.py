@@ -268,6 +268,24 @@ def test_generate_ctrl_c_is_interrupted_with_130(gpt2_model, monkeypatch):
     assert r.exit_code == 130 and "ftengine: interrupted" in r.stderr and "Aborted" not in r.output
 
 
+@pytest.mark.parametrize("stop, code", [("terminated", 143), ("interrupted", 130)])
+def test_a_stop_that_a_library_hands_back_wrapped_still_exits_as_a_stop(gpt2_model, monkeypatch, stop, code):
+    """A signal that arrives inside a library's C code can come back wrapped (Ray's
+    CoreWorker.wait raises SystemError from the SIGTERM handler's exception, seen in an
+    encode-dataset run): still the stop's exit code and its one line, no traceback."""
+    from ftengine import Generator
+    from ftengine import cli as ft_cli
+
+    def wrapped(self, *args, **kwargs):
+        try:
+            raise ft_cli._Terminated() if stop == "terminated" else KeyboardInterrupt()
+        except BaseException as e:
+            raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set") from e
+    monkeypatch.setattr(Generator, "generate", wrapped)
+    r = gen("--model", gpt2_model, "--device", "cpu", "--prompt", "hello")
+    assert r.exit_code == code and f"ftengine: {stop}" in r.stderr and "Traceback" not in r.output, r.output
+
+
 def test_generate_max_batch_waves_in_input_order(gpt2_model, tmp_path):
     from ftengine import Generator
     prompts = [f"prompt number {i} says" + " more" * (i % 4) for i in range(7)]
