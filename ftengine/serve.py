@@ -333,9 +333,16 @@ class Service:
         ], lifespan=lifespan)
 
 
+# seconds an idle keep-alive connection stays open. uvicorn's default of 5 races with pooled clients:
+# a request sent on a pooled connection just as the server closes it fails with a read error (seen
+# with 64 httpx clients on a busy 2-core machine). Clients' pools keep connections longer than 5 s.
+KEEP_ALIVE_SECONDS = 75
+
+
 def _uvicorn_config(app, **options):
     import uvicorn
-    return uvicorn.Config(app, access_log=False, log_level="info", timeout_graceful_shutdown=None, **options)
+    return uvicorn.Config(app, access_log=False, log_level="info", timeout_graceful_shutdown=None,
+                          timeout_keep_alive=KEEP_ALIVE_SECONDS, **options)
 
 
 def serve(encoder, *, host: str, port: int, model_name: str, limits: ServeLimits):

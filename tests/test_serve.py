@@ -184,6 +184,34 @@ def test_sixty_four_clients_share_batches(server, encoder):
     assert count > single, "no device batch held more than one request"
 
 
+def test_an_idle_keep_alive_connection_stays_open_past_uvicorns_default(server):
+    """A pooled client's connection, idle for longer than uvicorn's default keep-alive (5 s),
+    still takes the next request: a server that closed it could race with a request sent on it
+    (an httpx ReadError in the 64-client test on a busy CI machine)."""
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+    def exchange(sock) -> bytes:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(4096)
+            assert chunk, "the server closed the connection"
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        while len(body) < length:
+            chunk = sock.recv(4096)
+            assert chunk, "the server closed the connection"
+            body += chunk
+        return head.split(b"\r\n")[0]
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        assert exchange(sock) == b"HTTP/1.1 200 OK"
+        time.sleep(6.5)
+        assert exchange(sock) == b"HTTP/1.1 200 OK"
+
+
 def test_api_key(st_model):
     s = Server(st_model, "--api-key", "sesame")
     try:
