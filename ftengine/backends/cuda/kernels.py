@@ -40,8 +40,8 @@ GEMV_ROWS, GEMV_COLS, GEMV_THREADS = 4, 2, 128  # gemv.cu: most rows of x, outpu
 CHOICE_THREADS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN = 256, 64, 1024
 CHOICE_BINS, CHOICE_STATE_WORDS = 2048, 2048 + 8
 FP8_KERNELS = ("quantize_rows", "add_bias_residual_layernorm_quantize", "add_bias_gelu_quantize")  # a block per row
-SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates",
-                    "beam_select"]
+SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "mark_seen", "append_tokens", "increment",
+                    "beam_logsumexp", "beam_candidates", "beam_select"]
 
 
 def varlen_mma_name(ctype: str, d: int, general: bool, tiles: str) -> str:
