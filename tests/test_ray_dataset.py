@@ -222,7 +222,7 @@ def test_killed_worker_job_completes_every_row_once(ray_cluster, st_model, tmp_p
 
 
 def test_interrupted_job_resumes_with_the_rest(ray_cluster, st_model, tmp_path):
-    shards = write_shards(tmp_path / "in", [3000, 3000, 3000, 3000], seed=5)
+    shards = write_shards(tmp_path / "in", [3000] * 6, seed=5)
     out = tmp_path / "out"
     args = (tmp_path / "in", "-o", out, "--model", st_model, "--id-column", "doc", *CPU_WORKERS)
     proc = encode_dataset(ray_cluster, *args, wait=False)
@@ -235,16 +235,18 @@ def test_interrupted_job_resumes_with_the_rest(ray_cluster, st_model, tmp_path):
             proc.kill()
     assert proc.returncode == 143 and "finished files are kept" in stderr, stderr
     done = sorted(p.name for p in out.iterdir())
-    assert "part-0.parquet" in done and "part-3.parquet" not in done
+    # the first shard finished and the job stopped before the last: which others the workers finished
+    # before the signal landed depends on timing (a run saw parts 1 and 3 done, 2 not)
+    assert "part-0.parquet" in done and len(done) < len(shards), done
     assert not [name for name in done if not name.endswith(".parquet")]  # no temporary file left behind
     before = {name: (out / name).stat().st_mtime_ns for name in done}
     r = encode_dataset(ray_cluster, *args)
     assert r.returncode == 0, r.stderr
-    assert f"from {4 - len(done)} files, {len(done)} files already done" in r.stderr
+    assert f"from {len(shards) - len(done)} files, {len(done)} files already done" in r.stderr
     assert {name: (out / name).stat().st_mtime_ns for name in done} == before  # finished files not redone
     check_against_single_process(st_model, out, shards)
     r = encode_dataset(ray_cluster, *args)
-    assert r.returncode == 0 and "0 rows from 0 files, 4 files already done" in r.stderr
+    assert r.returncode == 0 and f"0 rows from 0 files, {len(shards)} files already done" in r.stderr
 
 
 def test_bad_dataset_input_is_one_line(ray_cluster, st_model, tmp_path):
