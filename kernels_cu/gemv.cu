@@ -69,3 +69,118 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(OutT* __restrict__ out, 
         out[(long)r * N + n] = from_float<OutT>(epilogue ? gelu(v + to_float(bias[n]), epilogue - 1) : v);
     }
 }
+
+
+
+// out (M, N) = x (M, K) @ W (N, K)^T for a few rows of 16-bit x and W (SKINNY_ROWS at most: a
+// batch's decode step) and many output columns (an LM head: ops.py chooses), where the product is
+// a long read of the weights, on tensor cores: mma.sync m16n8k16 takes 16 weight rows as A and 8
+// rows of x as B (x row-major is B column-major), so D is a 16 x 8 tile of out^T. A block owns
+// 16 TILES output columns; its WARPS warps take K's 32-wide chunks in turn, UNROLL chunks' loads in
+// flight. Per chunk, lane (g = lane / 4, c = lane % 4) loads 16 bytes of weight rows g and g + 8 of
+// each tile and of x rows g, g + 8, ...: k 8c .. 8c + 7. Two k16 steps take them as their fragments'
+// k pairs {2c, 2c + 1} and {2c + 8, 2c + 9}: one order of k for both operands (the dot product does
+// not care), so a fragment is one 16-byte load instead of four 4-byte ones. The warps' sums meet
+// in shared memory in fragment order and are added in warp order (the same result every run);
+// epilogue as gemv.
+// K a multiple of 32; x, W 16-byte aligned (ops.py checks). grid (ceil(N / (16 * TILES))), block WARPS * 32.
+// Reference: ftengine/backends/numpy_ops.py matmul, matmul_bias_gelu.
+
+#define SKINNY_ROWS 32
+
+__device__ __forceinline__ uint4 load_streaming(const void* p) {  // read once: no L1 allocation
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+template <typename T, typename OutT, int TILES, int WARPS, int UNROLL>
+__global__ void __launch_bounds__(WARPS * 32) skinny_mma(OutT* __restrict__ out, const T* __restrict__ x,
+                                                         const T* __restrict__ w, const T* __restrict__ bias,
+                                                         int M, int N, int K, int epilogue) {
+    wait_for_previous();
+    constexpr int XT = SKINNY_ROWS / 8, VALUES = TILES * XT * 4;  // 8-row tiles of x; sums per lane
+    __shared__ float partial[WARPS][VALUES][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int n0 = blockIdx.x * 16 * TILES, x_tiles = (M + 7) >> 3, chunks = K >> 5;
+    const T* wp[TILES][2];
+    bool w_in[TILES][2];
+    #pragma unroll
+    for (int t = 0; t < TILES; ++t) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int n = n0 + 16 * t + 8 * h + g;
+            w_in[t][h] = n < N;
+            wp[t][h] = w + (long)min(n, N - 1) * K + 8 * c;
+        }
+    }
+    const T* xp[XT];
+    bool x_in[XT];
+    #pragma unroll
+    for (int j = 0; j < XT; ++j) {
+        const int m = 8 * j + g;
+        x_in[j] = j < x_tiles && m < M;
+        xp[j] = x + (long)min(m, M - 1) * K + 8 * c;
+    }
+    float acc[TILES][XT][4];
+    #pragma unroll
+    for (int t = 0; t < TILES; ++t) {
+        #pragma unroll
+        for (int j = 0; j < XT; ++j) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.0f;
+        }
+    }
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (int first = warp; first < chunks; first += UNROLL * WARPS) {
+        uint4 wv[UNROLL][TILES][2], xv[UNROLL][XT];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int chunk = first + u * WARPS;
+            const long k = (long)chunk * 32;
+            #pragma unroll
+            for (int t = 0; t < TILES; ++t) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) wv[u][t][h] = chunk < chunks && w_in[t][h] ? load_streaming(wp[t][h] + k) : zero;
+            }
+            #pragma unroll
+            for (int j = 0; j < XT; ++j)
+                xv[u][j] = chunk < chunks && x_in[j] ? __ldg(reinterpret_cast<const uint4*>(xp[j] + k)) : zero;
+        }
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            #pragma unroll
+            for (int t = 0; t < TILES; ++t) {
+                const unsigned a0[4] = {wv[u][t][0].x, wv[u][t][1].x, wv[u][t][0].y, wv[u][t][1].y};
+                const unsigned a1[4] = {wv[u][t][0].z, wv[u][t][1].z, wv[u][t][0].w, wv[u][t][1].w};
+                #pragma unroll
+                for (int j = 0; j < XT; ++j) {
+                    if (j < x_tiles) {  // uniform
+                        MmaOp<T>::run(acc[t][j], a0, xv[u][j].x, xv[u][j].y);
+                        MmaOp<T>::run(acc[t][j], a1, xv[u][j].z, xv[u][j].w);
+                    }
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int t = 0; t < TILES; ++t) {
+        #pragma unroll
+        for (int j = 0; j < XT; ++j) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) partial[warp][(t * XT + j) * 4 + i][lane] = acc[t][j][i];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < VALUES * 32; i += WARPS * 32) {
+        // sum i: lane l's D element e of tile (t, j): output column g (+ 8 for e >= 2), x row 2c + (e & 1)
+        const int v = i >> 5, l = i & 31, t = v / (XT * 4), j = (v >> 2) % XT, e = v & 3;
+        const int n = n0 + 16 * t + (l >> 2) + 8 * (e >> 1), m = 8 * j + 2 * (l & 3) + (e & 1);
+        if (m >= M || n >= N) continue;
+        float sum = partial[0][v][l];
+        #pragma unroll
+        for (int k = 1; k < WARPS; ++k) sum += partial[k][v][l];
+        out[(long)m * N + n] = from_float<OutT>(epilogue ? gelu(sum + to_float(bias[n]), epilogue - 1) : sum);
+    }
+}

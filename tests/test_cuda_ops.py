@@ -251,6 +251,51 @@ def test_few_row_matmul_and_fused_bias_gelu(cu, rng, dtype, m, k, n):
         assert_close(cu, out, fused, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("m, k, n", [(2, 32, 33), (5, 96, 50), (8, 800, 777), (9, 256, 1000), (17, 3072, 64),
+                                     (32, 768, 1031)])
+def test_skinny_tensor_core_product(cu, rng, dtype, m, k, n):
+    """The tensor-core skinny kernel (gemv.cu skinny_mma; both tile configurations: up to 16 rows
+    and past them) on shapes that are not multiples of its tiles, K from one 32-wide chunk to many:
+    plain, into float32 (LM-head logits), and with bias + GELU, both forms."""
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
+    expected = (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32)
+    for out_dtype in (dtype, "fp32"):
+        out = poisoned(cu, (m, n), out_dtype)
+        cu._skinny(out, x, w, None, 0)
+        assert_close(cu, out, expected, dtype)
+    bias, biash = quantize(cu, rng.standard_normal(n), dtype)
+    for form in ("erf", "tanh"):
+        out, fused = poisoned(cu, (m, n), dtype), np.empty((m, n), np.float32)
+        cu._skinny(out, x, w, bias, 1 + cu.GELU_FORMS[form])
+        ref.matmul_bias_gelu(fused, xh, wh, biash, form=form)
+        assert_close(cu, out, fused, dtype)
+
+
+def test_matmul_sends_the_skinny_kernel_only_what_it_fits(cu, rng):
+    """2 .. SKINNY_ROWS rows of 16-bit x against SKINNY_MIN_COLUMNS columns or more, K a multiple of
+    32, 16-byte aligned: the skinny kernel; one row (the gemv is faster), more rows, fewer columns,
+    float32, another K or a misaligned view: not; each routed product equals NumPy's."""
+    k, n = 256, cu.SKINNY_MIN_COLUMNS + 7
+    w16, wh = quantize(cu, rng.standard_normal((n, k)) / 4, "fp16")
+    w32, _ = quantize(cu, wh, "fp32")
+    x16, xh = quantize(cu, rng.standard_normal((cu.SKINNY_ROWS + 2, k)) / 4, "fp16")
+    x32, _ = quantize(cu, xh, "fp32")
+    assert cu._skinny_fits(x16[:2], w16) and cu._skinny_fits(x16[:cu.SKINNY_ROWS], w16)
+    assert not cu._skinny_fits(x16[:1], w16)
+    assert not cu._skinny_fits(x16[:cu.SKINNY_ROWS + 1], w16)
+    assert not cu._skinny_fits(x16[:8], w16[:cu.SKINNY_MIN_COLUMNS - 1])
+    assert not cu._skinny_fits(x32[:8], w32)
+    x_odd_k, w_odd_k = (quantize(cu, rng.standard_normal(s), "fp16")[0] for s in ((8, k - 16), (n, k - 16)))
+    assert not cu._skinny_fits(x_odd_k, w_odd_k)
+    flat = cu.empty((8 * k + 1,), np.float16)
+    assert not cu._skinny_fits(flat[1:].reshape(8, k), w16)
+    for m in (1, 2, 9, cu.SKINNY_ROWS, cu.SKINNY_ROWS + 1):
+        out = poisoned(cu, (m, n), "fp32")
+        cu.matmul(out, x16[:m], w16)
+        assert_close(cu, out, (xh[:m].astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("transpose_b", [True, False])
 @pytest.mark.parametrize("nb, m, k, p", [(36, 128, 64, 128), (7, 33, 50, 33), (1, 1, 64, 1), (24, 512, 64, 512)])

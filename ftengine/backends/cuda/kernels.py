@@ -35,6 +35,12 @@ ATTENTION_THREADS = 256           # its block (ATTN_THREADS); half that from ATT
 ATTENTION_MANY_BLOCKS = 256       # on (GPT-2 small, H100: b32 step 572 -> 524 us, beam 4 x 32 1083 -> 945 us)
 GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
 GEMV_ROWS, GEMV_COLS, GEMV_THREADS = 4, 2, 128  # gemv.cu: most rows of x, output columns and threads per block
+# gemv.cu skinny_mma, for 2 .. SKINNY_ROWS rows of 16-bit x and products of SKINNY_MIN_COLUMNS output
+# columns or more (an LM head; narrower ones cover too few SMs with 16-column blocks: cuBLAS wins
+# there); its (16-column tiles, warps, chunks in flight) for up to `rows` rows of x, chosen on the H100
+# by kernels_cu/dev/skinny_tiles.py
+SKINNY_ROWS, SKINNY_MIN_COLUMNS = 32, 16384
+SKINNY_TILES = {16: (1, 4, 4), 32: (4, 4, 2)}
 # sampling.cu token choice: threads per block, the most slices per row, the fewest tokens a slice
 # gets, histogram bins and the u64 words of a row's state (the bins and 8 words)
 CHOICE_THREADS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN = 256, 64, 1024
@@ -50,6 +56,12 @@ def varlen_mma_name(ctype: str, d: int, general: bool, tiles: str) -> str:
     warps, mt, kn = VARLEN_TILES[tiles]
     min_blocks = 0 if general or tiles != "narrow" else (4 if d <= 64 else 2)
     return f"varlen_attention_mma<{ctype}, {d}, {'true' if general else 'false'}, {warps}, {mt}, {kn}, {min_blocks}>"
+
+
+def skinny_name(ctype: str, out_ctype: str, rows: int) -> str:
+    """The skinny_mma instantiation for up to `rows` rows of x (a SKINNY_TILES key)."""
+    tiles, warps, unroll = SKINNY_TILES[rows]
+    return f"skinny_mma<{ctype}, {out_ctype}, {tiles}, {warps}, {unroll}>"
 
 
 def _softmax_variants(t: str) -> list[str]:
@@ -87,7 +99,9 @@ FAMILIES = {
                              + _vec_variants("write_kv_cache", t) + _vec_variants("cached_attention", t)
                              + _vec_variants("gather_rows", t)),
     "sampling.cu": lambda t: [],
-    "gemv.cu": lambda t: [f"gemv<{t}, {o}, {v}>" for o in dict.fromkeys((t, "float")) for v in VECS[t]],
+    "gemv.cu": lambda t: ([f"gemv<{t}, {o}, {v}>" for o in dict.fromkeys((t, "float")) for v in VECS[t]]
+                          + ([] if t == "float" else [skinny_name(t, o, rows) for o in (t, "float")
+                                                      for rows in SKINNY_TILES])),
     # dtype fp8: fp16 activations, e4m3 product operands (sm_89+)
     "fp8.cu": lambda t: ([n for k in FP8_KERNELS for n in _row_variants(k, t)] if t == "__half" else []),
 }

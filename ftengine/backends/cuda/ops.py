@@ -19,8 +19,9 @@ from ...errors import DeviceError
 from . import cublas as cb
 from .kernels import (ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, CHOICE_BINS, CHOICE_SLICE_MIN,
                       CHOICE_SLICES_MAX, CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMV_COLS,
-                      GEMV_ROWS, GEMV_THREADS, ROW_ITEMS, SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M,
-                      VARLEN_HEAD_DIMS, VARLEN_TILES, VECS, kernel, launch_dependent, prepare, varlen_mma_name)
+                      GEMV_ROWS, GEMV_THREADS, ROW_ITEMS, SKINNY_MIN_COLUMNS, SKINNY_ROWS, SKINNY_TILES,
+                      SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VECS, kernel,
+                      launch_dependent, prepare, skinny_name, varlen_mma_name)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -272,11 +273,32 @@ def _gemv(out, x, weight, bias, epilogue):
              np.int32(epilogue)))
 
 
+def _skinny_fits(x, weight) -> bool:
+    """Whether x @ weight^T goes to the tensor-core skinny kernel: 2 .. SKINNY_ROWS rows of 16-bit
+    x, SKINNY_MIN_COLUMNS output columns or more, K a multiple of 32, 16-byte aligned operands."""
+    m, k = x.shape
+    return (x.dtype != np.float32 and 2 <= m <= SKINNY_ROWS and weight.shape[0] >= SKINNY_MIN_COLUMNS
+            and k % 32 == 0 and x.data.ptr % 16 == 0 and weight.data.ptr % 16 == 0)
+
+
+def _skinny(out, x, weight, bias, epilogue):
+    m, k = x.shape
+    n = weight.shape[0]
+    rows = min(r for r in SKINNY_TILES if r >= m)
+    tiles, warps, _ = SKINNY_TILES[rows]
+    _launch("gemv.cu", skinny_name(_ctype(x), _ctype(out), rows), (-(-n // (16 * tiles)),), (32 * warps,),
+            (out, x, weight, weight if bias is None else bias, np.int32(m), np.int32(n), np.int32(k),
+             np.int32(epilogue)))
+
+
 def matmul(out, x, weight):
     """out (M, N) = x (M, K) @ weight (N, K)^T; out may be float32 while x and weight are 16-bit
-    (the LM head's logits). Up to GEMV_ROWS rows: the weight-streaming kernel (gemv.cu); more:
-    cuBLASLt, column-major: out^T = op_T(W^T) @ x^T."""
-    if x.shape[0] <= GEMV_ROWS:
+    (the LM head's logits). A few rows of x against many columns (an LM head at batch 2-32): the
+    tensor-core skinny kernel (gemv.cu); else up to GEMV_ROWS rows: the weight-streaming kernel
+    (gemv.cu); more: cuBLASLt, column-major: out^T = op_T(W^T) @ x^T."""
+    if _skinny_fits(x, weight):
+        _skinny(out, x, weight, None, 0)
+    elif x.shape[0] <= GEMV_ROWS:
         _gemv(out, x, weight, None, 0)
     else:
         _lt_matmul(out, x, weight)
@@ -375,11 +397,14 @@ def _choose_algo(ctx, key, product):
 
 
 def matmul_bias_gelu(out, x, weight, bias, *, form):
-    """out (M, N) = GELU(x @ weight^T + bias): fused into the gemv for a few rows; past them, the
+    """out (M, N) = GELU(x @ weight^T + bias): fused into the skinny or gemv kernel where matmul
+    would run them (see there); past them, the
     tanh form in cuBLASLt's GELU_BIAS epilogue (the same formula, on the fp32 accumulator), the
     erf form (no cuBLASLt epilogue computes it) as a product, then one bias + GELU pass."""
     code = _gelu_form(form)
-    if x.shape[0] <= GEMV_ROWS:
+    if _skinny_fits(x, weight):
+        _skinny(out, x, weight, bias, 1 + code)
+    elif x.shape[0] <= GEMV_ROWS:
         _gemv(out, x, weight, bias, 1 + code)
     elif form == "tanh" and _lt_aligned(out, x, weight, bias):
         _lt_matmul(out, x, weight, bias, "gelu_bias")
