@@ -68,9 +68,10 @@ def _stop_behind(error: BaseException):
 
 
 @contextmanager
-def _exits_when_stopped(*, lead: str = "", note: str = ""):
+def _exits_when_stopped(*, lead: str = "", note: str = "", on_stop=None):
     """While the body runs, Ctrl-C exits with 130 and SIGTERM with 143 (after every cleanup on
-    the way out), each with one line on stderr: `lead`, what happened, `note`."""
+    the way out, then `on_stop()` if given), each with one line on stderr: `lead`, what happened,
+    `note`."""
     try:
         with _sigterm_unwinds():
             yield
@@ -80,6 +81,8 @@ def _exits_when_stopped(*, lead: str = "", note: str = ""):
         stop = _stop_behind(e)
         if stop is None:
             raise
+        if on_stop is not None:
+            on_stop()
         terminated = isinstance(stop, _Terminated)
         click.echo(f"{lead}ftengine: {'terminated' if terminated else 'interrupted'}{note}", err=True)
         sys.exit(143 if terminated else 130)
@@ -150,7 +153,7 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
     does not grow with the file."""
     encoder = None
     try:
-        with _sigterm_unwinds():
+        with _exits_when_stopped(on_stop=lambda: _close(encoder)):
             fmt = output_format(output, fmt)
             in_fmt = input_format(input_path, input_format_name)
             if in_fmt == "txt" and (text_field is not None or id_field is not None):
@@ -179,14 +182,6 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
     except FtengineError as e:
         _close(encoder)
         _fail(str(e))
-    except KeyboardInterrupt:
-        _close(encoder)
-        click.echo("ftengine: interrupted", err=True)
-        sys.exit(130)
-    except _Terminated:
-        _close(encoder)
-        click.echo("ftengine: terminated", err=True)
-        sys.exit(143)
     if not quiet:
         rate = stats.lines / stats.seconds if stats.seconds > 0 else 0.0
         busy = stats.device_seconds / stats.seconds if stats.seconds > 0 else 0.0
@@ -328,9 +323,10 @@ def _ranges(precision: str, ranges_path, calibration_path):
         raise InputError(f"{path}: {e}") from None
 
 
-def _close(encoder):
-    if encoder is not None:
-        encoder.close(cancel=True)
+def _close(engine):
+    """Cancel an Encoder's or Reranker's work in flight and free it (None: nothing yet)."""
+    if engine is not None:
+        engine.close(cancel=True)
 
 
 @main.command()
@@ -397,23 +393,19 @@ def rerank(input_path, query, model_path, top_k, device, dtype, max_length, batc
     {"index": line number from 0, "score": ...}, best first (CrossEncoder.rank's order)."""
     reranker = None
     try:
-        lines = iter_lines(input_path, errors=errors)
-        reranker = Reranker.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
-        if reranker.num_labels != 1:
-            raise InputError(f"{model_path}: rerank needs one score per pair; this model has {reranker.num_labels} labels")
-        parts = []
-        while window := list(islice(lines, RERANK_WINDOW)):
-            parts.append(reranker.predict([(query, d) for d in window], batch_tokens=batch_tokens))
-        reranker.close()
+        with _exits_when_stopped(on_stop=lambda: _close(reranker)):
+            lines = iter_lines(input_path, errors=errors)
+            reranker = Reranker.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
+            if reranker.num_labels != 1:
+                raise InputError(f"{model_path}: rerank needs one score per pair; this model has "
+                                 f"{reranker.num_labels} labels")
+            parts = []
+            while window := list(islice(lines, RERANK_WINDOW)):
+                parts.append(reranker.predict([(query, d) for d in window], batch_tokens=batch_tokens))
+            reranker.close()
     except FtengineError as e:
-        if reranker is not None:
-            reranker.close(cancel=True)
+        _close(reranker)
         _fail(str(e))
-    except KeyboardInterrupt:
-        if reranker is not None:
-            reranker.close(cancel=True)
-        click.echo("ftengine: interrupted", err=True)
-        sys.exit(130)
     scores = np.concatenate(parts) if parts else np.zeros(0, np.float32)
     order = np.argsort(-scores, kind="stable")[:top_k]
     sys.stdout.write("".join(json.dumps({"index": int(i), "score": float(scores[i])}) + "\n" for i in order))

@@ -274,16 +274,38 @@ def test_a_stop_that_a_library_hands_back_wrapped_still_exits_as_a_stop(gpt2_mod
     CoreWorker.wait raises SystemError from the SIGTERM handler's exception, seen in an
     encode-dataset run): still the stop's exit code and its one line, no traceback."""
     from ftengine import Generator
-    from ftengine import cli as ft_cli
-
-    def wrapped(self, *args, **kwargs):
-        try:
-            raise ft_cli._Terminated() if stop == "terminated" else KeyboardInterrupt()
-        except BaseException as e:
-            raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set") from e
-    monkeypatch.setattr(Generator, "generate", wrapped)
+    monkeypatch.setattr(Generator, "generate", lambda self, *a, **k: raise_stop(stop, wrapped=True))
     r = gen("--model", gpt2_model, "--device", "cpu", "--prompt", "hello")
     assert r.exit_code == code and f"ftengine: {stop}" in r.stderr and "Traceback" not in r.output, r.output
+
+
+def raise_stop(stop: str, *, wrapped: bool):
+    """Raise what a Ctrl-C ("interrupted") or SIGTERM ("terminated") raises in the CLI, bare or
+    wrapped as Ray's CoreWorker.wait hands it back."""
+    from ftengine import cli as ft_cli
+    if not wrapped:
+        raise ft_cli._Terminated() if stop == "terminated" else KeyboardInterrupt()
+    try:
+        raise_stop(stop, wrapped=False)
+    except BaseException as e:
+        raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set") from e
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+@pytest.mark.parametrize("stop, code", [("terminated", 143), ("interrupted", 130)])
+def test_encode_stopped_mid_run_exits_as_a_stop_and_cancels_the_encoder(st_model, sample, tmp_path, monkeypatch,
+                                                                        stop, code, wrapped):
+    """encode stops as generate does: bare or wrapped, a Ctrl-C exits 130 and a SIGTERM 143 with
+    one line and no traceback, the encoder closed with its work cancelled, no output file left."""
+    from ftengine import cli as ft_cli
+    closed = []
+    close = Encoder.close
+    monkeypatch.setattr(Encoder, "close", lambda self, *, cancel=False: closed.append(cancel) or close(self, cancel=cancel))
+    monkeypatch.setattr(ft_cli, "embed_records", lambda *a, **k: raise_stop(stop, wrapped=wrapped))
+    out = tmp_path / "emb.npy"
+    r = run(sample, "-o", out, "--model", st_model, "--device", "cpu")
+    assert r.exit_code == code and r.stderr.strip() == f"ftengine: {stop}", r.output
+    assert closed == [True] and not out.exists()
 
 
 def test_generate_max_batch_waves_in_input_order(gpt2_model, tmp_path):

@@ -108,6 +108,27 @@ def test_cli_rerank(tmp_path):
     assert np.allclose([r["score"] for r in rows], [r["score"] for r in ref], atol=HF_FP32_MAX_ABS)
 
 
+@pytest.mark.parametrize("stop, code", [("terminated", 143), ("interrupted", 130)])
+def test_cli_rerank_stopped_exits_as_a_stop_and_cancels_the_reranker(tmp_path, monkeypatch, stop, code):
+    """rerank stops as encode and generate do: a Ctrl-C exits 130 and a SIGTERM 143 (bare or
+    wrapped), one line, no traceback, no scores printed, the reranker closed with its work cancelled."""
+    from click.testing import CliRunner
+
+    from cli import main
+    from tests.test_cli import raise_stop
+    path = cross_encoder(tmp_path / "m", "distilbert")
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n".join(DOCS) + "\n")
+    closed = []
+    close = Reranker.close
+    monkeypatch.setattr(Reranker, "close", lambda self, *, cancel=False: closed.append(cancel) or close(self, cancel=cancel))
+    for wrapped in (False, True):
+        monkeypatch.setattr(Reranker, "predict", lambda self, *a, **k: raise_stop(stop, wrapped=wrapped))
+        r = CliRunner().invoke(main, ["rerank", "--model", str(path), "--device", "cpu", "--query", QUERY, str(docs)])
+        assert r.exit_code == code and r.stderr.strip() == f"ftengine: {stop}" and r.stdout == "", r.output
+    assert closed == [True, True]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 @pytest.mark.parametrize("model_type", ["bert", "xlm-roberta", "distilbert", "modernbert"])
