@@ -398,9 +398,9 @@ def _choose_algo(ctx, key, product):
 
 def matmul_bias_gelu(out, x, weight, bias, *, form):
     """out (M, N) = GELU(x @ weight^T + bias): fused into the skinny or gemv kernel where matmul
-    would run them (see there); past them, the
-    tanh form in cuBLASLt's GELU_BIAS epilogue (the same formula, on the fp32 accumulator), the
-    erf form (no cuBLASLt epilogue computes it) as a product, then one bias + GELU pass."""
+    would run one (see there); else the tanh form in cuBLASLt's GELU_BIAS epilogue (the same
+    formula, on the fp32 accumulator), the erf form (no cuBLASLt epilogue computes it) as a
+    product, then one bias + GELU pass."""
     code = _gelu_form(form)
     if _skinny_fits(x, weight):
         _skinny(out, x, weight, bias, 1 + code)
