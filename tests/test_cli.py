@@ -300,7 +300,8 @@ def test_encode_stopped_mid_run_exits_as_a_stop_and_cancels_the_encoder(st_model
     from ftengine import cli as ft_cli
     closed = []
     close = Encoder.close
-    monkeypatch.setattr(Encoder, "close", lambda self, *, cancel=False: closed.append(cancel) or close(self, cancel=cancel))
+    monkeypatch.setattr(Encoder, "close",
+                        lambda self, *, cancel=False: closed.append(cancel) or close(self, cancel=cancel))
     monkeypatch.setattr(ft_cli, "embed_records", lambda *a, **k: raise_stop(stop, wrapped=wrapped))
     out = tmp_path / "emb.npy"
     r = run(sample, "-o", out, "--model", st_model, "--device", "cpu")

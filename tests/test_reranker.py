@@ -121,7 +121,8 @@ def test_cli_rerank_stopped_exits_as_a_stop_and_cancels_the_reranker(tmp_path, m
     docs.write_text("\n".join(DOCS) + "\n")
     closed = []
     close = Reranker.close
-    monkeypatch.setattr(Reranker, "close", lambda self, *, cancel=False: closed.append(cancel) or close(self, cancel=cancel))
+    monkeypatch.setattr(Reranker, "close",
+                        lambda self, *, cancel=False: closed.append(cancel) or close(self, cancel=cancel))
     for wrapped in (False, True):
         monkeypatch.setattr(Reranker, "predict", lambda self, *a, **k: raise_stop(stop, wrapped=wrapped))
         r = CliRunner().invoke(main, ["rerank", "--model", str(path), "--device", "cpu", "--query", QUERY, str(docs)])
