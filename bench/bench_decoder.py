@@ -81,8 +81,12 @@ def prefill_breakdown(config, weights, prompts) -> dict:
 
 def choice_alone(vocab_size: int, rng) -> list:
     """GPU time of the token choice alone (choose_tokens' kernels replayed from a graph) on random
-    float32 logits of GPT-2's vocabulary, per batch and mode."""
-    from ftengine.backends.cuda.ops import choice_slices
+    float32 logits of GPT-2's vocabulary, per batch and mode: sampling on each path, the kernels
+    over vocabulary slices (what GPUs before sm_90 run) and the one-kernel cluster per row (sm_90+)."""
+    from ftengine.backends.cuda.ops import choice_slices, sample_clusters
+    ctx = cuda_ops.context()
+    native = ctx.clusters
+    paths = {"slices": False, "cluster": True} if native else {"slices": False}
     rows = []
     for b in (1, 32):
         logits = cuda_ops.to_device((rng.standard_normal((b, vocab_size)) * 2).astype(np.float32))
@@ -92,10 +96,20 @@ def choice_alone(vocab_size: int, rng) -> list:
         state = cuda_ops.to_device(np.zeros((b, cuda_ops.CHOICE_STATE_WORDS), np.uint64))
         for label, options in CHOICE_MODES:
             params = GenerationParams(max_new_tokens=1, seed=1, **options).checked(vocab_size=vocab_size)
-            ms = graph_ms(lambda: cuda_ops.choose_tokens(out, logits, seen, eos, step, scratch=scratch, state=state,
-                                                         params=params))
-            rows.append({"batch": b, "mode": label, "blocks_per_row": choice_slices(b, vocab_size)[0],
-                         "us": round(ms * 1e3, 1)})
+            row = {"batch": b, "mode": label, "blocks_per_row": choice_slices(b, vocab_size)[0]}
+            for path, clusters in paths.items():
+                if not params.do_sample and clusters:
+                    continue  # greedy has one path
+                ctx.clusters = clusters
+                try:
+                    ms = graph_ms(lambda: cuda_ops.choose_tokens(out, logits, seen, eos, step, scratch=scratch,
+                                                                 state=state, params=params))
+                finally:
+                    ctx.clusters = native
+                row[f"{path}_us"] = round(ms * 1e3, 1)
+            if "cluster_us" in row:
+                row["cluster_blocks_per_row"] = sample_clusters(vocab_size)[0]
+            rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -187,10 +201,14 @@ def main():
         lines += ["", f"GPU time per op, prefill {r['batch']} x {r['prompt']} fp16 (each op call replayed alone from "
                       "a graph):", "", "| op | calls | ms |", "|---|---|---|"]
         lines += [f"| {o['op']} | {o['calls']} | {o['ms']:.3f} |" for o in r["ops"]]
-    lines += ["", "Token choice alone (the processors, top-k / top-p selects and the seeded draw; each row's vocabulary "
-              "split over several blocks), GPU time replayed from a graph, random float32 logits:", "",
-              "| batch | mode | blocks per row | us |", "|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['mode']} | {r['blocks_per_row']} | {r['us']:.1f} |" for r in choice_rows]
+    lines += ["", "Token choice alone (the processors, top-k / top-p selects and the seeded draw), GPU time replayed "
+              "from a graph, random float32 logits. Sliced kernels: each row's vocabulary split over several blocks, "
+              "a kernel per step of the choice (GPUs before sm_90; greedy everywhere). One cluster kernel (sm_90+, "
+              "sampling): a thread-block cluster per row, all steps in one kernel:", "",
+              "| batch | mode | sliced: blocks per row | sliced us | cluster: blocks per row | cluster us |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['mode']} | {r['blocks_per_row']} | {r['slices_us']:.1f} | "
+              f"{r.get('cluster_blocks_per_row', '-')} | {r.get('cluster_us', '-')} |" for r in choice_rows]
     lines += ["", f"Weight-read floor of a greedy batch-1 step: {weight_bytes / 1e6:.0f} MB of fp16 weights, "
               f"{floor_ms:.3f} ms at 3 TB/s."]
     (out / "decoder.md").write_text("\n".join(lines) + "\n")

@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(WARPS * 32) skinny_mma(OutT* __restrict__ out,
     #pragma unroll
     for (int j = 0; j < XT; ++j) {
         const int m = 8 * j + g;
-        x_in[j] = j < x_tiles && m < M;
+        x_in[j] = m < M;  // (then j < x_tiles too)
         xp[j] = x + (long)min(m, M - 1) * K + 8 * c;
     }
     float acc[TILES][XT][4];

@@ -2,7 +2,8 @@
 // over several blocks: choose_prepare (repetition penalty, no-repeat n-grams, min-new-tokens
 // (eos masked), temperature; greedy argmax), then for sampling choose_level three times for
 // top-k's threshold and three times for top-p's (radix selects over all slices), and
-// choose_draw (a seeded inverse-CDF draw, Philox4x32-10 uniform for (seed, sequence, step)).
+// choose_draw (a seeded inverse-CDF draw, Philox4x32-10 uniform for (seed, sequence, step)). On
+// sm_90+, sampling runs as one kernel instead, choose_sample: a thread-block cluster per row.
 // A row with a non-finite logit gets token -1 (the host reports it). append_tokens then records
 // the choice and feeds it to the next step: the step counter, sequences and finished flags live
 // in device memory.
@@ -414,6 +415,286 @@ __global__ void __launch_bounds__(CHOICE_THREADS) choose_draw(
         if (c0 + j < total_chunks) sums[c0 + j] = 0ull;
     if (threadIdx.x == 0)
         for (int w = CH_FLAGS; w <= CH_TICKETS; ++w) row[w] = 0ull;
+}
+
+// ---------------------------------------------------------------- token choice in one kernel (sm_90)
+// choose_sample: a sampling row's whole choice by a thread-block cluster of S blocks (grid (B, S),
+// cluster (1, S, 1), SAMPLE_THREADS each), block r holding slice r's processed scores in shared
+// memory: the processors (as choose_prepare), the row max, top-k's and top-p's radix selects (as
+// choose_level: the same digits, counts and fixed-point masses, so the same thresholds), and the
+// draw (as choose_draw: kept masses exp(score - max) summed in double in token order, the first
+// token whose cumulative mass exceeds u * total, the row's last token of mass past the total).
+// The logits are read once and nothing goes through global memory: the blocks exchange their
+// histograms and sums through distributed shared memory between cluster barriers. S is a power of
+// two <= 8, so each block adds one range of every level's digits over the cluster.
+// Dynamic shared memory: hist (SAMPLE_BINS u64: this block's digit counts or masses as low and high
+// 32-bit words, then the draw's prefix sums), summed (SAMPLE_BINS / S u64: its range of the
+// cluster's digits), then the slice's scores (`slice` floats).
+#define SAMPLE_THREADS 256
+#define SAMPLE_BINS 2048
+#define SAMPLE_CLUSTER_MAX 8
+
+__device__ __forceinline__ void cluster_sync() {  // with release / acquire of shared memory
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+
+// p (in this block's shared memory) as block `rank` of the cluster holds it
+template <typename T>
+__device__ __forceinline__ T* cluster_peer(T* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned long long q;
+    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(q) : "l"(p), "r"(rank));
+    return reinterpret_cast<T*>(q);
+#else
+    return p;
+#endif
+}
+
+struct SampleShared {
+    unsigned long long* hist;         // low words at (unsigned*)hist, high words SAMPLE_BINS after
+    unsigned long long* summed;
+    unsigned long long* range_total;  // this block's range sum (read by the peers)
+};
+
+// One level of the radix select (choose_level's digits and goal) over the cluster: each block
+// counts its slice's tokens whose key matches `prefix` (mode 0) or their fixed-point mass among
+// keys >= floor_key (mode 1: 32-bit shared atomics, a mass's high word with the carry of its low
+// one, as 64-bit shared atomics loop on a compare-and-swap); block r adds digit range r of the S
+// histograms; every block then finds the same digit from the ranges' totals and the range that
+// holds it. Updates prefix and above (what lies above it); level 0 of mode 1 sets total.
+__device__ __forceinline__ void sample_level(const float* sc, int n, int S, int rank, int level, int mode, int k,
+                                             float top_p, unsigned floor_key, float mx, double scale,
+                                             const SampleShared& sh, unsigned& prefix, unsigned long long& above,
+                                             unsigned long long& total) {
+    __shared__ unsigned long long scan[32], ranges[SAMPLE_CLUSTER_MAX], found_above;
+    __shared__ unsigned found_key;
+    const int bits = level < 2 ? 11 : 10, shift = level == 0 ? 21 : (level == 1 ? 10 : 0), bins = 1 << bits;
+    const unsigned high = level == 0 ? 0u : ~0u << (shift + bits);
+    unsigned* low = reinterpret_cast<unsigned*>(sh.hist);
+    unsigned* high_words = low + SAMPLE_BINS;
+    for (int i = threadIdx.x; i < bins; i += blockDim.x) low[i] = high_words[i] = 0u;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float x = sc[i];
+        const unsigned key = order_key(x);
+        if ((key & high) != prefix || key < floor_key) continue;
+        const unsigned digit = (key >> shift) & (bins - 1);
+        if (mode) {
+            const unsigned long long m = fixed_mass(x, mx, scale);
+            const unsigned add = (unsigned)m, old = atomicAdd(&low[digit], add);
+            const unsigned carry = (unsigned)(m >> 32) + (old + add < old ? 1u : 0u);
+            if (carry) atomicAdd(&high_words[digit], carry);
+        } else {
+            atomicAdd(&low[digit], 1u);
+        }
+    }
+    __syncthreads();
+    cluster_sync();  // every block's histogram is complete
+    const int range = bins / S, first = rank * range;
+    unsigned long long mine = 0ull;
+    for (int j = threadIdx.x; j < range; j += blockDim.x) {
+        unsigned lo_q[SAMPLE_CLUSTER_MAX], hi_q[SAMPLE_CLUSTER_MAX];
+        #pragma unroll
+        for (int q = 0; q < SAMPLE_CLUSTER_MAX; ++q) {  // all loads in flight together
+            lo_q[q] = q < S ? cluster_peer(low, q)[first + j] : 0u;
+            hi_q[q] = q < S && mode ? cluster_peer(high_words, q)[first + j] : 0u;  // counts: low words only
+        }
+        unsigned long long v = 0ull;
+        #pragma unroll
+        for (int q = 0; q < SAMPLE_CLUSTER_MAX; ++q) v += ((unsigned long long)hi_q[q] << 32) + lo_q[q];
+        sh.summed[j] = v;
+        mine += v;
+    }
+    mine = block_reduce(mine, scan, 0ull, SumOp());
+    if (threadIdx.x == 0) *sh.range_total = mine;
+    __syncthreads();
+    cluster_sync();  // every range's sums are complete
+    if (threadIdx.x < S) ranges[threadIdx.x] = *cluster_peer(sh.range_total, threadIdx.x);
+    __syncthreads();
+    if (level == 0 && mode) {
+        total = 0ull;
+        for (int q = 0; q < S; ++q) total += ranges[q];
+    }
+    auto reached = [&](unsigned long long c) {
+        return mode ? (double)c / (double)total >= (double)top_p : c >= (unsigned long long)k;
+    };
+    // the range where the count from the top reaches the goal (the same in every block)
+    unsigned long long run = above;
+    int owner = 0;
+    for (int q = S - 1; q >= 0; --q) {
+        if (reached(run + ranges[q])) {
+            owner = q;
+            break;
+        }
+        run += ranges[q];
+    }
+    // its digits from the top: thread t takes ranks t * per .. of them
+    const unsigned long long* digits = cluster_peer(sh.summed, owner);
+    const int per = (range + blockDim.x - 1) / blockDim.x, lo = threadIdx.x * per;
+    unsigned long long v[SAMPLE_BINS / SAMPLE_THREADS], part = 0ull, sum;
+    #pragma unroll
+    for (int j = 0; j < SAMPLE_BINS / SAMPLE_THREADS; ++j) {
+        v[j] = j < per && lo + j < range ? digits[range - 1 - (lo + j)] : 0ull;
+        part += v[j];
+    }
+    run += block_exclusive_scan(part, scan, sum);
+    if (!reached(run) && reached(run + part)) {  // one thread: the goal is reached in its digits
+        #pragma unroll
+        for (int j = 0; j < SAMPLE_BINS / SAMPLE_THREADS; ++j) {
+            if (j < per && reached(run + v[j])) {
+                found_key = prefix | ((unsigned)(owner * range + range - 1 - (lo + j)) << shift);
+                found_above = run;
+                break;
+            }
+            run += v[j];
+        }
+    }
+    __syncthreads();
+    prefix = found_key;
+    above = found_above;
+}
+
+__global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
+        int* __restrict__ out,                    // (B,)
+        const float* __restrict__ logits_all,     // (B, V)
+        const unsigned char* __restrict__ seen_all,  // (B, V)
+        const int* __restrict__ eos, int n_eos,
+        const int* __restrict__ step_counter,
+        const int* __restrict__ seq_all,          // (B, L)
+        const int* __restrict__ lengths,          // (B,)
+        int L, int ngram, int V, int slice, int min_new, float temperature, float penalty, int k, float top_p,
+        double scale, unsigned seed_lo, unsigned seed_hi) {
+    wait_for_previous();
+    extern __shared__ unsigned long long smem[];
+    __shared__ unsigned long long range_total;
+    __shared__ unsigned keys[32], block_top, row_keys[SAMPLE_CLUSTER_MAX];
+    __shared__ double dscan[32], block_mass, masses[SAMPLE_CLUSTER_MAX];
+    __shared__ int iscan[32], block_last, lasts[SAMPLE_CLUSTER_MAX], block_bad, bads[SAMPLE_CLUSTER_MAX];
+    const int b = blockIdx.x, rank = blockIdx.y, S = gridDim.y;
+    const SampleShared sh{smem, smem + SAMPLE_BINS, &range_total};
+    float* sc = reinterpret_cast<float*>(smem + SAMPLE_BINS + SAMPLE_BINS / S);
+    const int lo = rank * slice, n = max(0, min(V, lo + slice) - lo);
+    const unsigned char* seen = seen_all + (long)b * V + lo;
+    const int step = *step_counter;
+    // the processors, in choose_prepare's order and arithmetic
+    int bad = 0;
+    sweep(logits_all + (long)b * V + lo, n, [&](int i, float x) {
+        bad |= !isfinite(x);
+        sc[i] = penalty != 1.0f && seen[i] ? (x < 0.0f ? x * penalty : x / penalty) : x;
+    });
+    __syncthreads();
+    if (ngram > 0) {
+        ban_repeated_ngrams(sc, lo, lo + n, seq_all + (long)b * L, lengths[b], ngram);
+        __syncthreads();
+    }
+    if (step < min_new && threadIdx.x < n_eos && eos[threadIdx.x] >= lo && eos[threadIdx.x] < lo + n)
+        sc[eos[threadIdx.x] - lo] = -FT_INFINITY;
+    __syncthreads();
+    unsigned top = 0u;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float x = sc[i];
+        if (temperature != 1.0f) sc[i] = x = x / temperature;
+        top = max(top, order_key(x));
+    }
+    bad = __syncthreads_or(bad);
+    top = block_reduce(top, keys, 0u, MaxOp());
+    if (threadIdx.x == 0) {
+        block_bad = bad;
+        block_top = top;
+    }
+    __syncthreads();
+    cluster_sync();
+    if (threadIdx.x < S) {
+        row_keys[threadIdx.x] = *cluster_peer(&block_top, threadIdx.x);
+        bads[threadIdx.x] = *cluster_peer(&block_bad, threadIdx.x);
+    }
+    __syncthreads();
+    unsigned row_top = 0u;
+    bad = 0;
+    for (int q = 0; q < S; ++q) {
+        row_top = max(row_top, row_keys[q]);
+        bad |= bads[q];
+    }
+    if (bad) {  // a non-finite row: reported, never sampled
+        if (rank == 0 && threadIdx.x == 0) out[b] = -1;
+        cluster_sync();  // no block leaves while a peer may read its shared memory
+        return;
+    }
+    const float mx = from_order_key(row_top);
+    unsigned kth = 0u, cut = 0u;
+    unsigned long long above = 0ull, total = 0ull;
+    if (0 < k && k < V)
+        for (int level = 0; level < 3; ++level)
+            sample_level(sc, n, S, rank, level, 0, k, top_p, 0u, mx, scale, sh, kth, above, total);
+    if (top_p < 1.0f) {
+        above = 0ull;
+        for (int level = 0; level < 3; ++level)
+            sample_level(sc, n, S, rank, level, 1, k, top_p, kth, mx, scale, sh, cut, above, total);
+    }
+    // the draw: thread t sums the masses of tokens t * per .. (in order)
+    const unsigned keep = max(kth, cut);
+    auto mass = [&](int i) { return order_key(sc[i]) >= keep ? expf(sc[i] - mx) : 0.0f; };
+    const int per = (n + blockDim.x - 1) / blockDim.x, t0 = threadIdx.x * per, t1 = min(n, t0 + per);
+    double mine = 0.0;
+    int last = -1;
+    for (int i = t0; i < t1; ++i) {
+        const float p = mass(i);
+        mine += (double)p;
+        if (p > 0.0f) last = lo + i;
+    }
+    double block_total;
+    double* cum = reinterpret_cast<double*>(sh.hist);  // free: the peers read hist before the last barrier
+    cum[threadIdx.x] = block_exclusive_scan(mine, dscan, block_total);
+    last = block_max_int(last, iscan);
+    if (threadIdx.x == 0) {
+        block_mass = block_total;
+        block_last = last;
+    }
+    __syncthreads();
+    cluster_sync();
+    if (threadIdx.x < S) {
+        masses[threadIdx.x] = *cluster_peer(&block_mass, threadIdx.x);
+        lasts[threadIdx.x] = *cluster_peer(&block_last, threadIdx.x);
+    }
+    __syncthreads();
+    double start[SAMPLE_CLUSTER_MAX + 1];
+    start[0] = 0.0;
+    int row_last = -1;
+    for (int q = 0; q < S; ++q) {
+        start[q + 1] = start[q] + masses[q];
+        row_last = max(row_last, lasts[q]);
+    }
+    const double target = (double)philox_uniform((unsigned)step, (unsigned)b, seed_lo, seed_hi) * start[S];
+    int owner = -1;
+    for (int q = 0; q < S; ++q)
+        if (start[q] <= target && target < start[q + 1]) owner = q;
+    if (owner < 0) {  // past the total by rounding: the row's last token of mass
+        if (rank == 0 && threadIdx.x == 0) out[b] = row_last;
+    } else if (rank == owner) {
+        // the first thread whose [from, to) holds the target (the bounds are sums of one scan
+        // whose rounding need not be monotone: the first one decides)
+        const double from = start[rank] + cum[threadIdx.x];
+        const double to = threadIdx.x + 1 < blockDim.x ? start[rank] + cum[threadIdx.x + 1] : start[rank + 1];
+        const bool holds = from <= target && target < to;
+        const int first = -block_max_int(holds ? -(int)threadIdx.x : -(int)blockDim.x, iscan);
+        if ((int)threadIdx.x == first) {
+            double run = from;
+            int pick = -1, mine_last = -1;
+            for (int i = t0; i < t1 && pick < 0; ++i) {
+                const float p = mass(i);
+                run += (double)p;
+                if (run > target) pick = lo + i;
+                if (p > 0.0f) mine_last = lo + i;
+            }
+            out[b] = pick >= 0 ? pick : (mine_last >= 0 ? mine_last : row_last);
+        } else if (first == (int)blockDim.x && threadIdx.x == 0) {  // none (the bounds cover the block's
+            // interval, so never): the row's last token of mass
+            out[b] = row_last;
+        }
+    }
+    cluster_sync();  // no block leaves while a peer may read its shared memory
 }
 
 // seen (B, V): seen[rows[i], tokens[i]] = 1 for the n tokens just fed (row -1: padding, skipped).

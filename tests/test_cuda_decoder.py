@@ -263,10 +263,23 @@ CHOICES = [dict(), dict(repetition_penalty=1.3), dict(min_new_tokens=5), dict(do
            dict(do_sample=True, top_k=50, top_p=0.8, temperature=1.3, repetition_penalty=1.2, min_new_tokens=3)]
 
 
+@pytest.fixture(params=["cluster", "slices"])
+def sampling_path(request, cu, monkeypatch):
+    """Sampling's two GPU paths: choose_sample, one kernel with a thread-block cluster per row
+    (sm_90+), and the kernels over vocabulary slices (choose_prepare, choose_level, choose_draw)
+    that other GPUs run."""
+    ctx = cu.context()
+    if request.param == "cluster" and not ctx.clusters:
+        pytest.skip("thread-block clusters need sm_90+")
+    monkeypatch.setattr(ctx, "clusters", request.param == "cluster")
+    return request.param
+
+
 @pytest.mark.parametrize("opts", CHOICES)
-def test_choose_tokens_matches_numpy(cu, rng, opts):
+def test_choose_tokens_matches_numpy(cu, rng, opts, sampling_path):
     """Token choice on the GPU equals the NumPy reference (itself checked against HF's
-    processors) for each mode: same processors, same Philox uniforms, same inverse CDF."""
+    processors) for each mode and sampling path: same processors, same Philox uniforms, same
+    inverse CDF."""
     b, v = 16, 50257
     logits = (rng.standard_normal((b, v)) * 3).astype(np.float32)
     logits[0, 3] = logits[1, 50256] = 50.0   # eos ids that win unless min_new_tokens masks them
@@ -299,13 +312,13 @@ SLICED_CHOICES = [dict(), dict(do_sample=True, top_k=40), dict(do_sample=True, t
 
 @pytest.mark.parametrize("rows", [1, 16, 300])
 @pytest.mark.parametrize("opts", SLICED_CHOICES)
-def test_choose_tokens_over_slices_matches_numpy(cu, rng, rows, opts):
-    """Each row's vocabulary split over 50 blocks (1 row), 16 (16 rows) or one (300 rows): the
-    same tokens as NumPy. Greedy and top-k rows have scores on a grid of 1/8, so that the
-    largest score and the k-th one are shared by tokens of several slices (ties at top-k's
-    threshold are kept, as HF keeps them); one row has 9 scores above a floor of -1e30 (top-k
-    keeps the floor's ties, of probability 0). Top-p rows have distinct scores: the reference
-    sorts ties by index, the GPU keeps or drops a tied group whole."""
+def test_choose_tokens_over_slices_matches_numpy(cu, rng, rows, opts, sampling_path):
+    """Each row's vocabulary split over 50 blocks (1 row), 16 (16 rows) or one (300 rows), or
+    (sampling, cluster path) over a cluster of 8: the same tokens as NumPy. Greedy and top-k rows
+    have scores on a grid of 1/8, so that the largest score and the k-th one are shared by tokens
+    of several slices (ties at top-k's threshold are kept, as HF keeps them); one row has 9 scores
+    above a floor of -1e30 (top-k keeps the floor's ties, of probability 0). Top-p rows have
+    distinct scores: the reference sorts ties by index, the GPU keeps or drops a tied group whole."""
     v = 50257
     logits = (rng.standard_normal((rows, v)) * 2).astype(np.float32)
     if not opts.get("top_p"):
@@ -325,8 +338,9 @@ def test_choose_tokens_over_slices_matches_numpy(cu, rng, rows, opts):
     assert not cu.to_host(state).any()
 
 
-def test_gpu_sampled_frequencies_match_the_distribution(cu):
-    """Chi-square of 50,000 GPU draws (one row each) from a fixed 12-token distribution."""
+def test_gpu_sampled_frequencies_match_the_distribution(cu, sampling_path):
+    """Chi-square of 50,000 GPU draws (one row each) from a fixed 12-token distribution, on each
+    sampling path."""
     probs = np.array([0.3, 0.2, 0.1, 0.1, 0.08, 0.07, 0.05, 0.04, 0.03, 0.02, 0.01, 0.0])
     scores = np.log(np.maximum(probs, 1e-30)).astype(np.float32)
     scores[-1] = -1e30  # probability 0, yet a finite logit (a non-finite one is reported, not sampled)
@@ -340,6 +354,46 @@ def test_gpu_sampled_frequencies_match_the_distribution(cu):
     assert counts[-1] == 0
     expected = probs[:-1] * n
     assert (((counts[:-1] - expected) ** 2) / expected).sum() < 31.26  # 10 degrees of freedom, p = 0.001
+
+
+def test_choose_tokens_sends_sampling_to_one_cluster_kernel_where_it_fits(cu, rng, monkeypatch):
+    """On sm_90+, sampling runs choose_sample alone (a cluster of 8 blocks per row of GPT-2's
+    vocabulary, 4 of a 6000-token one); greedy runs choose_prepare; a slice past the block's
+    shared memory takes the sliced kernels. Each gives NumPy's tokens."""
+    ctx = cu.context()
+    if not ctx.clusters:
+        pytest.skip("thread-block clusters need sm_90+")
+    assert cu.sample_clusters(50257) == (8, 6283) and cu.sample_clusters(6000) == (4, 1500)
+    assert cu.sample_clusters(12) == (1, 12)
+    launched, real = [], cu._launch
+
+    def recording(file, name, *args, **kwargs):
+        launched.append(name)
+        real(file, name, *args, **kwargs)
+    monkeypatch.setattr(cu, "_launch", recording)
+    b, v = 5, 50257
+    logits = (rng.standard_normal((b, v)) * 2).astype(np.float32)
+    seen = np.zeros((b, v), np.uint8)
+    expected_kernels = {
+        (False, None): ["choose_prepare"],
+        (True, None): ["choose_sample"],
+        (True, 32 * 1024): ["choose_prepare"] + ["choose_level"] * 3 + ["choose_draw"],
+    }
+    for (sample, optin), kernels in expected_kernels.items():
+        if optin is not None:
+            monkeypatch.setattr(ctx, "shared_mem_optin", optin)
+        params = GenerationParams(max_new_tokens=2, seed=7, do_sample=sample, top_k=40 if sample else 0).checked(
+            vocab_size=v)
+        launched.clear()
+        out = cu.to_device(np.full(b, -7, np.int32))
+        cu.choose_tokens(out, cu.to_device(logits), cu.to_device(seen), ints(cu, [0]), ints(cu, [1]),
+                         scratch=cu.empty((b, v), np.float32),
+                         state=cu.to_device(np.zeros((b, cu.CHOICE_STATE_WORDS), np.uint64)), params=params)
+        assert launched == kernels
+        expected = np.empty(b, np.int32)
+        ref.choose_tokens(expected, logits, seen, np.array([0]), np.array([1]), scratch=None, state=None,
+                          params=params)
+        np.testing.assert_array_equal(cu.to_host(out), expected)
 
 
 @pytest.mark.parametrize("options", [dict(), dict(num_beams=3, num_return_sequences=2),

@@ -275,7 +275,8 @@ def test_skinny_tensor_core_product(cu, rng, dtype, m, k, n):
 def test_matmul_sends_the_skinny_kernel_only_what_it_fits(cu, rng):
     """2 .. SKINNY_ROWS rows of 16-bit x against SKINNY_MIN_COLUMNS columns or more, K a multiple of
     32, 16-byte aligned: the skinny kernel; one row (the gemv is faster), more rows, fewer columns,
-    float32, another K or a misaligned view: not; each routed product equals NumPy's."""
+    float32, a weight of another dtype, another K or a misaligned view: not; each routed product
+    equals NumPy's."""
     k, n = 256, cu.SKINNY_MIN_COLUMNS + 7
     w16, wh = quantize(cu, rng.standard_normal((n, k)) / 4, "fp16")
     w32, _ = quantize(cu, wh, "fp32")
@@ -286,6 +287,7 @@ def test_matmul_sends_the_skinny_kernel_only_what_it_fits(cu, rng):
     assert not cu._skinny_fits(x16[:cu.SKINNY_ROWS + 1], w16)
     assert not cu._skinny_fits(x16[:8], w16[:cu.SKINNY_MIN_COLUMNS - 1])
     assert not cu._skinny_fits(x32[:8], w32)
+    assert not cu._skinny_fits(x16[:8], quantize(cu, wh, "bf16")[0])
     x_odd_k, w_odd_k = (quantize(cu, rng.standard_normal(s), "fp16")[0] for s in ((8, k - 16), (n, k - 16)))
     assert not cu._skinny_fits(x_odd_k, w_odd_k)
     flat = cu.empty((8 * k + 1,), np.float16)
@@ -481,7 +483,7 @@ def test_dense_head_layer(cu, rng, activation, norm, m, k, n):
 
 def test_a_graph_of_dependent_kernels_gives_numpys_values(cu, rng):
     """Kernels captured into a graph launch as programmatic dependent launches on sm_90+, through
-    launch_dependent's own argument passing: a chain of 300 kernels, each adding to what the one
+    launch_ex's own argument passing: a chain of 300 kernels, each adding to what the one
     before wrote, replayed from a graph equals NumPy's sums exactly (small integers: every sum is
     exact in float32), as do the same launches made directly. (That every kernel waits for the
     one before it is checked in its source: test_kernels_compile.py.)"""

@@ -45,7 +45,7 @@ def launch(mod, kname, grid, block, out, x, w, bias, epilogue, dependent):
     k = mod.get_function(kname)
     args = (out, x, w, bias, np.int32(x.shape[0]), np.int32(w.shape[0]), np.int32(x.shape[1]), np.int32(epilogue))
     if dependent:
-        kernels.launch_dependent(k, grid, block, args, 0, ops.context().stream.ptr)
+        kernels.launch_ex(k, grid, block, args, 0, ops.context().stream.ptr)
     else:
         k(grid, block, args)
 

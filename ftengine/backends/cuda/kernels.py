@@ -46,8 +46,11 @@ SKINNY_TILES = {16: (1, 4, 4), 32: (4, 4, 2)}
 CHOICE_THREADS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN = 256, 64, 1024
 CHOICE_BINS, CHOICE_STATE_WORDS = 2048, 2048 + 8
 FP8_KERNELS = ("quantize_rows", "add_bias_residual_layernorm_quantize", "add_bias_gelu_quantize")  # a block per row
-SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "mark_seen", "append_tokens", "increment",
-                    "beam_logsumexp", "beam_candidates", "beam_select"]
+# sampling.cu choose_sample (sm_90: a thread-block cluster per row): threads per block and the
+# most blocks of a cluster (a power of two)
+SAMPLE_THREADS, SAMPLE_CLUSTER_MAX = 256, 8
+SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample", "mark_seen", "append_tokens",
+                    "increment", "beam_logsumexp", "beam_candidates", "beam_select"]
 
 
 def varlen_mma_name(ctype: str, d: int, general: bool, tiles: str) -> str:
@@ -192,7 +195,8 @@ def kernel(file: str, name: str):
 # ------------------------------------------------------------------ programmatic dependent launch
 
 class _AttributeValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes
-    _fields_ = [("value", ctypes.c_int), ("align", ctypes.c_uint64), ("pad", ctypes.c_char * 64)]
+    _fields_ = [("value", ctypes.c_int), ("dims", ctypes.c_uint * 3), ("align", ctypes.c_uint64),
+                ("pad", ctypes.c_char * 64)]
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute
@@ -204,6 +208,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
 
 
+CLUSTER_DIMENSION = 4                   # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
             np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64,
@@ -223,11 +228,13 @@ def _dims(d) -> tuple:
     return tuple(int(x) for x in d) + (1,) * (3 - len(d))
 
 
-def launch_dependent(k, grid, block, args, shared_mem: int, stream_ptr: int):
-    """Launch kernel k (a CuPy RawKernel) on the stream with programmatic stream serialization
-    (sm_90+): captured into a graph, it may be scheduled while the kernel before it finishes, and
-    waits for that kernel's results in wait_for_previous (common.cuh), which every kernel runs
-    first. Arguments as CuPy takes them: device arrays and NumPy scalars."""
+def launch_ex(k, grid, block, args, shared_mem: int, stream_ptr: int, *, dependent: bool = True, cluster=None):
+    """Launch kernel k (a CuPy RawKernel) on the stream through cuLaunchKernelEx, with
+    - dependent: programmatic stream serialization (sm_90+): captured into a graph, it may be
+      scheduled while the kernel before it finishes, and waits for that kernel's results in
+      wait_for_previous (common.cuh), which every kernel runs first;
+    - cluster: thread-block cluster dimensions (sm_90+), which must divide the grid.
+    Arguments as CuPy takes them: device arrays and NumPy scalars."""
     holders = []
     for a in args:
         if isinstance(a, np.generic):
@@ -237,10 +244,18 @@ def launch_dependent(k, grid, block, args, shared_mem: int, stream_ptr: int):
         else:
             raise TypeError(f"kernel argument of type {type(a).__name__}: pass a device array or a NumPy scalar")
     params = (ctypes.c_void_p * len(holders))(*(ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders))
-    attribute = _Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
-    attribute.value.value = 1
+    attributes = (_Attribute * 2)()
+    count = 0
+    if dependent:
+        attributes[count].id = PROGRAMMATIC_STREAM_SERIALIZATION
+        attributes[count].value.value = 1
+        count += 1
+    if cluster is not None:
+        attributes[count].id = CLUSTER_DIMENSION
+        attributes[count].value.dims[:] = _dims(cluster)
+        count += 1
     config = _LaunchConfig((ctypes.c_uint * 3)(*_dims(grid)), (ctypes.c_uint * 3)(*_dims(block)), shared_mem,
-                           stream_ptr, ctypes.pointer(attribute), 1)
+                           stream_ptr, ctypes.cast(attributes, ctypes.POINTER(_Attribute)), count)
     status = _launch_kernel_ex()(ctypes.byref(config), k.kernel.ptr, params, None)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")

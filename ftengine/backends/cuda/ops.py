@@ -19,9 +19,9 @@ from ...errors import DeviceError
 from . import cublas as cb
 from .kernels import (ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, CHOICE_BINS, CHOICE_SLICE_MIN,
                       CHOICE_SLICES_MAX, CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMV_COLS,
-                      GEMV_ROWS, GEMV_THREADS, ROW_ITEMS, SKINNY_MIN_COLUMNS, SKINNY_ROWS, SKINNY_TILES,
-                      SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VECS, kernel,
-                      launch_dependent, prepare, skinny_name, varlen_mma_name)
+                      GEMV_ROWS, GEMV_THREADS, ROW_ITEMS, SAMPLE_CLUSTER_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS,
+                      SKINNY_ROWS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS,
+                      VARLEN_TILES, VECS, kernel, launch_ex, prepare, skinny_name, varlen_mma_name)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -43,6 +43,8 @@ class _Context:
         self.device_name = _device_name(props)
         # kernels captured into graphs launch with programmatic dependent launch where the GPU has it
         self.dependent_launch = props["major"] >= 9
+        self.clusters = props["major"] >= 9  # thread-block clusters, distributed shared memory
+        self.shared_mem_optin = int(props.get("sharedMemPerBlockOptin", 48 * 1024))
 
 
 def _device_name(props) -> str:
@@ -209,18 +211,20 @@ def _ctype(a) -> str:
     return CUDA_TYPES[a.dtype.name]
 
 
-def _launch(file, kname, grid, block, args, shared_mem=0):
+def _launch(file, kname, grid, block, args, shared_mem=0, cluster=None):
     """Launch a kernel on this thread's stream; inside a graph capture on sm_90+, as a programmatic
     dependent launch (its scheduling overlaps the end of the kernel before it: about 0.25 us a
-    kernel on the H100), from Python the plain way (CuPy's launch costs the host less)."""
+    kernel on the H100), from Python the plain way (CuPy's launch costs the host less); with
+    `cluster` (sm_90+), in thread-block clusters of those dimensions."""
     if _planning():
         return
     k = kernel(file, kname)
     if shared_mem > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared_mem:
         k.max_dynamic_shared_size_bytes = shared_mem  # opt in past the 48 KiB default, once
     ctx = context()
-    if ctx.dependent_launch and ctx.stream.is_capturing():
-        launch_dependent(k, grid, block, args, shared_mem, ctx.stream.ptr)
+    dependent = ctx.dependent_launch and ctx.stream.is_capturing()
+    if dependent or cluster is not None:
+        launch_ex(k, grid, block, args, shared_mem, ctx.stream.ptr, dependent=dependent, cluster=cluster)
         return
     with ctx.stream:
         k(grid, block, args, shared_mem=shared_mem)
@@ -265,30 +269,35 @@ def _gelu_form(form: str) -> int:
     return GELU_FORMS[form]
 
 
+def _gemv_args(out, x, weight, bias, epilogue) -> tuple:
+    """gemv.cu's arguments (gemv and skinny_mma): out, x, weight, the bias (the weight where there is
+    none: never read), M, N, K, the epilogue."""
+    (m, k), n = x.shape, weight.shape[0]
+    return (out, x, weight, weight if bias is None else bias, np.int32(m), np.int32(n), np.int32(k),
+            np.int32(epilogue))
+
+
 def _gemv(out, x, weight, bias, epilogue):
-    m, k = x.shape
-    n = weight.shape[0]
+    k, n = x.shape[1], weight.shape[0]
     _launch("gemv.cu", f"gemv<{_ctype(x)}, {_ctype(out)}, {_vec(x, k)}>", (-(-n // GEMV_COLS),), (GEMV_THREADS,),
-            (out, x, weight, weight if bias is None else bias, np.int32(m), np.int32(n), np.int32(k),
-             np.int32(epilogue)))
+            _gemv_args(out, x, weight, bias, epilogue))
 
 
 def _skinny_fits(x, weight) -> bool:
     """Whether x @ weight^T goes to the tensor-core skinny kernel: 2 .. SKINNY_ROWS rows of 16-bit
-    x, SKINNY_MIN_COLUMNS output columns or more, K a multiple of 32, 16-byte aligned operands."""
+    x and a weight of its dtype, SKINNY_MIN_COLUMNS output columns or more, K a multiple of 32,
+    16-byte aligned operands."""
     m, k = x.shape
-    return (x.dtype != np.float32 and 2 <= m <= SKINNY_ROWS and weight.shape[0] >= SKINNY_MIN_COLUMNS
-            and k % 32 == 0 and x.data.ptr % 16 == 0 and weight.data.ptr % 16 == 0)
+    return (x.dtype != np.float32 and weight.dtype == x.dtype and 2 <= m <= SKINNY_ROWS
+            and weight.shape[0] >= SKINNY_MIN_COLUMNS and k % 32 == 0 and x.data.ptr % 16 == 0
+            and weight.data.ptr % 16 == 0)
 
 
 def _skinny(out, x, weight, bias, epilogue):
-    m, k = x.shape
-    n = weight.shape[0]
-    rows = min(r for r in SKINNY_TILES if r >= m)
+    rows = min(r for r in SKINNY_TILES if r >= x.shape[0])
     tiles, warps, _ = SKINNY_TILES[rows]
-    _launch("gemv.cu", skinny_name(_ctype(x), _ctype(out), rows), (-(-n // (16 * tiles)),), (32 * warps,),
-            (out, x, weight, weight if bias is None else bias, np.int32(m), np.int32(n), np.int32(k),
-             np.int32(epilogue)))
+    _launch("gemv.cu", skinny_name(_ctype(x), _ctype(out), rows), (-(-weight.shape[0] // (16 * tiles)),),
+            (32 * warps,), _gemv_args(out, x, weight, bias, epilogue))
 
 
 def matmul(out, x, weight):
@@ -708,12 +717,28 @@ def choice_slices(b: int, v: int) -> tuple[int, int, int]:
     return -(-v // size), size, chunk
 
 
+def sample_clusters(v: int) -> tuple[int, int]:
+    """(blocks per row, tokens per block) of choose_sample: a cluster of up to SAMPLE_CLUSTER_MAX
+    blocks (a power of two) with slices of at least CHOICE_SLICE_MIN tokens. Depends on v only, so
+    a row's draw sums the same way at any batch size."""
+    blocks = SAMPLE_CLUSTER_MAX
+    while blocks > 1 and -(-v // blocks) < CHOICE_SLICE_MIN:
+        blocks //= 2
+    return blocks, -(-v // blocks)
+
+
+def _sample_shared_mem(blocks: int, slice_: int) -> int:
+    """choose_sample's dynamic shared memory: a histogram, a range of the cluster's, the slice."""
+    return (CHOICE_BINS + CHOICE_BINS // blocks) * 8 + 4 * slice_
+
+
 def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seq=None, lengths=None):
     """out (B,) int32: the next token of each row of logits (B, V) float32; HF processors and
     order (reference: decoding/processors.py choose); -1 for a non-finite row. Each row's
-    vocabulary is split over several blocks (sampling.cu). step (1,) int32 and, for
-    no_repeat_ngram_size, seq (B, L) / lengths (B,) are device arrays; scratch (B, V) float32;
-    state (B, CHOICE_STATE_WORDS) uint64, zero before the call and left zero after it."""
+    vocabulary is split over several blocks (sampling.cu); sampling on sm_90+ runs as one kernel,
+    a thread-block cluster per row, where a block's slice fits its shared memory. step (1,) int32
+    and, for no_repeat_ngram_size, seq (B, L) / lengths (B,) are device arrays; scratch (B, V)
+    float32; state (B, CHOICE_STATE_WORDS) uint64, zero before the call and left zero after it."""
     b, v = logits.shape
     ngram = params.no_repeat_ngram_size
     if ngram and (seq is None or lengths is None):
@@ -723,23 +748,33 @@ def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seq=N
     seq = step if seq is None else seq
     lengths = step if lengths is None else lengths
     length = seq.shape[1] if seq.ndim == 2 else 0
+    sample = bool(params.do_sample)
+    # token masses in fixed point: v * 2^bits < 2^63
+    scale = np.float64(2.0 ** (63 - int(np.ceil(np.log2(v + 1)))))
+    seed = params.seed or 0
+    blocks, slice_ = sample_clusters(v)
+    ctx = context()
+    if sample and ctx.clusters and _sample_shared_mem(blocks, slice_) <= ctx.shared_mem_optin:
+        _launch("sampling.cu", "choose_sample", (b, blocks), (SAMPLE_THREADS,),
+                (out, logits, seen, eos, np.int32(eos.size), step, seq, lengths, np.int32(length), np.int32(ngram),
+                 np.int32(v), np.int32(slice_), np.int32(params.min_new_tokens), np.float32(params.temperature),
+                 np.float32(params.repetition_penalty), np.int32(params.top_k), np.float32(params.top_p), scale,
+                 np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)),
+                shared_mem=_sample_shared_mem(blocks, slice_), cluster=(1, blocks, 1))
+        return
     slices, size, chunk = choice_slices(b, v)
     grid, block, words = (b, slices), (CHOICE_THREADS,), np.int32(CHOICE_STATE_WORDS)
-    sample = bool(params.do_sample)
     _launch("sampling.cu", "choose_prepare", grid, block,
             (out, scratch, logits, seen, eos, np.int32(eos.size), step, seq, lengths, np.int32(length),
              np.int32(ngram), np.int32(v), np.int32(size), np.int32(params.min_new_tokens), np.int32(sample),
              np.float32(params.temperature), np.float32(params.repetition_penalty), state, words))
     if not sample:
         return
-    # token masses in fixed point: v * 2^bits < 2^63
-    scale = np.float64(2.0 ** (63 - int(np.ceil(np.log2(v + 1)))))
     for mode, on in ((0, 0 < params.top_k < v), (1, params.top_p < 1.0)):
         for level in range(3) if on else ():
             _launch("sampling.cu", "choose_level", grid, block,
                     (scratch, state, words, np.int32(v), np.int32(size), np.int32(level), np.int32(mode),
                      np.int32(params.top_k), np.float32(params.top_p), scale))
-    seed = params.seed or 0
     _launch("sampling.cu", "choose_draw", grid, block,
             (out, scratch, state, words, np.int32(v), np.int32(size), np.int32(chunk), step,
              np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)))
