@@ -452,6 +452,23 @@ __device__ __forceinline__ T* cluster_peer(T* p, int rank) {
 #endif
 }
 
+// Block-wide: this block's (a, b) (thread 0's) into its slots, then every block's into all_a[q],
+// all_b[q] for the cluster's S blocks q; the slots are read by the peers after the barrier.
+template <typename A, typename B>
+__device__ __forceinline__ void cluster_share(A a, B b, A* slot_a, B* slot_b, A* all_a, B* all_b, int S) {
+    if (threadIdx.x == 0) {
+        *slot_a = a;
+        *slot_b = b;
+    }
+    __syncthreads();
+    cluster_sync();
+    if ((int)threadIdx.x < S) {
+        all_a[threadIdx.x] = *cluster_peer(slot_a, threadIdx.x);
+        all_b[threadIdx.x] = *cluster_peer(slot_b, threadIdx.x);
+    }
+    __syncthreads();
+}
+
 struct SampleShared {
     unsigned long long* hist;         // low words at (unsigned*)hist, high words SAMPLE_BINS after
     unsigned long long* summed;
@@ -600,17 +617,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
     }
     bad = __syncthreads_or(bad);
     top = block_reduce(top, keys, 0u, MaxOp());
-    if (threadIdx.x == 0) {
-        block_bad = bad;
-        block_top = top;
-    }
-    __syncthreads();
-    cluster_sync();
-    if (threadIdx.x < S) {
-        row_keys[threadIdx.x] = *cluster_peer(&block_top, threadIdx.x);
-        bads[threadIdx.x] = *cluster_peer(&block_bad, threadIdx.x);
-    }
-    __syncthreads();
+    cluster_share(top, bad, &block_top, &block_bad, row_keys, bads, S);
     unsigned row_top = 0u;
     bad = 0;
     for (int q = 0; q < S; ++q) {
@@ -648,17 +655,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
     double* cum = reinterpret_cast<double*>(sh.hist);  // free: the peers read hist before the last barrier
     cum[threadIdx.x] = block_exclusive_scan(mine, dscan, block_total);
     last = block_max_int(last, iscan);
-    if (threadIdx.x == 0) {
-        block_mass = block_total;
-        block_last = last;
-    }
-    __syncthreads();
-    cluster_sync();
-    if (threadIdx.x < S) {
-        masses[threadIdx.x] = *cluster_peer(&block_mass, threadIdx.x);
-        lasts[threadIdx.x] = *cluster_peer(&block_last, threadIdx.x);
-    }
-    __syncthreads();
+    cluster_share(block_total, last, &block_mass, &block_last, masses, lasts, S);
     double start[SAMPLE_CLUSTER_MAX + 1];
     start[0] = 0.0;
     int row_last = -1;
