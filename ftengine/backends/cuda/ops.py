@@ -753,14 +753,15 @@ def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seq=N
     scale = np.float64(2.0 ** (63 - int(np.ceil(np.log2(v + 1)))))
     seed = params.seed or 0
     blocks, slice_ = sample_clusters(v)
+    smem = _sample_shared_mem(blocks, slice_)
     ctx = context()
-    if sample and ctx.clusters and _sample_shared_mem(blocks, slice_) <= ctx.shared_mem_optin:
+    if sample and ctx.clusters and smem <= ctx.shared_mem_optin:
         _launch("sampling.cu", "choose_sample", (b, blocks), (SAMPLE_THREADS,),
                 (out, logits, seen, eos, np.int32(eos.size), step, seq, lengths, np.int32(length), np.int32(ngram),
                  np.int32(v), np.int32(slice_), np.int32(params.min_new_tokens), np.float32(params.temperature),
                  np.float32(params.repetition_penalty), np.int32(params.top_k), np.float32(params.top_p), scale,
                  np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)),
-                shared_mem=_sample_shared_mem(blocks, slice_), cluster=(1, blocks, 1))
+                shared_mem=smem, cluster=(1, blocks, 1))
         return
     slices, size, chunk = choice_slices(b, v)
     grid, block, words = (b, slices), (CHOICE_THREADS,), np.int32(CHOICE_STATE_WORDS)
