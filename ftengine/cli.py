@@ -435,7 +435,8 @@ def warmup(dtypes):
         except DeviceError:
             dtypes = DTYPES
     types = [kernels.CUDA_TYPES[np.dtype(ops.STORAGE[d]).name] for d in dtypes]
-    files = [f for f in sorted(kernels.FAMILIES) if f not in FP8_FILES or "fp8" in dtypes]
+    files = [f for f in sorted(kernels.FAMILIES) if (f not in FP8_FILES or "fp8" in dtypes)
+             and (f not in kernels.ARCH_SPECIFIC or ops.context().wgmma)]
     kernels.prepare(files, types)
     click.echo(f"ftengine: kernels compiled for {', '.join(dtypes)} in {time.perf_counter() - start:.1f} s", err=True)
 

@@ -57,23 +57,6 @@ __device__ __forceinline__ bool zero_padding_rows(T* ctx, const int* cu_seqlens,
 
 // ---------------------------------------------------------------- tensor cores (half, bf16)
 
-// Two floats rounded to one 32-bit register of T pairs (lo in the low half): one cvt instruction.
-template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
-template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-}
-template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-}
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
-    return a;
-}
-
 // Four 8x8 b16 matrices from shared memory (a 32-bit shared window address); lane l gives a
 // row address of matrix l / 8.
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
@@ -107,18 +90,21 @@ __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool 
 // only its first chunk's offsets are kept. Rows past the sequence are zeros. K's bias is left
 // out: it adds q.b_k to every score of a query row, which the softmax cancels. V's bias is added
 // to the output instead: each row's weights sum to 1.
-template <typename T, int D, int LD, int ROWS, int THREADS>
+// Tile rows are LD elements apart; SWIZZLE: rows of 128 bytes (D = 64 16-bit values) whose 16-byte
+// chunk c sits at c ^ (row % 8), the layout wgmma's 128-byte swizzle mode reads.
+template <typename T, int D, int LD, int ROWS, int THREADS, bool SWIZZLE = false>
 struct TileLoader {
     static constexpr int PER_ROW = D / 8, STEP = THREADS / PER_ROW, CHUNKS = ROWS / STEP;
     static_assert(THREADS % PER_ROW == 0 && ROWS % STEP == 0, "every thread copies as many chunks");
+    static_assert(!SWIZZLE || (LD == D && D * sizeof(T) == 128 && STEP % 8 == 0), "swizzled rows: 128 bytes");
     int row, src, step;  // the first chunk's row in the tile, its element offset; STEP rows' offset
-    unsigned dst;        // the first chunk's byte offset in the tile
+    unsigned dst;        // the first chunk's byte offset in the tile (the same chunk of row + k STEP)
     __device__ __forceinline__ TileLoader(int row_stride) {
         row = threadIdx.x / PER_ROW;
-        const int c = (threadIdx.x - row * PER_ROW) * 8;
-        src = row * row_stride + c;
+        const int chunk = threadIdx.x - row * PER_ROW;
+        src = row * row_stride + chunk * 8;
         step = STEP * row_stride;
-        dst = (row * LD + c) * sizeof(T);
+        dst = SWIZZLE ? row * 128 + ((chunk ^ (row & 7)) << 4) : (row * LD + chunk * 8) * sizeof(T);
     }
     // rows row0 .. row0 + ROWS of `head` (the head's first column of row 0) into the tile at `tile`
     __device__ __forceinline__ void load(unsigned tile, const T* head, int row0, int len, int row_stride) const {
@@ -131,6 +117,146 @@ struct TileLoader {
         }
     }
 };
+
+// Step `it` of the two-stage K/V tile pipeline (stage s at base + 2 s tile_bytes: its K tile, then its
+// V tile): after a barrier (every warp is done with the stage the next copy overwrites), the copies
+// of tile it + 1 (keys next_row ..) start, if there is one; returns once this thread's copies of
+// tile it have landed (the caller's barrier then makes them every thread's).
+template <typename T, typename Loader>
+__device__ __forceinline__ void kv_pipeline_step(const Loader& loader, unsigned base, unsigned tile_bytes, int it,
+                                                 int n_tiles, int next_row, const T* k_head, const T* v_head, int len,
+                                                 int row_stride) {
+    __syncthreads();
+    if (it + 1 < n_tiles) {
+        const unsigned next = base + ((it + 1) & 1) * 2 * tile_bytes;
+        loader.load(next, k_head, next_row, len, row_stride);
+        loader.load(next + tile_bytes, v_head, next_row, len, row_stride);
+        cp_async_commit();
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+}
+
+// Q + bias of queries q0 .. q0 + block_m of the head (rounded to T, as the unfused path stores
+// it; rows past the sequence zeros) into qs, rows LD elements apart, by all threads of the block.
+template <typename T, int D, int LD>
+__device__ __forceinline__ void stage_queries(T* qs, const T* base, const T* __restrict__ bias, int q0, int block_m,
+                                              int len, int row_stride, int h) {
+    for (int i = threadIdx.x; i < block_m * (D / 8); i += blockDim.x) {
+        const int r = i / (D / 8), c = (i - r * (D / 8)) * 8;
+        float v[8], bb[8];
+        if (q0 + r < len) {
+            load_floats<T, 8>(v, base + (long)(q0 + r) * row_stride + h * D + c);
+            load_floats<T, 8>(bb, bias + h * D + c);
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] += bb[j];
+        } else {
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = 0.0f;
+        }
+        store_floats<T, 8>(qs + r * LD + c, v);
+    }
+}
+
+// The A fragments (m16n8k16) of the 16 staged query rows from row r of qs, each k-chunk of D.
+template <typename T, int D, int LD>
+__device__ __forceinline__ void query_fragments(unsigned (&qa)[D / 16][4], const T* qs, int r, int lane) {
+    const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        ldmatrix_x4(qa[kk], smem_addr(qs + (r + (lm & 1) * 8 + lr) * LD + kk * 16 + (lm >> 1) * 8));
+}
+
+// One key tile of the online softmax for 16 query rows held by a warp as m16n8 accumulator
+// fragments (this thread's rows row_lo and row_lo + 8): scores s of keys n0 .. n0 + KN are masked
+// where `masked` (GENERAL: scaled and biased first, KeyRange), the running max m and sum l and the
+// output o are rescaled, and s becomes the unnormalised weights. `mul`: the scores' factor inside
+// the exponent (GENERAL scores are already in log2 units).
+template <bool GENERAL, int KN, int D>
+__device__ __forceinline__ void softmax_tile(float (&s)[KN / 8][4], float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
+                                             const KeyRange& keys, int n0, int row_lo, bool masked, float mul,
+                                             float scale_log2) {
+    const int t4 = threadIdx.x & 3;
+    if (masked) {
+        #pragma unroll
+        for (int j = 0; j < KN / 8; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + j * 8 + t4 * 2 + (e & 1), row = row_lo + (e >> 1) * 8;
+                if (GENERAL)
+                    s[j][e] = keys.visible(key, row) ? keys.score(s[j][e], scale_log2, key, row) : -FT_INFINITY;
+                else if (!(key < keys.len && (!keys.causal || key <= row)))
+                    s[j][e] = -FT_INFINITY;
+            }
+        }
+    }
+    float mx[2] = {-FT_INFINITY, -FT_INFINITY};
+    #pragma unroll
+    for (int j = 0; j < KN / 8; ++j) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
+    }
+    float m_use[2];
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float m_new = fmaxf(m[r], mx[r] * mul);
+        // GENERAL: a row that has seen no key yet (a window starting past this tile) keeps
+        // m = -inf: exponents are taken against 0 then, so every weight and alpha is 0, never
+        // NaN. Otherwise key n0 <= q0 is visible to every row, so m_new is finite.
+        m_use[r] = GENERAL && m_new == -FT_INFINITY ? 0.0f : m_new;
+        const float alpha = fast_exp2(m[r] - m_use[r]);
+        m[r] = m_new;
+        l[r] *= alpha;
+        #pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[j][2 * r] *= alpha;
+            o[j][2 * r + 1] *= alpha;
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < KN / 8; ++j) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[j][e] = fast_exp2(fmaf(s[j][e], mul, -m_use[e >> 1]));
+            l[e >> 1] += s[j][e];
+        }
+    }
+}
+
+// The weights of keys 16 kk .. 16 kk + 15 (accumulator fragments s) as an m16n8k16 A fragment.
+template <typename T, int KN>
+__device__ __forceinline__ void weight_fragment(unsigned (&pa)[4], const float (&s)[KN / 8][4], int kk) {
+    pa[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+    pa[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+    pa[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// ctx rows row_lo and row_lo + 8 (this thread's; those inside the sequence) = o / l + V's bias.
+template <typename T, int D>
+__device__ __forceinline__ void store_context(T* ctx, const float (&o)[D / 8][4], const float (&l)[2],
+                                              const T* __restrict__ bias_v, int start, int row_lo, int len, int H) {
+    const int t4 = threadIdx.x & 3;
+    const T* bv = bias_v + t4 * 2;
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const int row = row_lo + r * 8;
+        if (row < len) {
+            T* out = ctx + (long)(start + row) * H + t4 * 2;
+            #pragma unroll
+            for (int j = 0; j < D / 8; ++j)
+                *reinterpret_cast<unsigned*>(out + j * 8) =
+                    pack2<T>(o[j][r * 2] * inv + to_float(bv[j * 8]), o[j][r * 2 + 1] * inv + to_float(bv[j * 8 + 1]));
+        }
+    }
+}
 
 // Tensor-core path. Each of the WARPS warps owns MT tiles of 16 query rows (a block:
 // 16 WARPS MT queries); every K/V fragment read from shared memory feeds MT products. K/V tiles
@@ -161,7 +287,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) varlen_attention_mma(
     const int q0 = blockIdx.x * BLOCK_M;
     if (q0 >= len) return;
     const int H = heads * D, row_stride = 3 * H;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
     const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
     const int w0 = q0 + warp * 16 * MT;       // this warp's first query row
     const T* base = qkv + (long)start * row_stride;
@@ -179,34 +305,17 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) varlen_attention_mma(
     const unsigned k_lane = (lr * LD + lm * 8) * sizeof(T);
     const unsigned v_lane = (((lm & 1) * 8 + lr) * LD + (lm >> 1) * 8) * sizeof(T);
 
-    // K/V tile 0 in flight while Q + bias (rounded to T, as the unfused path stores it) is
-    // staged through the stage-1 buffers and read into A fragments.
+    // K/V tile 0 in flight while Q + bias is staged through the stage-1 buffers and read into
+    // A fragments.
     loader.load(smem_base, k_head, tile0 * KN, len, row_stride);
     loader.load(smem_base + TILE_BYTES, v_head, tile0 * KN, len, row_stride);
     cp_async_commit();
     T* qs = smem + 2 * TILE;
-    for (int i = threadIdx.x; i < BLOCK_M * (D / 8); i += blockDim.x) {
-        const int r = i / (D / 8), c = (i - r * (D / 8)) * 8;
-        float v[8], bb[8];
-        if (q0 + r < len) {
-            load_floats<T, 8>(v, base + (long)(q0 + r) * row_stride + h * D + c);
-            load_floats<T, 8>(bb, bias + h * D + c);
-            #pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] += bb[j];
-        } else {
-            #pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = 0.0f;
-        }
-        store_floats<T, 8>(qs + r * LD + c, v);
-    }
+    stage_queries<T, D, LD>(qs, base, bias, q0, BLOCK_M, len, row_stride, h);
     __syncthreads();
     unsigned qa[MT][D / 16][4];
     #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            ldmatrix_x4(qa[mt][kk],
-                        smem_addr(qs + (w0 - q0 + mt * 16 + (lm & 1) * 8 + lr) * LD + kk * 16 + (lm >> 1) * 8));
+    for (int mt = 0; mt < MT; ++mt) query_fragments<T, D, LD>(qa[mt], qs, w0 - q0 + mt * 16, lane);
 
     float o[MT][D / 8][4];
     float m[MT][2], l[MT][2];
@@ -222,16 +331,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) varlen_attention_mma(
 
     for (int it = 0; it < n_tiles; ++it) {
         const int n0 = (tile0 + it) * KN;
-        __syncthreads();  // every warp is done with the stage the next copy overwrites (and with qs)
-        if (it + 1 < n_tiles) {
-            const unsigned next = smem_base + ((it + 1) & 1) * 2 * TILE_BYTES;
-            loader.load(next, k_head, n0 + KN, len, row_stride);
-            loader.load(next + TILE_BYTES, v_head, n0 + KN, len, row_stride);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        kv_pipeline_step<T>(loader, smem_base, TILE_BYTES, it, n_tiles, n0 + KN, k_head, v_head, len, row_stride);
         __syncthreads();
         const unsigned ks = smem_base + (it & 1) * 2 * TILE_BYTES + k_lane;
         const unsigned vs = smem_base + (it & 1) * 2 * TILE_BYTES + TILE_BYTES + v_lane;
@@ -253,71 +353,18 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) varlen_attention_mma(
                 }
             }
         }
-        // mask the keys a row does not see (GENERAL: scale and add the relative bias first), row
-        // maxima over the 4 threads of a row; a tile of keys every row of this warp sees needs no mask
+        // a tile of keys every row of this warp sees needs no mask
         const bool masked = GENERAL || n0 + KN > len || (causal && n0 + KN - 1 > w0);
         #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const int row_lo = w0 + mt * 16 + g;  // this thread's rows: row_lo (e < 2), row_lo + 8
-            if (masked) {
-                #pragma unroll
-                for (int j = 0; j < KN / 8; ++j) {
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = n0 + j * 8 + t4 * 2 + (e & 1), row = row_lo + (e >> 1) * 8;
-                        if (GENERAL)
-                            s[mt][j][e] = keys.visible(key, row) ? keys.score(s[mt][j][e], scale_log2, key, row)
-                                                                 : -FT_INFINITY;
-                        else if (!(key < len && (!causal || key <= row)))
-                            s[mt][j][e] = -FT_INFINITY;
-                    }
-                }
-            }
-            float mx[2] = {-FT_INFINITY, -FT_INFINITY};
-            #pragma unroll
-            for (int j = 0; j < KN / 8; ++j) {
-                mx[0] = fmaxf(mx[0], fmaxf(s[mt][j][0], s[mt][j][1]));
-                mx[1] = fmaxf(mx[1], fmaxf(s[mt][j][2], s[mt][j][3]));
-            }
-            float m_use[2];
-            #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                const float m_new = fmaxf(m[mt][r], mx[r] * mul);
-                // GENERAL: a row that has seen no key yet (a window starting past this tile) keeps
-                // m = -inf: exponents are taken against 0 then, so every weight and alpha is 0, never
-                // NaN. Otherwise key n0 <= q0 is visible to every row, so m_new is finite.
-                m_use[r] = GENERAL && m_new == -FT_INFINITY ? 0.0f : m_new;
-                const float alpha = fast_exp2(m[mt][r] - m_use[r]);
-                m[mt][r] = m_new;
-                l[mt][r] *= alpha;
-                #pragma unroll
-                for (int j = 0; j < D / 8; ++j) {
-                    o[mt][j][2 * r] *= alpha;
-                    o[mt][j][2 * r + 1] *= alpha;
-                }
-            }
-            #pragma unroll
-            for (int j = 0; j < KN / 8; ++j) {
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[mt][j][e] = fast_exp2(fmaf(s[mt][j][e], mul, -m_use[e >> 1]));
-                    l[mt][e >> 1] += s[mt][j][e];
-                }
-            }
-        }
+        for (int mt = 0; mt < MT; ++mt)
+            softmax_tile<GENERAL, KN, D>(s[mt], o[mt], m[mt], l[mt], keys, n0, w0 + mt * 16 + g, masked, mul,
+                                         scale_log2);
         // O += P V, P re-used from the score accumulators as A fragments
         #pragma unroll
         for (int kk = 0; kk < KN / 16; ++kk) {
             unsigned pa[MT][4];
             #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
+            for (int mt = 0; mt < MT; ++mt) weight_fragment<T, KN>(pa[mt], s[mt], kk);
             #pragma unroll
             for (int j = 0; j < D / 8; j += 2) {
                 unsigned vb[4];  // b0, b1 of dims j*8.., then of (j+1)*8..
@@ -330,25 +377,9 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) varlen_attention_mma(
             }
         }
     }
-    const T* bv = bias + 2 * H + h * D + t4 * 2;
     #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float sum = l[mt][r];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            const int row = w0 + mt * 16 + g + r * 8;
-            if (row < len) {
-                T* out = ctx + (long)(start + row) * H + h * D + t4 * 2;
-                #pragma unroll
-                for (int j = 0; j < D / 8; ++j)
-                    *reinterpret_cast<unsigned*>(out + j * 8) =
-                        pack2<T>(o[mt][j][r * 2] * inv + to_float(bv[j * 8]), o[mt][j][r * 2 + 1] * inv + to_float(bv[j * 8 + 1]));
-            }
-        }
-    }
+    for (int mt = 0; mt < MT; ++mt)
+        store_context<T, D>(ctx + h * D, o[mt], l[mt], bias + 2 * H + h * D, start, w0 + mt * 16 + g, len, H);
 }
 
 // ---------------------------------------------------------------- fp32 (SIMT)

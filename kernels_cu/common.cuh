@@ -191,6 +191,25 @@ __device__ __forceinline__ void layernorm_row_store(T* out, float (&v)[ITEMS][VE
     store_row<T, VEC, ITEMS>(out, v, valid);
 }
 
+// Two floats rounded to one 32-bit register of T pairs (lo in the low half): one cvt instruction.
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// A shared-memory pointer as the 32-bit shared window address that ldmatrix, cp.async, mbarrier
+// and the tensor memory accelerator take.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+    return a;
+}
+
 // Tensor cores (half, bf16): D (16 x 8, float) += A (16 x 16, row-major) B (16 x 8, column-major),
 // mma.sync m16n8k16; fragments as the PTX ISA lays them out (lane l: group l / 4, pair l % 4).
 template <typename T> struct MmaOp;

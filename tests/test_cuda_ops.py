@@ -1,6 +1,8 @@
 """Level 1 (GPU): every CUDA op against its NumPy twin on fresh random inputs, odd sizes
 included, output buffers poisoned (NaN) before each call; tolerances from tests/tolerances.py."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -354,11 +356,24 @@ VARLEN = [  # (lengths, heads)
 ]
 
 
+@pytest.fixture(params=["default", "mma"])
+def attention_path(request, cu, monkeypatch):
+    """The kernel path varlen_attention takes: its own choice, and ("mma") the mma.sync kernel where
+    the GPU would choose the wgmma one (sm_90), so that both are tested there."""
+    if request.param == "mma":
+        if not cu.context().wgmma:
+            pytest.skip("the mma.sync kernel is the default path on this GPU")
+        monkeypatch.setattr(cu.context(), "wgmma", False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("case", range(len(VARLEN)))
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_attention(cu, rng, dtype, d, case, causal):
+def test_varlen_attention(cu, rng, dtype, d, case, causal, attention_path):
+    if attention_path == "mma" and (d != 64 or dtype == "fp32"):
+        pytest.skip("the wgmma kernel takes head dim 64 in 16-bit types only")
     lengths, heads = VARLEN[case]
     lengths = lengths(rng) if callable(lengths) else lengths
     h = heads * d
@@ -374,6 +389,62 @@ def test_varlen_attention(cu, rng, dtype, d, case, causal):
     first = cu.to_host(out).copy()
     cu.varlen_attention(out, qkv, bias, ints(cu, cu_seqlens), heads=heads, max_seqlen=max(lengths), causal=causal)
     np.testing.assert_array_equal(cu.to_host(out), first)  # repeated runs are identical
+
+
+def test_varlen_attention_routes_head_dim_64_to_wgmma_on_sm90(cu, rng, monkeypatch):
+    """On sm_90 the plain fp16/bf16 attention at head dim 64 runs the wgmma kernel; other head dims,
+    windows, relative biases and fp32 keep the mma.sync / SIMT kernels."""
+    if not cu.context().wgmma:
+        pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
+    launches = []
+    launch = cu._launch
+    monkeypatch.setattr(cu, "_launch", lambda file, name, *a, **k: launches.append(name) or launch(file, name, *a, **k))
+    cu_seqlens = ints(cu, [0, 70, 75])
+    for dtype, d, window, max_seqlen in [("fp16", 64, 0, 70), ("bf16", 64, 0, 64), ("fp16", 32, 0, 70),
+                                         ("fp16", 64, 8, 70), ("fp32", 64, 0, 70)]:
+        qkv, _ = quantize(cu, rng.standard_normal((75, 3 * 2 * d)), dtype)
+        bias, _ = quantize(cu, rng.standard_normal(3 * 2 * d), dtype)
+        out = poisoned(cu, (75, 2 * d), dtype)
+        cu.varlen_attention(out, qkv, bias, cu_seqlens, heads=2, max_seqlen=max_seqlen, window=window)
+    assert launches[:2] == ["varlen_attention_wgmma<__half>", "varlen_attention_wgmma<__nv_bfloat16>"]
+    assert launches[2].startswith("varlen_attention_mma<__half, 32, false,")
+    assert launches[3].startswith("varlen_attention_mma<__half, 64, true,")
+    assert launches[4:] == ["varlen_attention_simt<64>"]
+
+
+ARCH_MODULE_RUN = """
+import hashlib
+import numpy as np
+from ftengine.backends.cuda import kernels, ops
+compiles = []
+compile_ = kernels.ArchModule._compile
+kernels.ArchModule._compile = staticmethod(lambda *a: compiles.append(1) or compile_(*a))
+rng = np.random.default_rng(0)
+qkv = ops.to_device(rng.standard_normal((150, 3 * 128)).astype(np.float32), np.float16)
+bias = ops.to_device(rng.standard_normal(3 * 128).astype(np.float32), np.float16)
+out = ops.empty((150, 128), np.float16)
+ops.varlen_attention(out, qkv, bias, ops.to_device(np.array([0, 100, 150], np.int32)), heads=2, max_seqlen=100)
+print(len(compiles), hashlib.sha256(ops.to_host(out).tobytes()).hexdigest())
+"""
+
+
+def test_arch_specific_module_is_compiled_once_then_loaded_from_the_cache(cu, tmp_path):
+    """The wgmma attention (sm_90a: compiled by NVRTC outside CuPy's RawModule) is compiled by the
+    first process and written to the kernel cache; the next process loads it from there, compiles
+    nothing, and computes the same output bit for bit."""
+    import os
+    import subprocess
+    import sys
+    if not cu.context().wgmma:
+        pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
+    env = {**os.environ, "CUPY_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    runs = [subprocess.run([sys.executable, "-c", ARCH_MODULE_RUN], env=env, capture_output=True, text=True,
+                           timeout=300) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    (first_compiles, first), (second_compiles, second) = (r.stdout.split() for r in runs)
+    assert (first_compiles, second_compiles) == ("1", "0") and first == second
+    assert len(list(tmp_path.glob("ftengine_sm_90a_*.cubin"))) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

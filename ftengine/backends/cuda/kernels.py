@@ -8,6 +8,8 @@ calls `prepare` with the files and types it uses, which compiles them in paralle
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +51,9 @@ FP8_KERNELS = ("quantize_rows", "add_bias_residual_layernorm_quantize", "add_bia
 # sampling.cu choose_sample (sm_90: a thread-block cluster per row): threads per block and the
 # most blocks of a cluster (a power of two)
 SAMPLE_THREADS, SAMPLE_CLUSTER_MAX = 256, 8
+# attention_sm90.cu (wgmma, head dim 64): queries per block (one warpgroup: two a block measured
+# slower at every shape, kernels_cu/dev/attention_wgmma.py) and keys per K/V tile
+VARLEN_WG_BLOCK_M, VARLEN_WG_KN = 64, 64
 SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample", "mark_seen", "append_tokens",
                     "increment", "beam_logsumexp", "beam_candidates", "beam_select"]
 
@@ -107,7 +112,14 @@ FAMILIES = {
                                                       for rows in SKINNY_TILES])),
     # dtype fp8: fp16 activations, e4m3 product operands (sm_89+)
     "fp8.cu": lambda t: ([n for k in FP8_KERNELS for n in _row_variants(k, t)] if t == "__half" else []),
+    # wgmma (sm_90a: ARCH_SPECIFIC)
+    "attention_sm90.cu": lambda t: [] if t == "float" else [f"varlen_attention_wgmma<{t}>"],
 }
+# files of arch-specific instructions (sm_90a: wgmma), which run on that exact architecture only:
+# file -> (NVRTC's target, the compute capability it runs on, the files its source follows). They
+# are compiled by NVRTC for that target (CuPy's RawModule targets the plain sm_XY of the device)
+# and used on GPUs of that compute capability alone.
+ARCH_SPECIFIC = {"attention_sm90.cu": ("sm_90a", (9, 0), ("attention_varlen.cu",))}
 # file -> kernels every dtype uses (not templated on the element type): one module of their own,
 # so that an fp16 run never compiles the fp32 instantiations (the fp32 varlen attention alone
 # takes 17 s to compile on an H100)
@@ -125,8 +137,10 @@ def compile_options() -> tuple[str, ...]:
 
 
 def source(file: str) -> str:
+    """common.cuh, then the files an ARCH_SPECIFIC file's source follows, then the file."""
     folder = kernel_dir()
-    return (folder / "common.cuh").read_text() + "\n" + (folder / file).read_text()
+    parts = ("common.cuh", *(ARCH_SPECIFIC[file][2] if file in ARCH_SPECIFIC else ()), file)
+    return "\n".join((folder / part).read_text() for part in parts)
 
 
 def instantiations(file: str, ctype: str) -> list[str]:
@@ -152,6 +166,73 @@ _modules: dict = {}
 _modules_lock = threading.Lock()
 
 
+def _cache_dir() -> str:
+    """CuPy's on-disk kernel cache, where the arch-specific modules are kept beside CuPy's own."""
+    return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+
+
+class ArchKernel:
+    """A kernel of an ArchModule, with the part of CuPy's RawKernel that ops.py uses: `kernel` (the
+    loaded function; launched through launch_ex) and `max_dynamic_shared_size_bytes`."""
+
+    def __init__(self, function):
+        self.kernel = function
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        from cupy.cuda import driver
+        return driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.kernel.ptr)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, size: int):
+        from cupy.cuda import driver
+        driver.funcSetAttribute(self.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, size)
+
+
+class ArchModule:
+    """`names` (template instantiations) of `code` compiled by NVRTC for the arch-specific target
+    `arch` (e.g. sm_90a) and loaded; the cubin is kept in the kernel cache, keyed by the source,
+    names, options and NVRTC's version."""
+
+    def __init__(self, code: str, names, arch: str):
+        from cupy.cuda import function
+        from cupy_backends.cuda.libs import nvrtc
+        options = (*compile_options(), f"--gpu-architecture={arch}")
+        key = json.dumps([code, sorted(names), options, list(nvrtc.getVersion())])
+        path = os.path.join(_cache_dir(), f"ftengine_{arch}_{hashlib.sha256(key.encode()).hexdigest()}.cubin")
+        try:
+            with open(path, "rb") as f:
+                header, cubin = f.read().split(b"\n", 1)
+            lowered = json.loads(header)
+        except (OSError, ValueError):
+            lowered, cubin = self._compile(nvrtc, code, names, options)
+            os.makedirs(_cache_dir(), exist_ok=True)
+            part = f"{path}.{os.getpid()}.{threading.get_ident()}.part"
+            with open(part, "wb") as f:
+                f.write(json.dumps(lowered).encode() + b"\n" + cubin)
+            os.replace(part, path)
+        self._module = function.Module()
+        self._module.load(cubin)
+        self._lowered = lowered
+
+    @staticmethod
+    def _compile(nvrtc, code: str, names, options) -> tuple[dict, bytes]:
+        program = nvrtc.createProgram(code, "kernels.cu", [], [])
+        try:
+            for n in names:
+                nvrtc.addNameExpression(program, n)
+            try:
+                nvrtc.compileProgram(program, list(options))
+            except nvrtc.NVRTCError as e:
+                raise RuntimeError(f"NVRTC failed for {options[-1]}: {e}\n{nvrtc.getProgramLog(program)}") from None
+            return {n: nvrtc.getLoweredName(program, n) for n in names}, nvrtc.getCUBIN(program)
+        finally:
+            nvrtc.destroyProgram(program)
+
+    def get_function(self, name: str) -> ArchKernel:
+        return ArchKernel(self._module.get_function(self._lowered[name]))
+
+
 def module(file: str, ctype: str):
     """One compiled module per (file, element type): a run compiles only the types it uses.
     Thread-safe; two threads asking for one module compile it once."""
@@ -164,8 +245,11 @@ def module(file: str, ctype: str):
     with lock:
         if key not in _modules:
             import cupy
-            _modules[key] = cupy.RawModule(code=source(file), options=compile_options(),
-                                           name_expressions=instantiations(file, ctype))
+            if file in ARCH_SPECIFIC:
+                _modules[key] = ArchModule(source(file), instantiations(file, ctype), ARCH_SPECIFIC[file][0])
+            else:
+                _modules[key] = cupy.RawModule(code=source(file), options=compile_options(),
+                                               name_expressions=instantiations(file, ctype))
     return _modules[key]
 
 

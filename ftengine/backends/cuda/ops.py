@@ -17,11 +17,12 @@ import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
-from .kernels import (ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, CHOICE_BINS, CHOICE_SLICE_MIN,
-                      CHOICE_SLICES_MAX, CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMV_COLS,
-                      GEMV_ROWS, GEMV_THREADS, ROW_ITEMS, SAMPLE_CLUSTER_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS,
-                      SKINNY_ROWS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS,
-                      VARLEN_TILES, VECS, kernel, launch_ex, prepare, skinny_name, varlen_mma_name)
+from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, CHOICE_BINS,
+                      CHOICE_SLICE_MIN, CHOICE_SLICES_MAX, CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS,
+                      GEMV_COLS, GEMV_ROWS, GEMV_THREADS, ROW_ITEMS, SAMPLE_CLUSTER_MAX, SAMPLE_THREADS,
+                      SKINNY_MIN_COLUMNS, SKINNY_ROWS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M,
+                      VARLEN_HEAD_DIMS, VARLEN_TILES, VARLEN_WG_BLOCK_M, VARLEN_WG_KN, VECS, ArchKernel, kernel,
+                      launch_ex, prepare, skinny_name, varlen_mma_name)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -44,6 +45,8 @@ class _Context:
         # kernels captured into graphs launch with programmatic dependent launch where the GPU has it
         self.dependent_launch = props["major"] >= 9
         self.clusters = props["major"] >= 9  # thread-block clusters, distributed shared memory
+        # the wgmma kernels (attention_sm90.cu) run on their architecture alone
+        self.wgmma = (props["major"], props["minor"]) == ARCH_SPECIFIC["attention_sm90.cu"][1]
         self.shared_mem_optin = int(props.get("sharedMemPerBlockOptin", 48 * 1024))
 
 
@@ -99,7 +102,10 @@ def context() -> _Context:
 
 def prepare_kernels(files, dtype_name: str):
     """Compile the kernel modules a runner needs for one dtype (and the shared ones), in
-    parallel, before its first launch."""
+    parallel, before its first launch; with the wgmma attention beside the fused attention where
+    the GPU runs it."""
+    if dtype_name != "fp32" and "attention_varlen.cu" in files and context().wgmma:
+        files = (*files, "attention_sm90.cu")
     prepare(files, (CUDA_TYPES[np.dtype(STORAGE[dtype_name]).name],))
 
 
@@ -223,7 +229,7 @@ def _launch(file, kname, grid, block, args, shared_mem=0, cluster=None):
         k.max_dynamic_shared_size_bytes = shared_mem  # opt in past the 48 KiB default, once
     ctx = context()
     dependent = ctx.dependent_launch and ctx.stream.is_capturing()
-    if dependent or cluster is not None:
+    if dependent or cluster is not None or isinstance(k, ArchKernel):
         launch_ex(k, grid, block, args, shared_mem, ctx.stream.ptr, dependent=dependent, cluster=cluster)
         return
     with ctx.stream:
@@ -488,7 +494,8 @@ def masked_softmax(probs, scores, lengths, *, heads, window=0):
 
 
 def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=False, window=0, rel_bias=None):
-    """Fused attention over the padding-free layout: tensor cores for fp16/bf16, SIMT for fp32.
+    """Fused attention over the padding-free layout: tensor cores for fp16/bf16 (on sm_90, wgmma at
+    head dim 64 without window or bias: attention_sm90.cu), SIMT for fp32.
     causal: query i of a sequence sees its keys 0..i only (a decoder's prefill); window > 0: keys
     within that distance only; rel_bias = (table, buckets, max_len): MPNet's relative position
     bias, looked up per score inside the kernel."""
@@ -498,12 +505,16 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
         raise DeviceError(f"fused attention supports head_dim {VARLEN_HEAD_DIMS}, not {d}")
     b = cu_seqlens.size - 1
     ct = _ctype(ctx)
-    threads, block_m = 128, VARLEN_BLOCK_M
+    threads, block_m, file = 128, VARLEN_BLOCK_M, "attention_varlen.cu"
+    general = bool(window or rel_bias is not None)
     if ct == "float":
         name, smem = f"varlen_attention_simt<{d}>", 0
+    elif d == 64 and not general and context().wgmma:  # wgmma: two stages of swizzled K and V tiles, the
+        # staged queries (rows of D + 8), 1024 bytes of alignment
+        threads, block_m, file = 128, VARLEN_WG_BLOCK_M, "attention_sm90.cu"
+        name, smem = f"varlen_attention_wgmma<{ct}>", (2 * 2 * VARLEN_WG_KN * d + block_m * (d + 8)) * 2 + 1024
     else:  # two stages of K and V tiles of KN rows of D + 8 elements; the general variant for windows
         # and biases; the wide tiles for long sequences (VARLEN_TILES)
-        general = bool(window or rel_bias is not None)
         warps, mt, kn = VARLEN_TILES["wide"]
         blocks = b * heads * -(-max_seqlen // (16 * warps * mt))
         wide = d <= 64 and max_seqlen >= 1024 and blocks >= 2 * context().sm_count
@@ -513,7 +524,7 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
         name, smem = varlen_mma_name(ct, d, general, tiles), 2 * 2 * kn * (d + 8) * 2
     scale_log2 = np.float32(1.4426950408889634 / np.sqrt(d))
     table, buckets, max_len = rel_bias if rel_bias is not None else (cu_seqlens, cu_seqlens, 0)
-    _launch("attention_varlen.cu", name, (-(-max_seqlen // block_m), b * heads + 1), (threads,),
+    _launch(file, name, (-(-max_seqlen // block_m), b * heads + 1), (threads,),
             (ctx, qkv, bias, cu_seqlens, np.int32(b), np.int32(heads), np.int32(t), scale_log2,
              np.int32(bool(causal)), np.int32(window), table, buckets, np.int32(max_len)), shared_mem=smem)
 

@@ -1,0 +1,155 @@
+// Fused variable-length attention on Hopper's warpgroup tensor cores (wgmma: sm_90a only, compiled
+// for that target alone after attention_varlen.cu, whose helpers it shares; kernels.py ARCH_SPECIFIC).
+// Reference: ftengine/backends/numpy_ops.py varlen_attention.
+//
+// varlen_attention_mma's plain case (head dim 64; the length and causal masks, no window, no
+// relative bias) for a block of one warpgroup (64 query rows), with S = Q K^T on wgmma: Q from
+// registers (the staged query fragments, as varlen_attention_mma holds them), a K tile from shared
+// memory; the score accumulators come back in mma.sync's layout. O += P V stays on mma.sync, its
+// V fragments read from the swizzled tile: as a register-A wgmma it gave wrong outputs from the
+// second key tile on (H100, NVRTC 13.0; with a fresh accumulator too), and as a shared-memory-A
+// wgmma (P stored swizzled) it ran no faster (kernels_cu/dev/attention_wgmma.py). K/V tiles of
+// VARLEN_WG_KN keys are copied asynchronously two stages deep in wgmma's 128-byte swizzled layout.
+// The online softmax, the query staging and the stores are varlen_attention_mma's.
+// grid (ceil(max_seqlen / 64), B * heads + 1), 128 threads; dynamic shared memory:
+// 2 x (K, V) x VARLEN_WG_KN x 64 elements, 64 x 72 (the staged queries), 1024 (alignment).
+
+#define VARLEN_WG_KN 64
+
+// wgmma's shared-memory matrix descriptor of a K-major tile of 128-byte rows (64 16-bit elements)
+// in the 128-byte swizzle, 1024-byte aligned: groups of 8 rows are 1024 bytes apart (the stride
+// byte offset); the leading byte offset is unused by this layout.
+__device__ __forceinline__ unsigned long long swizzled_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32)
+           | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Pins every access of these registers on its side of this point: before wgmma.fence, the writes an
+// asynchronous product must see (wgmma.fence orders only the register accesses before it, and the
+// compiler could otherwise sink them past it); after the wait, the reads of its results.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_registers(unsigned (&d)[N][4]) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i][0]), "+r"(d[i][1]), "+r"(d[i][2]), "+r"(d[i][3]) :: "memory");
+}
+
+// d (64 x 64, fp32: fragment i of a thread is m16n8 block i / 4's element i % 4, as mma.sync lays
+// them out per warp of 16 rows) = (SCALE_D ? d : 0) + A (64 x 16, registers: each warp's 16 rows as
+// an m16n8k16 A fragment) B (16 x 64, K-major in shared memory).
+#define WGMMA_RS_M64N64K16(TYPE)                                                                                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"                                                  \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                    \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "          \
+                 "{%32, %33, %34, %35}, %37, p, 1, 1, 0;\n}\n"                                                \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),     \
+                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),   \
+                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),   \
+                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                        \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(SCALE_D), "l"(b))
+
+template <typename T> struct WgmmaRS;
+template <> struct WgmmaRS<__half> {
+    template <int SCALE_D>
+    static __device__ __forceinline__ void run(float (&d)[32], const unsigned (&a)[4], unsigned long long b) {
+        WGMMA_RS_M64N64K16("f16");
+    }
+};
+template <> struct WgmmaRS<__nv_bfloat16> {
+    template <int SCALE_D>
+    static __device__ __forceinline__ void run(float (&d)[32], const unsigned (&a)[4], unsigned long long b) {
+        WGMMA_RS_M64N64K16("bf16");
+    }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(128) varlen_attention_wgmma(
+        T* __restrict__ ctx,              // (T, H)
+        const T* __restrict__ qkv,        // (T, 3H)
+        const T* __restrict__ bias,       // (3H,)
+        const int* __restrict__ cu_seqlens,  // (B + 1,)
+        int batch, int heads, int n_tokens, float scale_log2, int causal, int window,
+        const float* __restrict__ rel_table, const int* __restrict__ rel_buckets, int rel_max_len) {
+    wait_for_previous();
+    constexpr int D = 64, KN = VARLEN_WG_KN, BLOCK_M = 64, LDQ = D + 8;
+    constexpr unsigned TILE_BYTES = KN * D * sizeof(T);
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    if (zero_padding_rows(ctx, cu_seqlens, batch, heads, n_tokens, heads * D)) return;
+    const int bh = blockIdx.y, b = bh / heads, h = bh - b * heads;
+    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
+    const int q0 = blockIdx.x * BLOCK_M;
+    if (q0 >= len) return;
+    const int H = heads * D, row_stride = 3 * H;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
+    const int w0 = q0 + warp * 16;            // this warp's first query row
+    const T* base = qkv + (long)start * row_stride;
+    const T* k_head = base + H + h * D;
+    const T* v_head = base + 2 * H + h * D;
+    const KeyRange keys{len, causal, 0, 0, heads, h, rel_table, rel_buckets};
+    const int n_tiles = ((causal ? min(len, q0 + BLOCK_M) : len) + KN - 1) / KN;
+    const TileLoader<T, D, D, KN, 128, true> loader(row_stride);
+    const unsigned raw = smem_addr(smem_raw), tiles = (raw + 1023u) & ~1023u;  // K 0 | V 0 | K 1 | V 1
+    T* qs = reinterpret_cast<T*>(smem_raw + (tiles - raw) + 4 * TILE_BYTES);
+
+    loader.load(tiles, k_head, 0, len, row_stride);
+    loader.load(tiles + TILE_BYTES, v_head, 0, len, row_stride);
+    cp_async_commit();
+    stage_queries<T, D, LDQ>(qs, base, bias, q0, BLOCK_M, len, row_stride, h);
+    __syncthreads();
+    unsigned qa[D / 16][4];
+    query_fragments<T, D, LDQ>(qa, qs, warp * 16, lane);
+    fence_registers(qa);
+
+    float o[D / 8][4], s[KN / 8][4];
+    float m[2] = {-FT_INFINITY, -FT_INFINITY}, l[2] = {0.0f, 0.0f};
+    #pragma unroll
+    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    float (&s_flat)[KN / 2] = reinterpret_cast<float (&)[KN / 2]>(s);
+
+    for (int it = 0; it < n_tiles; ++it) {
+        const int n0 = it * KN;
+        kv_pipeline_step<T>(loader, tiles, TILE_BYTES, it, n_tiles, n0 + KN, k_head, v_head, len, row_stride);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // this thread's copies, to wgmma
+        __syncthreads();
+        const unsigned ks = tiles + (it & 1) * 2 * TILE_BYTES, vs = ks + TILE_BYTES;
+
+        // S = Q K^T: K-major K tile, a k16 step is 32 bytes along its rows
+        fence_registers(s_flat);
+        wgmma_fence();
+        WgmmaRS<T>::template run<0>(s_flat, qa[0], swizzled_desc(ks));
+        #pragma unroll
+        for (int kk = 1; kk < D / 16; ++kk) WgmmaRS<T>::template run<1>(s_flat, qa[kk], swizzled_desc(ks + 32 * kk));
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_registers(s_flat);
+
+        const bool masked = n0 + KN > len || (causal && n0 + KN - 1 > w0);  // rows of this warp that miss a key
+        softmax_tile<false, KN, D>(s, o, m, l, keys, n0, w0 + (lane >> 2), masked, scale_log2, scale_log2);
+        // O += P V on mma.sync: V fragments by ldmatrix.trans from the swizzled rows (row r's 16-byte
+        // chunk c at c ^ (r % 8); r % 8 is this lane's lr)
+        #pragma unroll
+        for (int kk = 0; kk < KN / 16; ++kk) {
+            unsigned pa[4];
+            weight_fragment<T, KN>(pa, s, kk);
+            const unsigned row = vs + (kk * 16 + (lm & 1) * 8 + lr) * 128;
+            #pragma unroll
+            for (int j = 0; j < D / 8; j += 2) {
+                unsigned vb[4];  // b0, b1 of dims j*8.., then of (j+1)*8..
+                ldmatrix_x4_trans(vb, row + (((j + (lm >> 1)) ^ lr) << 4));
+                MmaOp<T>::run(o[j], pa, vb[0], vb[1]);
+                MmaOp<T>::run(o[j + 1], pa, vb[2], vb[3]);
+            }
+        }
+    }
+    store_context<T, D>(ctx + h * D, o, l, bias + 2 * H + h * D, start, w0 + (lane >> 2), len, H);
+}

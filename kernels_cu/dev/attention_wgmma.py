@@ -1,0 +1,191 @@
+"""The wgmma attention (attention_sm90.cu, head dim 64) against the designs it was chosen over, in
+one run on an sm_90 GPU: the mma.sync kernel it replaces there (varlen_attention_mma), and two
+variants of its O += P V step built from its source here, P V as a register-A wgmma (P from the
+score registers) and as a shared-memory wgmma (P stored in the 128-byte swizzle first). Each is
+checked against NumPy (fp16, single sequences of 40 to 300 tokens: one key tile and several; plain
+and causal), then timed against torch SDPA on the encoder benchmark's shapes.
+
+Measured on the H100 (2026-11-23): the register-A variant is wrong from the second key tile on
+(up to 0.5 abs at 65+ tokens, with a fresh accumulator too) though 10% faster at 64 x 512; the
+shared-memory one is right and no faster than the shipped S-on-wgmma, P V-on-mma.sync kernel.
+
+    PYTHONPATH=. python3 kernels_cu/dev/attention_wgmma.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+SHAPES = [(64, 512, False), (256, 128, False), (16, 2048, False), (32, 128, False), (1, 128, False),
+          (1, 512, True), (32, 128, True)]
+LENGTHS = (40, 64, 65, 128, 129, 300)
+
+SHIPPED_PV = """        #pragma unroll
+        for (int kk = 0; kk < KN / 16; ++kk) {
+            unsigned pa[4];
+            weight_fragment<T, KN>(pa, s, kk);
+            const unsigned row = vs + (kk * 16 + (lm & 1) * 8 + lr) * 128;
+            #pragma unroll
+            for (int j = 0; j < D / 8; j += 2) {
+                unsigned vb[4];  // b0, b1 of dims j*8.., then of (j+1)*8..
+                ldmatrix_x4_trans(vb, row + (((j + (lm >> 1)) ^ lr) << 4));
+                MmaOp<T>::run(o[j], pa, vb[0], vb[1]);
+                MmaOp<T>::run(o[j + 1], pa, vb[2], vb[3]);
+            }
+        }
+"""
+# a wgmma of 64 x 16 P (registers or shared memory) by an MN-major 16 x 64 V tile (trans-b)
+PV_WGMMA = """
+#define PV_ACC "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \\
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define PV_OUT(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \\
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \\
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \\
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+__device__ __forceinline__ void pv_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long b) {
+    asm volatile("{\\n.reg .pred p;\\nsetp.ne.b32 p, %37, 0;\\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " PV_ACC ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\\n}\\n"
+                 : PV_OUT(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+__device__ __forceinline__ void pv_ss(float (&d)[32], unsigned long long a, unsigned long long b) {
+    asm volatile("{\\n.reg .pred p;\\nsetp.ne.b32 p, %34, 0;\\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " PV_ACC ", %32, %33, p, 1, 1, 0, 1;\\n}\\n"
+                 : PV_OUT(d) : "l"(a), "l"(b), "r"(1));
+}
+"""
+PV_REGISTERS = """        unsigned pa[KN / 16][4];
+        #pragma unroll
+        for (int kk = 0; kk < KN / 16; ++kk) weight_fragment<T, KN>(pa[kk], s, kk);
+        float (&o_flat)[32] = reinterpret_cast<float (&)[32]>(o);
+        fence_registers(o_flat);
+        fence_registers(pa);
+        wgmma_fence();
+        #pragma unroll
+        for (int kk = 0; kk < KN / 16; ++kk) pv_rs(o_flat, pa[kk], swizzled_desc(vs + 2048 * kk));
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_registers(o_flat);
+"""
+PV_SHARED = """        const unsigned pt = tiles + 4 * TILE_BYTES;  // P (64 x 64, K-major, 128-byte swizzle)
+        #pragma unroll
+        for (int kk = 0; kk < KN / 16; ++kk) {
+            unsigned pa[4];
+            weight_fragment<T, KN>(pa, s, kk);
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = warp * 16 + (lane >> 2) + (e & 1) * 8, c = 2 * kk + (e >> 1);
+                asm volatile("st.shared.u32 [%0], %1;\\n" :: "r"(pt + r * 128 + ((c ^ (r & 7)) << 4) + 4 * (lane & 3)),
+                             "r"(pa[e]) : "memory");
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
+        __syncthreads();
+        float (&o_flat)[32] = reinterpret_cast<float (&)[32]>(o);
+        fence_registers(o_flat);
+        wgmma_fence();
+        #pragma unroll
+        for (int kk = 0; kk < KN / 16; ++kk) pv_ss(o_flat, swizzled_desc(pt + 32 * kk), swizzled_desc(vs + 2048 * kk));
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_registers(o_flat);
+"""
+KERNEL = "template <typename T>\n__global__ void __launch_bounds__(128) varlen_attention_wgmma("
+QS = "T* qs = reinterpret_cast<T*>(smem_raw + (tiles - raw) + 4 * TILE_BYTES);"
+VARIANTS = {  # name -> source patches (None: the mma.sync kernel)
+    "mma.sync kernel": None,
+    "shipped": [],
+    "P V register wgmma": [(SHIPPED_PV, PV_REGISTERS), (KERNEL, PV_WGMMA + KERNEL)],
+    "P V shared wgmma": [(SHIPPED_PV, PV_SHARED), (KERNEL, PV_WGMMA + KERNEL),
+                         (QS, QS.replace("4 * TILE_BYTES", "4 * TILE_BYTES + 8192"))],
+}
+
+
+def main():
+    import torch
+    from bench.bench_encoder import graph_ms
+    from ftengine.backends import numpy_ops as ref
+    from ftengine.backends.cuda import kernels
+    from ftengine.backends.cuda import ops as cu
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    ctx = cu.context()
+    assert ctx.wgmma, "needs a compute capability 9.0 GPU"
+    rng = np.random.default_rng(0)
+    shipped_source, shipped_launch = kernels.source, cu._launch
+    results = {}
+    for label, patches in VARIANTS.items():
+        def source(file, patches=patches):
+            text = shipped_source(file)
+            for old, new in patches or ():
+                assert old in text, (label, old[:60])
+                text = text.replace(old, new)
+            return text
+
+        def launch(file, name, grid, block, largs, shared_mem=0, cluster=None, label=label):
+            extra = 8192 if label == "P V shared wgmma" and file == "attention_sm90.cu" else 0
+            return shipped_launch(file, name, grid, block, largs, shared_mem=shared_mem + extra, cluster=cluster)
+        kernels.source, cu._launch = source, launch
+        kernels._modules.pop(("attention_sm90.cu", "__half"), None)
+        kernels.kernel.cache_clear()
+        ctx.wgmma = patches is not None
+        worst = {}
+        for length in LENGTHS:
+            for causal in (False, True):
+                qkv = cu.to_device(rng.standard_normal((length, 192)).astype(np.float32), np.float16)
+                bias = cu.to_device(0.5 * rng.standard_normal(192).astype(np.float32), np.float16)
+                seqlens = np.array([0, length], np.int32)
+                out = cu.empty((length, 64), np.float16)
+                cu.varlen_attention(out, qkv, bias, cu.to_device(seqlens), heads=1, max_seqlen=length, causal=causal)
+                expected = np.empty((length, 64), np.float32)
+                ref.varlen_attention(expected, cu.to_host(qkv), cu.to_host(bias), seqlens, heads=1, max_seqlen=length,
+                                     causal=causal)
+                worst[f"{length}{' causal' if causal else ''}"] = round(float(np.abs(cu.to_host(out) - expected).max()), 4)
+        row = {"max_abs_err": worst}
+        for b, s, causal in SHAPES:
+            t = b * s
+            qkv = cu.to_device(rng.standard_normal((t, 3 * 768)).astype(np.float32), np.float16)
+            bias = cu.to_device(0.1 * rng.standard_normal(3 * 768).astype(np.float32), np.float16)
+            seqlens = cu.to_device(np.arange(0, t + 1, s, dtype=np.int32))
+            out = cu.empty((t, 768), np.float16)
+            row[f"{b}x{s}{' causal' if causal else ''} ms"] = graph_ms(
+                lambda: cu.varlen_attention(out, qkv, bias, seqlens, heads=12, max_seqlen=s, causal=causal))
+        results[label] = row
+        print(label, json.dumps(row), flush=True)
+    kernels.source, cu._launch, ctx.wgmma = shipped_source, shipped_launch, True
+    sdpa_ms = {}
+    for b, s, causal in SHAPES:
+        tq, tk, tv = (torch.randn(b, 12, s, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+        graph = torch.cuda.CUDAGraph()
+        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        graph.replay()
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 20)
+        key = f"{b}x{s}{' causal' if causal else ''}"
+        sdpa = float(np.median(times))
+        flops = 4 * b * 12 * s * s * 64 / (2 if causal else 1)
+        print(f"{key}: sdpa {sdpa * 1e3:.1f} us ({flops / sdpa / 1e9:.0f} TFLOP/s); "
+              + "; ".join(f"{label} {r[key + ' ms'] * 1e3:.1f} us ({sdpa / r[key + ' ms']:.2f}x)"
+                          for label, r in results.items()), flush=True)
+        sdpa_ms[key + " ms"] = sdpa
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**results, "torch sdpa": sdpa_ms}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
