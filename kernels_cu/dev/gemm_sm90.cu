@@ -1,0 +1,195 @@
+// An experiment (kernels_cu/dev/gemm_tiles.py checks and times it; the package does not use it: it
+// ran slower than cuBLASLt + the bias + GELU pass, figures there).
+// Matrix products on Hopper's warpgroup tensor cores (wgmma, fed by the tensor memory accelerator;
+// sm_90a only), with the epilogue fused:
+// out (M, N) = epilogue(x (M, K) @ w (N, K)^T), epilogue 0: none; 1 + form: + bias (N,), then
+// GELU in gelu()'s form (common.cuh): 1 erf, 2 tanh (as gemv.cu numbers them).
+// Reference: ftengine/backends/numpy_ops.py matmul / matmul_bias_gelu.
+//
+// A block computes a GEMM_BM x 128 NI tile of out, over K in GEMM_BK steps. One producer warp
+// copies each step's x tile (GEMM_BM x GEMM_BK) and w tile (128 NI x GEMM_BK) into shared memory
+// with TMA (128-byte swizzle; the tensor maps are built by ops.py), STAGES steps ahead, each
+// stage's arrival counted on its `full` mbarrier. Two consumer warpgroups, 64 rows of the tile
+// each, run wgmma m64n128k16 on the stage (fp32 accumulators in registers), then mark it `empty`
+// once those products are done, so that the producer may refill it. Rows past M, columns past
+// N and K past the last full step arrive as zeros (TMA's out-of-bounds fill); stores are masked.
+// The epilogue adds the bias and applies GELU to the fp32 accumulators and rounds once to T.
+// grid (ceil(N / (128 NI)), ceil(M / GEMM_BM)), GEMM_THREADS threads: warps 0-7 consume, warp 8
+// produces; dynamic shared memory STAGES (GEMM_BM + 128 NI) GEMM_BK elements + 1024 (alignment).
+
+#define GEMM_BM 128
+#define GEMM_BK 64
+#define GEMM_THREADS 288
+
+// A CUtensorMap (cuda.h): 128 opaque bytes, passed by value as a __grid_constant__ parameter.
+struct alignas(64) TmaMap { unsigned long long v[16]; };
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+// One arrival that also announces `bytes` to come from TMA copies completing on this barrier.
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+// Until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// The box of `map` at (inner c0, outer c1) into shared memory at `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load(unsigned dst, const TmaMap* map, int c0, int c1, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
+}
+
+// wgmma's shared-memory matrix descriptor of a K-major tile as TMA writes it with the 128-byte
+// swizzle: rows of GEMM_BK 16-bit elements (128 bytes), groups of 8 rows 1024 bytes apart (stride
+// byte offset), the tile 1024-byte aligned; the leading byte offset is unused by this layout.
+// A k16 step within the row is the start address plus 32 bytes.
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32)
+           | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+// Keeps the compiler from moving accesses of the accumulators across the asynchronous products.
+template <int R>
+__device__ __forceinline__ void fence_registers(float (&d)[R]) {
+    #pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+
+// d (64 x 128, fp32, the warpgroup's accumulator fragments) += A (64 x 16) B (16 x 128), A and B
+// K-major in shared memory (descriptors). Fragment i of thread t (warp w of the warpgroup, lane l):
+// row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
+#define WGMMA_M64N128K16(TYPE)                                                                                        \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                        \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                     \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                          \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                  \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                  \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                 \
+                 "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                                     \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),     \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),           \
+                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),         \
+                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),         \
+                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),         \
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),         \
+                   "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),         \
+                   "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),         \
+                   "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])          \
+                 : "l"(a), "l"(b), "r"(1))
+
+template <typename T> struct Wgmma;
+template <> struct Wgmma<__half> {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long a, unsigned long long b) {
+        WGMMA_M64N128K16("f16");
+    }
+};
+template <> struct Wgmma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long a, unsigned long long b) {
+        WGMMA_M64N128K16("bf16");
+    }
+};
+
+template <typename T, int NI, int STAGES, int MIN_BLOCKS>
+__global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS) gemm_wgmma(
+        T* __restrict__ out,                   // (M, N)
+        const T* __restrict__ bias,            // (N,), read when epilogue > 0
+        const __grid_constant__ TmaMap x_map,  // x (M, K): box GEMM_BK x GEMM_BM
+        const __grid_constant__ TmaMap w_map,  // w (N, K): box GEMM_BK x 128 NI
+        int M, int N, int K, int epilogue) {
+    wait_for_previous();
+    constexpr int BN = 128 * NI;
+    constexpr unsigned A_BYTES = GEMM_BM * GEMM_BK * sizeof(T), STAGE_BYTES = (GEMM_BM + BN) * GEMM_BK * sizeof(T);
+    static_assert(GEMM_BK * sizeof(T) == 128, "a tile row is one 128-byte swizzle row");
+    __shared__ __align__(8) unsigned long long barriers[2 * STAGES];  // full[STAGES] | empty[STAGES]
+    extern __shared__ unsigned char smem_raw[];
+    const unsigned tiles = (smem_addr(smem_raw) + 1023u) & ~1023u;  // stage s: x tile | w tile
+    const unsigned full = smem_addr(barriers), empty = full + 8 * STAGES;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int k_steps = (K + GEMM_BK - 1) / GEMM_BK;
+    const int n0 = blockIdx.x * BN, m0 = blockIdx.y * GEMM_BM;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);      // the producer's arrival (+ the copies' bytes)
+            mbar_init(empty + 8 * s, 8);     // one arrival per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == 8) {  // the producer
+        if (lane == 0) {
+            for (int kt = 0; kt < k_steps; ++kt) {
+                const int s = kt % STAGES;
+                if (kt >= STAGES) mbar_wait(empty + 8 * s, (kt / STAGES - 1) & 1);
+                const unsigned a = tiles + s * STAGE_BYTES, bar = full + 8 * s;
+                mbar_expect_tx(bar, STAGE_BYTES);
+                tma_load(a, &x_map, kt * GEMM_BK, m0, bar);
+                tma_load(a + A_BYTES, &w_map, kt * GEMM_BK, n0, bar);
+            }
+        }
+        return;
+    }
+
+    const int wg = warp >> 2;  // the consumer warpgroup: tile rows 64 wg ..
+    float acc[NI][64];
+    #pragma unroll
+    for (int ni = 0; ni < NI; ++ni) {
+        #pragma unroll
+        for (int i = 0; i < 64; ++i) acc[ni][i] = 0.0f;
+        fence_registers(acc[ni]);
+    }
+    for (int kt = 0; kt < k_steps; ++kt) {
+        const int s = kt % STAGES;
+        mbar_wait(full + 8 * s, (kt / STAGES) & 1);
+        const unsigned a = tiles + s * STAGE_BYTES + wg * 64 * 128, b = tiles + s * STAGE_BYTES + A_BYTES;
+        wgmma_fence();
+        #pragma unroll
+        for (int k = 0; k < GEMM_BK / 16; ++k) {
+            #pragma unroll
+            for (int ni = 0; ni < NI; ++ni) Wgmma<T>::run(acc[ni], wgmma_desc(a + 32 * k), wgmma_desc(b + ni * 128 * 128 + 32 * k));
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous step's products are done: its stage may be refilled
+        if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((kt - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+    #pragma unroll
+    for (int ni = 0; ni < NI; ++ni) fence_registers(acc[ni]);
+
+    const int row0 = m0 + wg * 64 + (warp & 3) * 16 + (lane >> 2);
+    #pragma unroll
+    for (int ni = 0; ni < NI; ++ni) {
+        #pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int col = n0 + ni * 128 + j * 8 + (lane & 3) * 2;  // N is even: col + 1 < N with col
+            if (col >= N) continue;
+            const float b0 = epilogue ? to_float(bias[col]) : 0.0f, b1 = epilogue ? to_float(bias[col + 1]) : 0.0f;
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = row0 + 8 * h;
+                if (row >= M) continue;
+                float v0 = acc[ni][4 * j + 2 * h] + b0, v1 = acc[ni][4 * j + 2 * h + 1] + b1;
+                if (epilogue) {
+                    v0 = gelu(v0, epilogue - 1);
+                    v1 = gelu(v1, epilogue - 1);
+                }
+                *reinterpret_cast<unsigned*>(out + (long)row * N + col) = pack2<T>(v0, v1);
+            }
+        }
+    }
+}

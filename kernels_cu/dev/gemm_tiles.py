@@ -1,0 +1,164 @@
+"""An experiment, not used by the package: the wgmma product with the bias + GELU epilogue fused
+(kernels_cu/dev/gemm_sm90.cu, sm_90a: TMA loads by a producer warp, two consumer warpgroups),
+checked and timed against what ftengine runs instead.
+
+Every (128-column wgmma tiles NI, stages, blocks per SM) candidate is first checked against NumPy
+(float64) on shapes that are not multiples of its tiles (rows, columns and K tails), plain and with
+bias + GELU in both forms, fp16 and bf16, outputs poisoned; then timed on the encoders' products
+against cuBLASLt (its algorithm timed once per shape, as ops.matmul chooses it), followed by the
+bias + GELU pass for the FFN up-projection.
+
+Measured on the H100 (2026-11-23): every check passes, but no candidate beats cuBLASLt + the pass:
+BERT-base's up-projection at 32,768 rows 547 us against 382 (product 215 + pass 167); a plain
+3072 -> 768 product 252 against 225 us; K = 768 products about 400 TFLOP/s against cuBLASLt's 700.
+Non-persistent tiles pay the pipeline's fill and the epilogue per tile (about 0.77 of a K = 768
+main loop), and the GELU epilogue is not overlapped with other tiles' products. What would be
+needed: a persistent kernel whose producer fills the next tile while the consumers finish one,
+epilogues ping-ponged between the consumer warpgroups, larger tiles or TMA multicast.
+
+    PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+GEMM_BM, GEMM_BK, GEMM_THREADS = 128, 64, 288
+TMA_DATA_TYPES = {"float16": 6, "uint16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16 (bf16 words)
+TMA_SWIZZLE_128B, TMA_L2_PROMOTION_256B = 3, 3
+
+
+def tensor_map(a, box_cols: int, box_rows: int):
+    """A CUtensorMap (128 bytes, 64-byte aligned) of the row-major 2D device array a (16-bit), for
+    TMA copies of box_cols x box_rows boxes with the 128-byte swizzle: (buffer, its aligned address)."""
+    encode = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    encode.restype = ctypes.c_int
+    rows, cols = a.shape
+    buffer = ctypes.create_string_buffer(128 + 64)
+    address = -(-ctypes.addressof(buffer) // 64) * 64
+    status = encode(ctypes.c_void_p(address), TMA_DATA_TYPES[a.dtype.name], ctypes.c_uint32(2),
+                    ctypes.c_void_p(a.data.ptr), (ctypes.c_uint64 * 2)(cols, rows), (ctypes.c_uint64 * 1)(a.strides[0]),
+                    (ctypes.c_uint32 * 2)(box_cols, box_rows), (ctypes.c_uint32 * 2)(1, 1), 0, TMA_SWIZZLE_128B,
+                    TMA_L2_PROMOTION_256B, 0)
+    assert status == 0, f"cuTensorMapEncodeTiled: CUresult {status}"
+    return buffer, address
+
+
+def name(ctype, tiles):
+    return f"gemm_wgmma<{ctype}, {tiles[0]}, {tiles[1]}, {tiles[2]}>"
+
+
+def smem(itemsize, tiles):
+    return tiles[1] * (GEMM_BM + 128 * tiles[0]) * GEMM_BK * itemsize + 1024
+
+CANDIDATES = [(1, 3, 2), (1, 4, 1), (1, 6, 1), (2, 3, 1), (2, 4, 1)]
+# (M, N, K, epilogue): 0 plain, 1 bias + erf GELU, 2 bias + tanh GELU
+CHECKS = [(1000, 3000, 760, 1), (129, 130, 72, 0), (300, 2304, 768, 2), (4096, 3072, 768, 1), (77, 512, 8, 1)]
+TIMED = [(32768, 3072, 768, 1), (4096, 3072, 768, 1), (1024, 3072, 768, 1), (512, 3072, 768, 1),
+         (32768, 1536, 384, 1), (4096, 1536, 384, 1), (32768, 2304, 768, 0), (32768, 768, 3072, 0),
+         (32768, 768, 768, 0), (4096, 768, 3072, 0)]
+OPS_TOL = {"fp16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}  # tests/tolerances.py OPS
+
+
+def main():
+    import cupy
+    from bench.bench_encoder import graph_ms
+    from ftengine.backends import numpy_ops as ref
+    from ftengine.backends.cuda import kernels
+    from ftengine.backends.cuda import ops as cu
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out")
+    args = p.parse_args()
+    ctx = cu.context()
+    assert ctx.wgmma, "needs a compute capability 9.0 GPU"
+    names = [name(t, c) for t in ("__half", "__nv_bfloat16") for c in CANDIDATES]
+    folder = Path(__file__).resolve().parent
+    mod = kernels.ArchModule((folder.parent / "common.cuh").read_text() + "\n" + (folder / "gemm_sm90.cu").read_text(),
+                             names, "sm_90a")
+    rng = np.random.default_rng(0)
+
+    def launch(cfg, out, x, w, bias, epi):
+        m, k = x.shape
+        n = w.shape[0]
+        k_ = mod.get_function(name(cu._ctype(x), cfg))
+        size = smem(x.itemsize, cfg)
+        if k_.max_dynamic_shared_size_bytes < size:
+            k_.max_dynamic_shared_size_bytes = size
+        maps = [tensor_map(x, GEMM_BK, GEMM_BM), tensor_map(w, GEMM_BK, 128 * cfg[0])]
+        values = [ctypes.c_void_p(out.data.ptr), ctypes.c_void_p(bias.data.ptr)] + [
+            ctypes.c_int32(v) for v in (m, n, k, epi)]
+        pointers = [ctypes.addressof(values[0]), ctypes.addressof(values[1]), maps[0][1], maps[1][1]] + [
+            ctypes.addressof(v) for v in values[2:]]
+        params = (ctypes.c_void_p * len(pointers))(*pointers)
+        config = kernels._LaunchConfig((ctypes.c_uint * 3)(-(-n // (128 * cfg[0])), -(-m // GEMM_BM), 1),
+                                       (ctypes.c_uint * 3)(GEMM_THREADS, 1, 1), size, ctx.stream.ptr, None, 0)
+        status = kernels._launch_kernel_ex()(ctypes.byref(config), k_.kernel.ptr, params, None)
+        assert status == 0, f"cuLaunchKernelEx: CUresult {status}"
+
+    failures = 0
+    for dtype in ("fp16", "bf16"):
+        for m, n, k, epi in CHECKS:
+            xh = (rng.standard_normal((m, k)) / np.sqrt(k) ** 0.5).astype(np.float32)
+            wh = (rng.standard_normal((n, k)) / np.sqrt(k) ** 0.5).astype(np.float32)
+            bh = rng.standard_normal(n).astype(np.float32)
+            x, w, b = (cu.to_device(a, cu.storage_dtype(dtype)) for a in (xh, wh, bh))
+            xh, wh, bh = (cu.to_host(a).astype(np.float64) for a in (x, w, b))
+            expected = xh @ wh.T
+            if epi:
+                ref.matmul_bias_gelu(expected, xh, wh, bh, form="erf" if epi == 1 else "tanh")
+            atol, rtol = OPS_TOL[dtype]
+            for cfg in CANDIDATES:
+                out = cu.empty((m, n), cu.storage_dtype(dtype))
+                with ctx.stream:
+                    out.view(cupy.uint16).fill(0x7FC0 if dtype == "bf16" else 0x7E00)
+                launch(cfg, out, x, w, b, epi)
+                got = cu.to_host(out).astype(np.float64)
+                err = np.abs(got - expected)
+                ok = not np.isnan(got).any() and bool(np.all(err <= atol + rtol * np.abs(expected)))
+                failures += not ok
+                print(f"check {dtype} {m}x{n}x{k} epi {epi} {cfg}: {'ok' if ok else 'FAIL'} "
+                      f"max err {np.nanmax(err):.3g} nan {int(np.isnan(got).sum())}", flush=True)
+    print(f"{failures} failed checks", flush=True)
+
+    rows = []
+    for m, n, k, epi in TIMED:
+        x = cu.to_device(rng.standard_normal((m, k)).astype(np.float32) / np.sqrt(k) ** 0.5, np.float16)
+        w = cu.to_device(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k) ** 0.5, np.float16)
+        b = cu.to_device(rng.standard_normal(n).astype(np.float32), np.float16)
+        out = cu.empty((m, n), np.float16)
+        cu._lt_matmul(out, x, w)  # times cuBLASLt's candidates for this shape once, outside a capture
+        flop = 2 * m * n * k
+
+        def baseline():
+            cu._lt_matmul(out, x, w)
+            if epi:
+                cu.add_bias_gelu(out, out, b, form="erf" if epi == 1 else "tanh")
+        row = {"m": m, "n": n, "k": k, "epilogue": epi, "cublaslt_ms": graph_ms(baseline)}
+        if epi:
+            row["cublaslt_product_ms"] = graph_ms(lambda: cu._lt_matmul(out, x, w))
+        for cfg in CANDIDATES:
+            row[str(cfg)] = graph_ms(lambda cfg=cfg: launch(cfg, out, x, w, b, epi))
+        best = min(CANDIDATES, key=lambda c: row[str(c)])
+        print(f"{m}x{n}x{k} epi {epi}: cuBLASLt{' + pass' if epi else ''} {row['cublaslt_ms'] * 1e3:.1f} us "
+              f"({flop / row['cublaslt_ms'] / 1e9:.0f} TFLOP/s)"
+              + (f", product alone {row['cublaslt_product_ms'] * 1e3:.1f}" if epi else "")
+              + "; " + ", ".join(f"{c} {row[str(c)] * 1e3:.1f}" for c in CANDIDATES)
+              + f"; best {best} {flop / row[str(best)] / 1e9:.0f} TFLOP/s, {row['cublaslt_ms'] / row[str(best)]:.2f}x",
+              flush=True)
+        rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": ctx.device_name, "candidates": CANDIDATES, "rows": rows,
+                       "median_ratio": statistics.median(r["cublaslt_ms"] / min(r[str(c)] for c in CANDIDATES)
+                                                         for r in rows)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
