@@ -109,6 +109,33 @@ __device__ __forceinline__ void load_floats(float* dst, const T* src) {
     for (int j = 0; j < VEC; ++j) dst[j] = to_float(p.v[j]);
 }
 
+// As load_floats, through the L2 only (ld.global.cg): for data that other blocks of the running
+// grid wrote since this block may have cached the same addresses in its SM's L1.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_floats_cg(float* dst, const T* src) {
+    Pack<T, VEC> p;
+    if constexpr (sizeof(p) == 16) {
+        *reinterpret_cast<uint4*>(&p) = __ldcg(reinterpret_cast<const uint4*>(src));
+    } else if constexpr (sizeof(p) == 8) {
+        *reinterpret_cast<uint2*>(&p) = __ldcg(reinterpret_cast<const uint2*>(src));
+    } else if constexpr (sizeof(p) == 4) {
+        *reinterpret_cast<unsigned*>(&p) = __ldcg(reinterpret_cast<const unsigned*>(src));
+    } else {
+        *reinterpret_cast<unsigned short*>(&p) = __ldcg(reinterpret_cast<const unsigned short*>(src));
+    }
+    #pragma unroll
+    for (int j = 0; j < VEC; ++j) dst[j] = to_float(p.v[j]);
+}
+
+template <bool CG, typename T, int VEC>
+__device__ __forceinline__ void load_floats_from(float* dst, const T* src) {
+    if constexpr (CG) {
+        load_floats_cg<T, VEC>(dst, src);
+    } else {
+        load_floats<T, VEC>(dst, src);
+    }
+}
+
 template <typename T, int VEC>
 __device__ __forceinline__ void store_floats(T* dst, const float* src) {
     Pack<T, VEC> p;
@@ -209,6 +236,16 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
     return a;
 }
+
+// Asynchronous copies (sm_80+): 16 bytes global -> shared (a 32-bit shared window address)
+// without passing through registers, zeros when `valid` is false; groups of them committed and
+// waited for (all but the N most recent groups complete).
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
 // Tensor cores (half, bf16): D (16 x 8, float) += A (16 x 16, row-major) B (16 x 8, column-major),
 // mma.sync m16n8k16; fragments as the PTX ISA lays them out (lane l: group l / 4, pair l % 4).

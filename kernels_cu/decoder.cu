@@ -105,29 +105,27 @@ __global__ void write_kv_cache(T* __restrict__ k_cache, T* __restrict__ v_cache,
 // (token, head); a group of TPK threads (a power of two <= 32) takes one key at a time, each
 // thread VEC elements of the head dimension (16-byte loads), and keeps an online softmax (running
 // max, sum and weighted values) over its keys, ATTN_UNROLL keys' K and V loads in flight at once;
-// the groups' states are combined at the end.
+// the groups' states are merged within each warp by shuffles, then over the warps.
 // flags: ATTN_ROWS_ARE_TOKENS (token t is sequence t, seq_ids unused), ATTN_INDIRECT (key p of
 // sequence b lives in cache row indir[b * L + p]: beams share their parents' cache rows),
 // ATTN_WRITE_KV (a decode step: token t's own key and value, + bias, are stored at positions[t],
 // and used from registers here, rounded as stored; no other token reads a position being written
 // in the same step: beams read their parents' rows at earlier positions).
-// Block ATTN_THREADS; dynamic shared memory: (blockDim / TPK) * (D + 2) floats.
+// Block ATTN_THREADS; dynamic shared memory: (blockDim / 32) * (D + 2) floats.
 #define ATTN_ROWS_ARE_TOKENS 1
 #define ATTN_INDIRECT 2
 #define ATTN_WRITE_KV 4
 #define ATTN_THREADS 256
 #define ATTN_UNROLL 4
 
-template <typename T, int VEC>
-__global__ void __launch_bounds__(ATTN_THREADS) cached_attention(
+// One (token t, head h) of it, by the whole block; `sm` as the kernel's dynamic shared memory.
+// CG: qkv read through the L2 only (other blocks of the running grid wrote it: decode_step).
+template <typename T, int VEC, bool CG>
+__device__ __forceinline__ void attend_cached(
         T* __restrict__ ctx, const T* __restrict__ qkv, const T* __restrict__ bias, T* k_cache, T* v_cache,
         const int* __restrict__ seq_ids, const int* __restrict__ positions, const int* __restrict__ indir,
-        int flags, int heads, int D, int L, int TPK, float scale) {
-    wait_for_previous();
-    extern __shared__ float sm[];
+        int flags, int heads, int D, int L, int TPK, float scale, long t, int h, float* sm) {
     const int E = heads * D;
-    const long t = blockIdx.x;
-    const int h = blockIdx.y;
     const long b = (flags & ATTN_ROWS_ARE_TOKENS) ? t : seq_ids[t];
     const int pos = positions[t], n = pos + 1;
     const bool own = flags & ATTN_WRITE_KV;
@@ -141,15 +139,15 @@ __global__ void __launch_bounds__(ATTN_THREADS) cached_attention(
     for (int i = 0; i < VEC; ++i) q[i] = k_own[i] = v_own[i] = 0.0f;
     if (active) {
         float bb[VEC];
-        load_floats<T, VEC>(q, row + h * D + col);
+        load_floats_from<CG, T, VEC>(q, row + h * D + col);
         load_floats<T, VEC>(bb, bias + h * D + col);
         #pragma unroll
         for (int i = 0; i < VEC; ++i) q[i] += bb[i];
         if (own) {  // this token's key and value, stored for later steps, used here as stored
             float kb[VEC], vb[VEC];
-            load_floats<T, VEC>(k_own, row + E + h * D + col);
+            load_floats_from<CG, T, VEC>(k_own, row + E + h * D + col);
             load_floats<T, VEC>(kb, bias + E + h * D + col);
-            load_floats<T, VEC>(v_own, row + 2 * E + h * D + col);
+            load_floats_from<CG, T, VEC>(v_own, row + 2 * E + h * D + col);
             load_floats<T, VEC>(vb, bias + 2 * E + h * D + col);
             #pragma unroll
             for (int i = 0; i < VEC; ++i) {
@@ -211,29 +209,55 @@ __global__ void __launch_bounds__(ATTN_THREADS) cached_attention(
             m = top;
         }
     }
-    float* group_max = sm;
-    float* group_sum = sm + groups;
-    float* group_acc = sm + 2 * groups;  // (groups, D)
-    if (slot == 0) {
-        group_max[group] = m;
-        group_sum[group] = l;
-    }
-    if (active) {
+    // the groups of a warp (lanes slot, slot + TPK, ...) merged by shuffles, so the block's last
+    // combine runs over its warps, not over every group
+    for (int off = TPK; off < 32; off <<= 1) {
+        const float m_other = __shfl_xor_sync(0xffffffffu, m, off), l_other = __shfl_xor_sync(0xffffffffu, l, off);
+        const float top = fmaxf(m, m_other);
+        const float mine = top > -FT_INFINITY ? expf(m - top) : 0.0f;  // 0 for a group without keys
+        const float theirs = top > -FT_INFINITY ? expf(m_other - top) : 0.0f;
+        l = l * mine + l_other * theirs;
         #pragma unroll
-        for (int i = 0; i < VEC; ++i) group_acc[group * D + col + i] = acc[i];
+        for (int i = 0; i < VEC; ++i) acc[i] = acc[i] * mine + __shfl_xor_sync(0xffffffffu, acc[i], off) * theirs;
+        m = top;
+    }
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float* warp_max = sm;
+    float* warp_total = sm + warps;
+    float* warp_acc = sm + 2 * warps;  // (warps, D)
+    if (group % (32 / TPK) == 0) {  // the warp's first group holds its merged state
+        if (slot == 0) {
+            warp_max[warp] = m;
+            warp_total[warp] = l;
+        }
+        if (active) {
+            #pragma unroll
+            for (int i = 0; i < VEC; ++i) warp_acc[warp * D + col + i] = acc[i];
+        }
     }
     __syncthreads();
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float top = -FT_INFINITY;
-        for (int g = 0; g < groups; ++g) top = fmaxf(top, group_max[g]);
+        for (int w = 0; w < warps; ++w) top = fmaxf(top, warp_max[w]);
         float total = 0.0f, out = 0.0f;
-        for (int g = 0; g < groups; ++g) {
-            const float w = expf(group_max[g] - top);  // 0 for a group without keys
-            total += w * group_sum[g];
-            out += w * group_acc[g * D + d];
+        for (int w = 0; w < warps; ++w) {
+            const float scale = expf(warp_max[w] - top);  // 0 for a warp without keys
+            total += scale * warp_total[w];
+            out += scale * warp_acc[w * D + d];
         }
         ctx[t * E + h * D + d] = from_float<T>(out / total);
     }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(ATTN_THREADS) cached_attention(
+        T* __restrict__ ctx, const T* __restrict__ qkv, const T* __restrict__ bias, T* k_cache, T* v_cache,
+        const int* __restrict__ seq_ids, const int* __restrict__ positions, const int* __restrict__ indir,
+        int flags, int heads, int D, int L, int TPK, float scale) {
+    wait_for_previous();
+    extern __shared__ float sm[];
+    attend_cached<T, VEC, false>(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flags, heads, D, L,
+                                 TPK, scale, blockIdx.x, blockIdx.y, sm);
 }
 
 // out (N, E) = x[rows]. grid (N).

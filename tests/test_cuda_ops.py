@@ -235,7 +235,8 @@ def test_matmul_of_operands_not_256_byte_aligned(cu, rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m, k, n", [(1, 768, 2304), (3, 200, 77), (8, 3072, 768), (4, 768, 50257), (2, 7, 5)])
+@pytest.mark.parametrize("m, k, n", [(1, 768, 2304), (3, 200, 77), (8, 3072, 768), (4, 768, 50257), (2, 768, 50257),
+                                     (2, 7, 5)])
 def test_few_row_matmul_and_fused_bias_gelu(cu, rng, dtype, m, k, n):
     """Few rows (decode steps: the weight-streaming kernel up to GEMV_ROWS, cuBLAS past it): plain,
     into float32 (LM-head logits), and with bias + GELU, both forms."""
@@ -251,6 +252,27 @@ def test_few_row_matmul_and_fused_bias_gelu(cu, rng, dtype, m, k, n):
         cu.matmul_bias_gelu(out, x, w, bias, form=form)
         ref.matmul_bias_gelu(fused, xh, wh, biash, form=form)
         assert_close(cu, out, fused, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [2, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_either_column_tile(cu, rng, dtype, cols, m):
+    """gemv.cu gemv with each of its column tiles (ops.GEMV_COLS), on columns that are not a multiple
+    of it: plain, into float32, with bias + GELU."""
+    assert cols in cu.GEMV_COLS
+    k, n = 776, 1031
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
+    expected = (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32)
+    for out_dtype in dict.fromkeys((dtype, "fp32")):
+        out = poisoned(cu, (m, n), out_dtype)
+        cu._gemv(out, x, w, None, 0, cols)
+        assert_close(cu, out, expected, dtype)
+    bias, biash = quantize(cu, rng.standard_normal(n), dtype)
+    out, fused = poisoned(cu, (m, n), dtype), np.empty((m, n), np.float32)
+    cu._gemv(out, x, w, bias, 1 + cu.GELU_FORMS["erf"], cols)
+    ref.matmul_bias_gelu(fused, xh, wh, biash, form="erf")
+    assert_close(cu, out, fused, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -275,8 +297,8 @@ def test_skinny_tensor_core_product(cu, rng, dtype, m, k, n):
 
 
 def test_matmul_sends_the_skinny_kernel_only_what_it_fits(cu, rng):
-    """2 .. SKINNY_ROWS rows of 16-bit x against SKINNY_MIN_COLUMNS columns or more, K a multiple of
-    32, 16-byte aligned: the skinny kernel; one row (the gemv is faster), more rows, fewer columns,
+    """SKINNY_MIN_ROWS .. SKINNY_ROWS rows of 16-bit x against SKINNY_MIN_COLUMNS columns or more, K a
+    multiple of 32, 16-byte aligned: the skinny kernel; fewer rows (the gemv is faster), more rows, fewer columns,
     float32, a weight of another dtype, another K or a misaligned view: not; each routed product
     equals NumPy's."""
     k, n = 256, cu.SKINNY_MIN_COLUMNS + 7
@@ -284,8 +306,8 @@ def test_matmul_sends_the_skinny_kernel_only_what_it_fits(cu, rng):
     w32, _ = quantize(cu, wh, "fp32")
     x16, xh = quantize(cu, rng.standard_normal((cu.SKINNY_ROWS + 2, k)) / 4, "fp16")
     x32, _ = quantize(cu, xh, "fp32")
-    assert cu._skinny_fits(x16[:2], w16) and cu._skinny_fits(x16[:cu.SKINNY_ROWS], w16)
-    assert not cu._skinny_fits(x16[:1], w16)
+    assert cu._skinny_fits(x16[:cu.SKINNY_MIN_ROWS], w16) and cu._skinny_fits(x16[:cu.SKINNY_ROWS], w16)
+    assert not cu._skinny_fits(x16[:cu.SKINNY_MIN_ROWS - 1], w16)
     assert not cu._skinny_fits(x16[:cu.SKINNY_ROWS + 1], w16)
     assert not cu._skinny_fits(x16[:8], w16[:cu.SKINNY_MIN_COLUMNS - 1])
     assert not cu._skinny_fits(x32[:8], w32)
@@ -294,7 +316,7 @@ def test_matmul_sends_the_skinny_kernel_only_what_it_fits(cu, rng):
     assert not cu._skinny_fits(x_odd_k, w_odd_k)
     flat = cu.empty((8 * k + 1,), np.float16)
     assert not cu._skinny_fits(flat[1:].reshape(8, k), w16)
-    for m in (1, 2, 9, cu.SKINNY_ROWS, cu.SKINNY_ROWS + 1):
+    for m in (1, 2, 3, 4, 9, cu.SKINNY_ROWS, cu.SKINNY_ROWS + 1):
         out = poisoned(cu, (m, n), "fp32")
         cu.matmul(out, x16[:m], w16)
         assert_close(cu, out, (xh[:m].astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")

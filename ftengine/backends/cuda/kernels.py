@@ -36,12 +36,18 @@ ATTENTION_FLAGS = {"rows_are_tokens": 1, "indirect": 2, "write_kv": 4}  # decode
 ATTENTION_THREADS = 256           # its block (ATTN_THREADS); half that from ATTENTION_MANY_BLOCKS (row, head) blocks
 ATTENTION_MANY_BLOCKS = 256       # on (GPT-2 small, H100: b32 step 572 -> 524 us, beam 4 x 32 1083 -> 945 us)
 GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
-GEMV_ROWS, GEMV_COLS, GEMV_THREADS = 4, 2, 128  # gemv.cu: most rows of x, output columns and threads per block
+GEMV_ROWS, GEMV_THREADS = 4, 128  # gemv.cu: most rows of x, threads per block
+# gemv.cu: output columns a block, narrow or wide (ops.py: wide where it still gives every SM
+# GEMV_WIDE_BLOCKS_PER_SM blocks; H100, 1-4 rows: 768->2304, 768->3072 and the LM head 0.1-3 us
+# faster, 768->768 and 3072->768 0.1-0.9 us slower; 8 columns slower everywhere)
+GEMV_COLS, GEMV_WIDE_BLOCKS_PER_SM = (2, 4), 2
 # gemv.cu skinny_mma, for 2 .. SKINNY_ROWS rows of 16-bit x and products of SKINNY_MIN_COLUMNS output
 # columns or more (an LM head; narrower ones cover too few SMs with 16-column blocks: cuBLAS wins
 # there); its (16-column tiles, warps, chunks in flight) for up to `rows` rows of x, chosen on the H100
 # by kernels_cu/dev/skinny_tiles.py
-SKINNY_ROWS, SKINNY_MIN_COLUMNS = 32, 16384
+# from SKINNY_MIN_ROWS rows (the wide gemv is faster below: GPT-2's LM head at 2 rows 28.3 against
+# 30.9 us, at 3 rows 30.7 against 31.0; at 4 rows 33.8 against 31.1)
+SKINNY_ROWS, SKINNY_MIN_ROWS, SKINNY_MIN_COLUMNS = 32, 4, 16384
 SKINNY_TILES = {16: (1, 4, 4), 32: (4, 4, 2)}
 # sampling.cu token choice: threads per block, the most slices per row, the fewest tokens a slice
 # gets, histogram bins and the u64 words of a row's state (the bins and 8 words)
@@ -107,7 +113,8 @@ FAMILIES = {
                              + _vec_variants("write_kv_cache", t) + _vec_variants("cached_attention", t)
                              + _vec_variants("gather_rows", t)),
     "sampling.cu": lambda t: [],
-    "gemv.cu": lambda t: ([f"gemv<{t}, {o}, {v}>" for o in dict.fromkeys((t, "float")) for v in VECS[t]]
+    "gemv.cu": lambda t: ([f"gemv<{t}, {o}, {v}, {c}>" for o in dict.fromkeys((t, "float")) for v in VECS[t]
+                           for c in GEMV_COLS]
                           + ([] if t == "float" else [skinny_name(t, o, rows) for o in (t, "float")
                                                       for rows in SKINNY_TILES])),
     # dtype fp8: fp16 activations, e4m3 product operands (sm_89+)
@@ -292,6 +299,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
 
 
+COOPERATIVE = 2                         # CU_LAUNCH_ATTRIBUTE_COOPERATIVE
 CLUSTER_DIMENSION = 4                   # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
@@ -312,12 +320,15 @@ def _dims(d) -> tuple:
     return tuple(int(x) for x in d) + (1,) * (3 - len(d))
 
 
-def launch_ex(k, grid, block, args, shared_mem: int, stream_ptr: int, *, dependent: bool = True, cluster=None):
+def launch_ex(k, grid, block, args, shared_mem: int, stream_ptr: int, *, dependent: bool = True, cluster=None,
+              cooperative: bool = False):
     """Launch kernel k (a CuPy RawKernel) on the stream through cuLaunchKernelEx, with
     - dependent: programmatic stream serialization (sm_90+): captured into a graph, it may be
       scheduled while the kernel before it finishes, and waits for that kernel's results in
       wait_for_previous (common.cuh), which every kernel runs first;
-    - cluster: thread-block cluster dimensions (sm_90+), which must divide the grid.
+    - cluster: thread-block cluster dimensions (sm_90+), which must divide the grid;
+    - cooperative: every block of the grid resident at once (a kernel with grid-wide barriers;
+      the launch fails where the grid cannot be).
     Arguments as CuPy takes them: device arrays and NumPy scalars."""
     holders = []
     for a in args:
@@ -328,8 +339,12 @@ def launch_ex(k, grid, block, args, shared_mem: int, stream_ptr: int, *, depende
         else:
             raise TypeError(f"kernel argument of type {type(a).__name__}: pass a device array or a NumPy scalar")
     params = (ctypes.c_void_p * len(holders))(*(ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders))
-    attributes = (_Attribute * 2)()
+    attributes = (_Attribute * 3)()
     count = 0
+    if cooperative:
+        attributes[count].id = COOPERATIVE
+        attributes[count].value.value = 1
+        count += 1
     if dependent:
         attributes[count].id = PROGRAMMATIC_STREAM_SERIALIZATION
         attributes[count].value.value = 1

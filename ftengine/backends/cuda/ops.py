@@ -19,10 +19,10 @@ from ...errors import DeviceError
 from . import cublas as cb
 from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, CHOICE_BINS,
                       CHOICE_SLICE_MIN, CHOICE_SLICES_MAX, CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS,
-                      GEMV_COLS, GEMV_ROWS, GEMV_THREADS, ROW_ITEMS, SAMPLE_CLUSTER_MAX, SAMPLE_THREADS,
-                      SKINNY_MIN_COLUMNS, SKINNY_ROWS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_BLOCK_M,
-                      VARLEN_HEAD_DIMS, VARLEN_TILES, VARLEN_WG_BLOCK_M, VARLEN_WG_KN, VECS, ArchKernel, kernel,
-                      launch_ex, prepare, skinny_name, varlen_mma_name)
+                      GEMV_COLS, GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, ROW_ITEMS, SAMPLE_CLUSTER_MAX,
+                      SAMPLE_THREADS, SKINNY_MIN_COLUMNS, SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_TILES, SOFTMAX_PER_LANE,
+                      SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VARLEN_WG_BLOCK_M, VARLEN_WG_KN, VECS,
+                      ArchKernel, kernel, launch_ex, prepare, skinny_name, varlen_mma_name)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -283,18 +283,23 @@ def _gemv_args(out, x, weight, bias, epilogue) -> tuple:
             np.int32(epilogue))
 
 
-def _gemv(out, x, weight, bias, epilogue):
+def _gemv(out, x, weight, bias, epilogue, cols=None):
+    """gemv.cu gemv, `cols` output columns a block (a GEMV_COLS entry): by default the wide one where
+    it still gives every SM GEMV_WIDE_BLOCKS_PER_SM blocks, else the narrow one."""
     k, n = x.shape[1], weight.shape[0]
-    _launch("gemv.cu", f"gemv<{_ctype(x)}, {_ctype(out)}, {_vec(x, k)}>", (-(-n // GEMV_COLS),), (GEMV_THREADS,),
+    if cols is None:
+        narrow, wide = GEMV_COLS
+        cols = wide if n >= wide * GEMV_WIDE_BLOCKS_PER_SM * context().sm_count else narrow
+    _launch("gemv.cu", f"gemv<{_ctype(x)}, {_ctype(out)}, {_vec(x, k)}, {cols}>", (-(-n // cols),), (GEMV_THREADS,),
             _gemv_args(out, x, weight, bias, epilogue))
 
 
 def _skinny_fits(x, weight) -> bool:
-    """Whether x @ weight^T goes to the tensor-core skinny kernel: 2 .. SKINNY_ROWS rows of 16-bit
-    x and a weight of its dtype, SKINNY_MIN_COLUMNS output columns or more, K a multiple of 32,
-    16-byte aligned operands."""
+    """Whether x @ weight^T goes to the tensor-core skinny kernel: SKINNY_MIN_ROWS .. SKINNY_ROWS
+    rows of 16-bit x and a weight of its dtype, SKINNY_MIN_COLUMNS output columns or more, K a
+    multiple of 32, 16-byte aligned operands."""
     m, k = x.shape
-    return (x.dtype != np.float32 and weight.dtype == x.dtype and 2 <= m <= SKINNY_ROWS
+    return (x.dtype != np.float32 and weight.dtype == x.dtype and SKINNY_MIN_ROWS <= m <= SKINNY_ROWS
             and weight.shape[0] >= SKINNY_MIN_COLUMNS and k % 32 == 0 and x.data.ptr % 16 == 0
             and weight.data.ptr % 16 == 0)
 
@@ -308,7 +313,7 @@ def _skinny(out, x, weight, bias, epilogue):
 
 def matmul(out, x, weight):
     """out (M, N) = x (M, K) @ weight (N, K)^T; out may be float32 while x and weight are 16-bit
-    (the LM head's logits). A few rows of x against many columns (an LM head at batch 2-32): the
+    (the LM head's logits). A few rows of x against many columns (an LM head at batch 4-32): the
     tensor-core skinny kernel (gemv.cu); else up to GEMV_ROWS rows: the weight-streaming kernel
     (gemv.cu); more: cuBLASLt, column-major: out^T = op_T(W^T) @ x^T."""
     if _skinny_fits(x, weight):
@@ -684,7 +689,7 @@ def _attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flag
     # a block of ATTENTION_THREADS while there are few (row, head) blocks; half that from
     # ATTENTION_MANY_BLOCKS of them on, where more blocks per SM gain more than wider ones
     threads = ATTENTION_THREADS if t * heads < ATTENTION_MANY_BLOCKS else ATTENTION_THREADS // 2
-    smem = threads // per_key * (d + 2) * 4
+    smem = threads // 32 * (d + 2) * 4
     _launch("decoder.cu", f"cached_attention<{_ctype(qkv)}, {vec}>", (t, heads), (threads,),
             (ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, positions if indir is None else indir,
              np.int32(flags), np.int32(heads), np.int32(d), np.int32(length), np.int32(per_key),
