@@ -109,20 +109,13 @@ __device__ __forceinline__ void load_floats(float* dst, const T* src) {
     for (int j = 0; j < VEC; ++j) dst[j] = to_float(p.v[j]);
 }
 
-// As load_floats, through the L2 only (ld.global.cg): for data that other blocks of the running
-// grid wrote since this block may have cached the same addresses in its SM's L1.
+// As load_floats (16 bytes), through the L2 only (ld.global.cg): for data that other blocks of the
+// running grid wrote since this block may have cached the same addresses in its SM's L1.
 template <typename T, int VEC>
 __device__ __forceinline__ void load_floats_cg(float* dst, const T* src) {
+    static_assert(sizeof(Pack<T, VEC>) == 16, "load_floats_cg moves 16 bytes");
     Pack<T, VEC> p;
-    if constexpr (sizeof(p) == 16) {
-        *reinterpret_cast<uint4*>(&p) = __ldcg(reinterpret_cast<const uint4*>(src));
-    } else if constexpr (sizeof(p) == 8) {
-        *reinterpret_cast<uint2*>(&p) = __ldcg(reinterpret_cast<const uint2*>(src));
-    } else if constexpr (sizeof(p) == 4) {
-        *reinterpret_cast<unsigned*>(&p) = __ldcg(reinterpret_cast<const unsigned*>(src));
-    } else {
-        *reinterpret_cast<unsigned short*>(&p) = __ldcg(reinterpret_cast<const unsigned short*>(src));
-    }
+    *reinterpret_cast<uint4*>(&p) = __ldcg(reinterpret_cast<const uint4*>(src));
     #pragma unroll
     for (int j = 0; j < VEC; ++j) dst[j] = to_float(p.v[j]);
 }

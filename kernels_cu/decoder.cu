@@ -241,9 +241,9 @@ __device__ __forceinline__ void attend_cached(
         for (int w = 0; w < warps; ++w) top = fmaxf(top, warp_max[w]);
         float total = 0.0f, out = 0.0f;
         for (int w = 0; w < warps; ++w) {
-            const float scale = expf(warp_max[w] - top);  // 0 for a warp without keys
-            total += scale * warp_total[w];
-            out += scale * warp_acc[w * D + d];
+            const float share = expf(warp_max[w] - top);  // 0 for a warp without keys
+            total += share * warp_total[w];
+            out += share * warp_acc[w * D + d];
         }
         ctx[t * E + h * D + d] = from_float<T>(out / total);
     }

@@ -432,6 +432,12 @@ __global__ void __launch_bounds__(STEP_THREADS, 1) decode_step(
     ring.top_up(0);
     unsigned long long passed = 0;
     const auto sync_grid = [&]() { grid_barrier(barrier, base + (unsigned long long)G * ++passed); };
+    // product j of the step (x its input rows) into out (M, N), + bias and GELU where form >= 0
+    const auto product = [&](int j, auto* out, int N, const T* bias, int form) {
+        const T* w = ring.wait(j);
+        const int parts = step_products<T>(red, w, ring.cols, ring.K, x, M);
+        step_store<T>(out, N, red, parts, M, ring.col0, ring.cols, bias, form);
+    };
 
     // the embedding, then layer 0's first LayerNorm
     for (int m = 0; m < M; ++m) {
@@ -452,11 +458,10 @@ __global__ void __launch_bounds__(STEP_THREADS, 1) decode_step(
         const unsigned long long* P = table + l * STEP_SLOTS;
         const auto at = [&](int slot) { return reinterpret_cast<const T*>(P[slot]); };
         const int j = l * STEP_PHASES;
-        // q, k, v (their bias is added by the attention, as decode_attention does)
-        const T* w = ring.wait(j);  // and this layer's parameters
+        // q, k, v (their bias is added by the attention, as decode_attention does); the ring's wait
+        // for this product also brings this layer's parameters
+        product(j, qkv, 3 * E, nullptr, -1);
         const T* prm = ring.layer_params(l);
-        int parts = step_products<T>(red, w, ring.cols, E, x, M);
-        step_store<T, T>(qkv, 3 * E, red, parts, M, ring.col0, ring.cols, nullptr, -1);
         sync_grid();
         // attention over the cache, this token's key and value written to it
         for (int item = blockIdx.x; item < M * heads; item += G) {
@@ -469,29 +474,19 @@ __global__ void __launch_bounds__(STEP_THREADS, 1) decode_step(
         sync_grid();
         // attention output projection
         step_stage<T>(x, ctx, M * E);
-        w = ring.wait(j + 1);
-        parts = step_products<T>(red, w, ring.cols, E, x, M);
-        step_store<T, T>(proj, E, red, parts, M, ring.col0, ring.cols, nullptr, -1);
+        product(j + 1, proj, E, nullptr, -1);
         sync_grid();
         // residual + LayerNorm, fc + bias + GELU
         step_residual_layernorm<T>(h, x, proj, prm + 2 * E, prm, prm + E, M, E, eps);
-        w = ring.wait(j + 2);
-        parts = step_products<T>(red, w, ring.cols, E, x, M);
-        step_store<T, T>(inter, I, red, parts, M, ring.col0, ring.cols, ring.fc_bias(l), gelu_form);
+        product(j + 2, inter, I, ring.fc_bias(l), gelu_form);
         sync_grid();
         // proj
         step_stage<T>(x, inter, M * I);
-        w = ring.wait(j + 3);
-        parts = step_products<T>(red, w, ring.cols, I, x, M);
-        step_store<T, T>(proj, E, red, parts, M, ring.col0, ring.cols, nullptr, -1);
+        product(j + 3, proj, E, nullptr, -1);
         sync_grid();
         // residual + the next layer's first LayerNorm (after the last layer: the final one)
         step_residual_layernorm<T>(h, x, proj, prm + 3 * E, prm + 4 * E, prm + 5 * E, M, E, eps);
     }
     // the LM head, chunk by chunk
-    for (int j = STEP_PHASES * n_layer; j < ring.total; ++j) {
-        const T* w = ring.wait(j);
-        const int parts = step_products<T>(red, w, ring.cols, E, x, M);
-        step_store<T, float>(logits, V, red, parts, M, ring.col0, ring.cols, nullptr, -1);
-    }
+    for (int j = STEP_PHASES * n_layer; j < ring.total; ++j) product(j, logits, V, nullptr, -1);
 }

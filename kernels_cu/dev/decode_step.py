@@ -21,6 +21,7 @@ slower than the layer-by-layer graph it would replace:
     + no divisions on the path, LN over all warps,
       two products a warp in flight (this file)           384.2     513.3
     this file's own timing, a later run                   383.0     514.0   (layer by layer 309.6, 374.7)
+    the products through one helper (no change meant)     398.1     529.3   (layer by layer 301.8, 372.7)
 
 A globaltimer trace of the first version (per block, at each barrier): a barrier costs 0.8 us from
 the last arrival, but the parts between barriers take 2-9 us each on the critical path (attention

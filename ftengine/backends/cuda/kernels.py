@@ -41,12 +41,11 @@ GEMV_ROWS, GEMV_THREADS = 4, 128  # gemv.cu: most rows of x, threads per block
 # GEMV_WIDE_BLOCKS_PER_SM blocks; H100, 1-4 rows: 768->2304, 768->3072 and the LM head 0.1-3 us
 # faster, 768->768 and 3072->768 0.1-0.9 us slower; 8 columns slower everywhere)
 GEMV_COLS, GEMV_WIDE_BLOCKS_PER_SM = (2, 4), 2
-# gemv.cu skinny_mma, for 2 .. SKINNY_ROWS rows of 16-bit x and products of SKINNY_MIN_COLUMNS output
-# columns or more (an LM head; narrower ones cover too few SMs with 16-column blocks: cuBLAS wins
-# there); its (16-column tiles, warps, chunks in flight) for up to `rows` rows of x, chosen on the H100
-# by kernels_cu/dev/skinny_tiles.py
-# from SKINNY_MIN_ROWS rows (the wide gemv is faster below: GPT-2's LM head at 2 rows 28.3 against
-# 30.9 us, at 3 rows 30.7 against 31.0; at 4 rows 33.8 against 31.1)
+# gemv.cu skinny_mma, for SKINNY_MIN_ROWS .. SKINNY_ROWS rows of 16-bit x (below, the wide gemv is
+# faster: GPT-2's LM head at 2 rows 28.3 against 30.9 us, at 3 rows 30.7 against 31.0; at 4 rows 33.8
+# against 31.1) and products of SKINNY_MIN_COLUMNS output columns or more (an LM head; narrower ones
+# cover too few SMs with 16-column blocks: cuBLAS wins there); its (16-column tiles, warps, chunks in
+# flight) for up to `rows` rows of x, chosen on the H100 by kernels_cu/dev/skinny_tiles.py
 SKINNY_ROWS, SKINNY_MIN_ROWS, SKINNY_MIN_COLUMNS = 32, 4, 16384
 SKINNY_TILES = {16: (1, 4, 4), 32: (4, 4, 2)}
 # sampling.cu token choice: threads per block, the most slices per row, the fewest tokens a slice
