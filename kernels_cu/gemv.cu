@@ -14,7 +14,7 @@ template <typename T, typename OutT, int VEC, int COLS>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(OutT* __restrict__ out, const T* __restrict__ x,
                                                         const T* __restrict__ w, const T* __restrict__ bias,
                                                         int M, int N, int K, int epilogue) {
-    wait_for_previous();
+    wait_then_launch_next();
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS * COLS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n0 = blockIdx.x * COLS;
@@ -98,7 +98,7 @@ template <typename T, typename OutT, int TILES, int WARPS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32) skinny_mma(OutT* __restrict__ out, const T* __restrict__ x,
                                                          const T* __restrict__ w, const T* __restrict__ bias,
                                                          int M, int N, int K, int epilogue) {
-    wait_for_previous();
+    wait_then_launch_next();
     constexpr int XT = SKINNY_ROWS / 8, VALUES = TILES * XT * 4;  // 8-row tiles of x; sums per lane
     __shared__ float partial[WARPS][VALUES][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;

@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(CHOICE_THREADS) choose_prepare(
         const int* __restrict__ lengths,          // (B,)
         int L, int ngram, int V, int slice, int min_new, int do_sample, float temperature, float penalty,
         unsigned long long* __restrict__ state, int words) {
-    wait_for_previous();
+    wait_then_launch_next();
     __shared__ unsigned long long uscratch[32];
     const int b = blockIdx.x, lo = blockIdx.y * slice, n = max(0, min(V, lo + slice) - lo);
     const float* logits = logits_all + (long)b * V + lo;
@@ -216,7 +216,7 @@ __device__ __forceinline__ unsigned long long fixed_mass(float x, float mx, doub
 __global__ void __launch_bounds__(CHOICE_THREADS) choose_level(
         const float* __restrict__ scores_all, unsigned long long* __restrict__ state, int words, int V, int slice,
         int level, int mode, int k, float top_p, double scale) {
-    wait_for_previous();
+    wait_then_launch_next();
     __shared__ unsigned long long h[CHOICE_BINS], scan[32], found_above;
     __shared__ unsigned found_key;
     const int b = blockIdx.x, lo = blockIdx.y * slice, n = max(0, min(V, lo + slice) - lo);
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(CHOICE_THREADS) choose_draw(
         int* __restrict__ out, const float* __restrict__ scores_all, unsigned long long* __restrict__ state,
         int words, int V, int slice, int chunk, const int* __restrict__ step_counter, unsigned seed_lo,
         unsigned seed_hi) {
-    wait_for_previous();
+    wait_then_launch_next();
     __shared__ double dscratch[32], cum[CHOICE_THREADS], base;
     __shared__ int iscratch[32], found, last_chunk;
     const int b = blockIdx.x, lo = blockIdx.y * slice, n = max(0, min(V, lo + slice) - lo);
@@ -583,7 +583,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
         const int* __restrict__ lengths,          // (B,)
         int L, int ngram, int V, int slice, int min_new, float temperature, float penalty, int k, float top_p,
         double scale, unsigned seed_lo, unsigned seed_hi) {
-    wait_for_previous();
+    wait_then_launch_next();
     extern __shared__ unsigned long long smem[];
     __shared__ unsigned long long range_total;
     __shared__ unsigned keys[32], block_top, row_keys[SAMPLE_CLUSTER_MAX];
@@ -697,7 +697,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
 // seen (B, V): seen[rows[i], tokens[i]] = 1 for the n tokens just fed (row -1: padding, skipped).
 __global__ void mark_seen(unsigned char* __restrict__ seen, const int* __restrict__ tokens,
                           const int* __restrict__ rows, int n, int V) {
-    wait_for_previous();
+    wait_then_launch_next();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         if (rows[i] >= 0) seen[(long)rows[i] * V + tokens[i]] = 1;  // row -1: a padding token
 }
@@ -714,7 +714,7 @@ __global__ void append_tokens(int* __restrict__ history,      // (steps, B)
                               unsigned char* __restrict__ seen,  // (B, V)
                               int* __restrict__ step_counter, const int* __restrict__ chosen,
                               const int* __restrict__ eos, int n_eos, int B, int L, int V) {
-    wait_for_previous();
+    wait_then_launch_next();
     const int step = *step_counter;
     for (int b = threadIdx.x; b < B; b += blockDim.x) {
         if (finished[b]) {
@@ -742,7 +742,7 @@ __global__ void append_tokens(int* __restrict__ history,      // (steps, B)
 }
 
 __global__ void increment(int* counter) {
-    wait_for_previous();
+    wait_then_launch_next();
     *counter += 1;
 }
 
@@ -754,7 +754,7 @@ __global__ void increment(int* counter) {
 // stats (R, 2) = row max and log(sum(exp(x - max))) of the logits; a non-finite logit flags its item.
 __global__ void __launch_bounds__(1024) beam_logsumexp(float* __restrict__ stats, int* __restrict__ flags,
                                                        const float* __restrict__ logits, int V, int nb) {
-    wait_for_previous();
+    wait_then_launch_next();
     __shared__ float scratch[32];
     const int r = blockIdx.x;
     const float* x = logits + (long)r * V;
@@ -786,7 +786,7 @@ __global__ void __launch_bounds__(256) beam_candidates(
         const float* __restrict__ run_scores, const int* __restrict__ starts, const int* __restrict__ flags,
         const int* __restrict__ step_counter, const int* __restrict__ eos, int n_eos,
         int V, int L, int nb, int keep, int chunk, float penalty, int min_new, int ngram) {
-    wait_for_previous();
+    wait_then_launch_next();
     extern __shared__ float s[];
     __shared__ unsigned long long scratch[32];
     const int r = blockIdx.x, b = r / nb, j = r - b * nb;
@@ -859,7 +859,7 @@ __global__ void __launch_bounds__(256) beam_select(
         int* __restrict__ fin_flag, int* __restrict__ flags, const int* __restrict__ starts,
         int* __restrict__ next_ids, int* __restrict__ next_pos, const int* __restrict__ step_counter,
         const int* __restrict__ eos, int n_eos, int max_new, float length_penalty, int early) {
-    wait_for_previous();
+    wait_then_launch_next();
     __shared__ unsigned long long scratch[32];
     __shared__ float c_score[BEAM_KEEP_MAX], pool[BEAM_KEEP_MAX + BEAM_KEEP_MAX / 2];
     __shared__ int c_parent[BEAM_KEEP_MAX], c_token[BEAM_KEEP_MAX], c_hit[BEAM_KEEP_MAX];

@@ -21,15 +21,16 @@ def test_every_cu_file_is_listed():
 
 def test_every_kernel_waits_for_the_kernel_before_it_first():
     """Kernels captured into a graph launch as programmatic dependent launches on sm_90+ (they may
-    start while the kernel before them runs): each must call wait_for_previous() before anything
-    else."""
+    start while the kernel before them runs): each must call wait_for_previous() (or
+    wait_then_launch_next(), which calls it first) before anything else."""
     kernels = 0
     for path in sorted(kernel_dir().glob("*.cu")):
         text = path.read_text()
         for match in re.finditer(r"__global__([^{]*)\{", text):
             signature = re.sub(r"__launch_bounds__\([^)]*\)", "", match.group(1))
             name = re.search(r"(\w+)\s*\(", signature).group(1)
-            assert text[match.end():].lstrip().startswith("wait_for_previous();"), f"{path.name}: {name}"
+            body = text[match.end():].lstrip()
+            assert body.startswith(("wait_for_previous();", "wait_then_launch_next();")), f"{path.name}: {name}"
             kernels += 1
     assert kernels >= 36
 

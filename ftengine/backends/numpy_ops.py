@@ -60,7 +60,7 @@ def synchronize():
     pass
 
 
-def prepare_kernels(files, dtype_name: str):
+def prepare_kernels(files, dtype_name: str, *, head_dim: int):
     """Nothing to compile on the CPU."""
 
 

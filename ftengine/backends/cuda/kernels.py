@@ -56,9 +56,9 @@ FP8_KERNELS = ("quantize_rows", "add_bias_residual_layernorm_quantize", "add_bia
 # sampling.cu choose_sample (sm_90: a thread-block cluster per row): threads per block and the
 # most blocks of a cluster (a power of two)
 SAMPLE_THREADS, SAMPLE_CLUSTER_MAX = 256, 8
-# attention_sm90.cu (wgmma, head dim 64): queries per block (one warpgroup: two a block measured
+# attention_sm90.cu (wgmma): its head dim, queries per block (one warpgroup: two a block measured
 # slower at every shape, kernels_cu/dev/attention_wgmma.py) and keys per K/V tile
-VARLEN_WG_BLOCK_M, VARLEN_WG_KN = 64, 64
+VARLEN_WG_HEAD_DIM, VARLEN_WG_BLOCK_M, VARLEN_WG_KN = 64, 64, 64
 SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample", "mark_seen", "append_tokens",
                     "increment", "beam_logsumexp", "beam_candidates", "beam_select"]
 

@@ -21,8 +21,8 @@ from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATT
                       CHOICE_SLICE_MIN, CHOICE_SLICES_MAX, CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS,
                       GEMV_COLS, GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, ROW_ITEMS, SAMPLE_CLUSTER_MAX,
                       SAMPLE_THREADS, SKINNY_MIN_COLUMNS, SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_TILES, SOFTMAX_PER_LANE,
-                      SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VARLEN_WG_BLOCK_M, VARLEN_WG_KN, VECS,
-                      ArchKernel, kernel, launch_ex, prepare, skinny_name, varlen_mma_name)
+                      SOFTMAX_VEC, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM,
+                      VARLEN_WG_KN, VECS, ArchKernel, kernel, launch_ex, prepare, skinny_name, varlen_mma_name)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -100,11 +100,12 @@ def context() -> _Context:
     return ctx
 
 
-def prepare_kernels(files, dtype_name: str):
+def prepare_kernels(files, dtype_name: str, *, head_dim: int):
     """Compile the kernel modules a runner needs for one dtype (and the shared ones), in
     parallel, before its first launch; with the wgmma attention beside the fused attention where
-    the GPU runs it."""
-    if dtype_name != "fp32" and "attention_varlen.cu" in files and context().wgmma:
+    the GPU runs it and the model's head_dim is the one it takes."""
+    if (dtype_name != "fp32" and "attention_varlen.cu" in files and context().wgmma
+            and head_dim == VARLEN_WG_HEAD_DIM):
         files = (*files, "attention_sm90.cu")
     prepare(files, (CUDA_TYPES[np.dtype(STORAGE[dtype_name]).name],))
 
@@ -219,8 +220,9 @@ def _ctype(a) -> str:
 
 def _launch(file, kname, grid, block, args, shared_mem=0, cluster=None):
     """Launch a kernel on this thread's stream; inside a graph capture on sm_90+, as a programmatic
-    dependent launch (its scheduling overlaps the end of the kernel before it: about 0.25 us a
-    kernel on the H100), from Python the plain way (CuPy's launch costs the host less); with
+    dependent launch (scheduled while the kernel before it runs: at that kernel's end, or once it
+    has passed its wait where it starts with common.cuh's wait_then_launch_next, as the decode
+    step's kernels do), from Python the plain way (CuPy's launch costs the host less); with
     `cluster` (sm_90+), in thread-block clusters of those dimensions."""
     if _planning():
         return
@@ -514,8 +516,9 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
     general = bool(window or rel_bias is not None)
     if ct == "float":
         name, smem = f"varlen_attention_simt<{d}>", 0
-    elif d == 64 and not general and context().wgmma:  # wgmma: two stages of swizzled K and V tiles, the
-        # staged queries (rows of D + 8), 1024 bytes of alignment
+    elif d == VARLEN_WG_HEAD_DIM and not general and context().wgmma:
+        # wgmma: two stages of swizzled K and V tiles, the staged queries (rows of D + 8), 1024 bytes
+        # of alignment
         threads, block_m, file = 128, VARLEN_WG_BLOCK_M, "attention_sm90.cu"
         name, smem = f"varlen_attention_wgmma<{ct}>", (2 * 2 * VARLEN_WG_KN * d + block_m * (d + 8)) * 2 + 1024
     else:  # two stages of K and V tiles of KN rows of D + 8 elements; the general variant for windows
