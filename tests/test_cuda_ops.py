@@ -434,7 +434,6 @@ def test_varlen_attention_routes_head_dim_64_to_wgmma_on_sm90(cu, rng, monkeypat
     assert launches[4:] == ["varlen_attention_simt<64>"]
 
 
-
 def test_prepare_kernels_compiles_the_wgmma_attention_for_its_head_dim_only(cu, monkeypatch):
     """A runner's warm-up compiles attention_sm90.cu where the GPU runs it, for fp16/bf16 models of
     head dim 64 only (the one it takes: a model of another head dim never launches it)."""
@@ -445,6 +444,7 @@ def test_prepare_kernels_compiles_the_wgmma_attention_for_its_head_dim_only(cu, 
     for dtype, head_dim in [("fp16", 64), ("bf16", 64), ("fp16", 32), ("bf16", 128), ("fp32", 64)]:
         cu.prepare_kernels(("attention_varlen.cu",), dtype, head_dim=head_dim)
     assert compiled == [("attention_varlen.cu", "attention_sm90.cu")] * 2 + [("attention_varlen.cu",)] * 3
+
 
 ARCH_MODULE_RUN = """
 import hashlib
