@@ -39,8 +39,8 @@ CASES = [("greedy", 1, {}), ("greedy", 32, {}), ("topk", 32, {"do_sample": True,
          ("beam", 32, {"num_beams": 4})]
 TARGETS = {("greedy", 1): 0.15, ("topk", 32): 0.45, ("topp", 32): 0.5, ("beam", 1): 0.3}
 PREFILL_TARGETS = {(1, 512): 0.4, (32, 128): 1.6}
-PREFILL_OPS = ("matmul", "matmul_bias_gelu", "embed_positions", "layernorm", "residual_layernorm", "write_kv_cache",
-               "varlen_attention", "gather_rows", "mark_seen")
+PREFILL_OPS = ("matmul", "matmul_bias_gelu", "matmul_residual_layernorm", "embed_positions", "layernorm",
+               "residual_layernorm", "write_kv_cache", "varlen_attention", "gather_rows", "mark_seen")
 PROMPT, NEW = 32, 128
 CHOICE_MODES = [("greedy", {}), ("sample", {"do_sample": True}), ("top-k 40", {"do_sample": True, "top_k": 40}),
                 ("top-p 0.9", {"do_sample": True, "top_p": 0.9}),

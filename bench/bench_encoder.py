@@ -231,6 +231,8 @@ class RecordedOps:
             label = name
             if name in ("matmul", "matmul_bias_gelu"):
                 label = f"{name} {args[1].shape[1]}->{args[2].shape[0]}"
+            elif name == "matmul_residual_layernorm":  # arguments hidden, normed, x, weight, ...
+                label = f"{name} {args[2].shape[1]}->{args[3].shape[0]}"
             elif name == "matmul_fp8":
                 label = f"{name} {args[1].shape[1]}->{args[3].shape[0]}"
             elif name == "batched_matmul":

@@ -35,6 +35,10 @@ __device__ __forceinline__ void wait_then_launch_next() {
 #endif
 }
 
+// Whether two types are one (NVRTC has no <type_traits>).
+template <typename A, typename B> struct SameType { static constexpr bool value = false; };
+template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
+
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
@@ -207,6 +211,29 @@ __device__ __forceinline__ void layernorm_row(float (&v)[ITEMS][VEC], const bool
             load_floats<T, VEC>(b, beta + col);
             #pragma unroll
             for (int j = 0; j < VEC; ++j) v[k][j] = (v[k][j] - mean) * rstd * g[j] + b[j];
+        }
+}
+
+// v += w, rows held in registers (layout as load_row_sum's).
+template <int VEC, int ITEMS>
+__device__ __forceinline__ void add_rows(float (&v)[ITEMS][VEC], const float (&w)[ITEMS][VEC],
+                                         const bool (&valid)[ITEMS]) {
+    #pragma unroll
+    for (int k = 0; k < ITEMS; ++k)
+        if (valid[k]) {
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) v[k][j] += w[k][j];
+        }
+}
+
+// A row held in registers rounded to T's precision, as storing it and reading it back would.
+template <typename T, int VEC, int ITEMS>
+__device__ __forceinline__ void round_row(float (&v)[ITEMS][VEC], const bool (&valid)[ITEMS]) {
+    #pragma unroll
+    for (int k = 0; k < ITEMS; ++k)
+        if (valid[k]) {
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) v[k][j] = to_float(from_float<T>(v[k][j]));
         }
 }
 

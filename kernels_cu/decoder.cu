@@ -54,25 +54,32 @@ __global__ void add_bias_residual(T* out, const T* __restrict__ x, const T* __re
 }
 
 // hidden (T, E) += x + bias; normed = LayerNorm(hidden): a block's residual add fused with the
-// next LayerNorm (pre-LN GPT-2). One block per row, the row in registers.
-template <typename T, int VEC, int ITEMS>
-__global__ void residual_layernorm(T* hidden, T* __restrict__ normed, const T* __restrict__ x,
+// next LayerNorm (pre-LN GPT-2). One block per row, the row in registers. X float: x is SPLITS
+// slices of float partial sums (SPLITS, T, E) of a split product (gemv.cu skinny_mma), added in
+// slice order and rounded to T, as the product would have stored their sum.
+template <typename T, typename X, int SPLITS, int VEC, int ITEMS>
+__global__ void residual_layernorm(T* hidden, T* __restrict__ normed, const X* __restrict__ x,
                                    const T* __restrict__ bias, const T* __restrict__ gamma,
                                    const T* __restrict__ beta, int H, float eps) {
     wait_then_launch_next();
     __shared__ float scratch[32];
     const long base = (long)blockIdx.x * H;
-    float v[ITEMS][VEC];
+    float v[ITEMS][VEC], w[ITEMS][VEC];
     bool valid[ITEMS];
-    const T* const terms[3] = {x + base, bias, hidden + base};  // (x + bias) + hidden, as the reference
-    load_row_sum<T, VEC, ITEMS>(v, valid, terms, H);
+    const X* parts[SPLITS];
     #pragma unroll
-    for (int k = 0; k < ITEMS; ++k)
-        if (valid[k]) {
-            store_floats<T, VEC>(hidden + base + (threadIdx.x + k * blockDim.x) * VEC, v[k]);
-            #pragma unroll
-            for (int j = 0; j < VEC; ++j) v[k][j] = to_float(from_float<T>(v[k][j]));  // the stored, rounded sum
-        }
+    for (int s = 0; s < SPLITS; ++s) parts[s] = x + (s * (long)gridDim.x) * H + base;
+    load_row_sum<X, VEC, ITEMS, SPLITS>(v, valid, parts, H);
+    if constexpr (!SameType<X, T>::value) round_row<T, VEC, ITEMS>(v, valid);
+    const T* const terms[2] = {bias, hidden + base};  // (x + bias) + hidden, as the reference
+    #pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        const T* const term[1] = {terms[n]};
+        load_row_sum<T, VEC, ITEMS, 1>(w, valid, term, H);
+        add_rows<VEC, ITEMS>(v, w, valid);
+    }
+    store_row<T, VEC, ITEMS>(hidden + base, v, valid);
+    round_row<T, VEC, ITEMS>(v, valid);  // the stored, rounded sum
     layernorm_row_store<T, VEC, ITEMS>(normed + base, v, valid, gamma, beta, H, eps, scratch);
 }
 

@@ -81,8 +81,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(OutT* __restrict__ out, 
 // k pairs {2c, 2c + 1} and {2c + 8, 2c + 9}: one order of k for both operands (the dot product does
 // not care), so a fragment is one 16-byte load instead of four 4-byte ones. The warps' sums meet
 // in shared memory in fragment order and are added in warp order (the same result every run);
-// epilogue as gemv.
-// K a multiple of 32; x, W 16-byte aligned (ops.py checks). grid (ceil(N / (16 * TILES))), block WARPS * 32.
+// epilogue as gemv. A grid of S > 1 rows splits K into S slices (whole chunks): block row y sums
+// slice y alone into out + y * M * N (OutT float, no epilogue), partial sums that the kernel
+// reading the product adds up (decoder.cu residual_layernorm): more blocks for a narrow product.
+// K a multiple of 32; x, W 16-byte aligned (ops.py checks).
+// grid (ceil(N / (16 * TILES)), S), block WARPS * 32.
 // Reference: ftengine/backends/numpy_ops.py matmul, matmul_bias_gelu.
 
 #define SKINNY_ROWS 32
@@ -103,6 +106,9 @@ __global__ void __launch_bounds__(WARPS * 32) skinny_mma(OutT* __restrict__ out,
     __shared__ float partial[WARPS][VALUES][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int n0 = blockIdx.x * 16 * TILES, x_tiles = (M + 7) >> 3, chunks = K >> 5;
+    const int begin = (int)((long)chunks * blockIdx.y / gridDim.y);
+    const int end = (int)((long)chunks * (blockIdx.y + 1) / gridDim.y);
+    out += (long)blockIdx.y * M * N;
     const T* wp[TILES][2];
     bool w_in[TILES][2];
     #pragma unroll
@@ -132,7 +138,7 @@ __global__ void __launch_bounds__(WARPS * 32) skinny_mma(OutT* __restrict__ out,
         }
     }
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    for (int first = warp; first < chunks; first += UNROLL * WARPS) {
+    for (int first = begin + warp; first < end; first += UNROLL * WARPS) {
         uint4 wv[UNROLL][TILES][2], xv[UNROLL][XT];
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -141,11 +147,12 @@ __global__ void __launch_bounds__(WARPS * 32) skinny_mma(OutT* __restrict__ out,
             #pragma unroll
             for (int t = 0; t < TILES; ++t) {
                 #pragma unroll
-                for (int h = 0; h < 2; ++h) wv[u][t][h] = chunk < chunks && w_in[t][h] ? load_streaming(wp[t][h] + k) : zero;
+                for (int h = 0; h < 2; ++h)
+                    wv[u][t][h] = chunk < end && w_in[t][h] ? load_streaming(wp[t][h] + k) : zero;
             }
             #pragma unroll
             for (int j = 0; j < XT; ++j)
-                xv[u][j] = chunk < chunks && x_in[j] ? __ldg(reinterpret_cast<const uint4*>(xp[j] + k)) : zero;
+                xv[u][j] = chunk < end && x_in[j] ? __ldg(reinterpret_cast<const uint4*>(xp[j] + k)) : zero;
         }
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -182,4 +189,28 @@ __global__ void __launch_bounds__(WARPS * 32) skinny_mma(OutT* __restrict__ out,
         for (int k = 1; k < WARPS; ++k) sum += partial[k][v][l];
         out[(long)m * N + n] = from_float<OutT>(epilogue ? gelu(sum + to_float(bias[n]), epilogue - 1) : sum);
     }
+}
+
+
+
+// Asks the L2 to fetch four arrays (the weights of the kernels about to run) ahead of their
+// readers: launched on a branch of a captured graph beside them (ops.py prefetch_l2), each lane
+// issues bulk prefetches of PREFETCH_CHUNK bytes (sm_90+; elsewhere nothing). Arrays 16-byte
+// aligned, sizes whole 16-byte units (ops.py checks, rounds down). grid (4), block 32.
+
+#define PREFETCH_CHUNK 65536
+
+__global__ void prefetch_l2(const char* a0, long n0, const char* a1, long n1, const char* a2, long n2,
+                            const char* a3, long n3) {
+    wait_for_previous();  // launched the plain way (a no-op), as every kernel starts
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const char* const arrays[4] = {a0, a1, a2, a3};
+    const long sizes[4] = {n0, n1, n2, n3};
+    const char* a = arrays[blockIdx.x];
+    const long n = sizes[blockIdx.x];
+    for (long off = (long)threadIdx.x * PREFETCH_CHUNK; off < n; off += (long)blockDim.x * PREFETCH_CHUNK) {
+        const unsigned bytes = (unsigned)min((long)PREFETCH_CHUNK, n - off);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(a + off), "r"(bytes) : "memory");
+    }
+#endif
 }

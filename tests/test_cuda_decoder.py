@@ -8,6 +8,7 @@ from ftengine.backends import numpy_ops as ref
 from ftengine.checkpoint import load_gpt2_weights
 from ftengine.config import load_gpt2_config
 from ftengine.decoding.generate import GenerationParams, stream_tokens
+from ftengine.errors import DeviceError
 from ftengine.models.gpt2 import GPT2Runner
 from tests.test_cuda_ops import DTYPES, assert_close, assert_close_host, ints, poisoned, quantize
 from tests.tolerances import GPU_FP32_REL
@@ -51,6 +52,55 @@ def test_embed_layernorm_residual_gather(cu, rng, dtype, e):
     ref.residual_layernorm(hh, expected_normed, xh, biash, gh, bh, eps=1e-5)
     assert_close(cu, h, hh, dtype)
     assert_close(cu, normed, expected_normed, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n, splits", [(8, 768, 768, 2), (13, 3072, 768, 8), (32, 800, 200, 2), (20, 96, 1000, 2),
+                                             (9, 1536, 64, 4), (7, 768, 768, 1), (33, 768, 768, 1)])
+def test_matmul_residual_layernorm(cu, rng, dtype, m, k, n, splits):
+    """A product read by residual + LayerNorm: with K split into `splits` slices (16-bit operands;
+    gemv.cu's partial sums, added up by residual_layernorm) or (fewer or more rows than a split
+    takes, float32) matmul then residual_layernorm; against the NumPy twin fed the product as the
+    storage type holds it."""
+    splits = 1 if dtype == "fp32" else splits
+    assert cu.split_k(m, n, k, cu.storage_dtype(dtype)) == splits
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
+    (h, hh), (bias, biash), (g, gh), (b, bh) = (quantize(cu, rng.standard_normal(s), dtype)
+                                                for s in ((m, n), (n,), (n,), (n,)))
+    product, partials = poisoned(cu, (m, n), dtype), cu.empty((max(1, cu.partials_size(m, n)),), np.float32)
+    normed, expected_normed = poisoned(cu, (m, n), dtype), np.empty((m, n), np.float32)
+    cu.matmul_residual_layernorm(h, normed, x, w, bias, g, b, eps=1e-5, product=product, partials=partials)
+    stored = quantize(cu, xh.astype(np.float64) @ wh.T.astype(np.float64), dtype)[1]
+    ref.residual_layernorm(hh, expected_normed, stored, biash, gh, bh, eps=1e-5)
+    assert_close(cu, h, hh, dtype)
+    assert_close(cu, normed, expected_normed, dtype)
+    if splits > 1:
+        with pytest.raises(DeviceError, match=r"partials holds 7 float32 values; a split product"):
+            cu.matmul_residual_layernorm(h, normed, x, w, bias, g, b, eps=1e-5, product=product, partials=partials[:7])
+
+
+def test_prefetch_l2_runs_on_a_joined_branch_of_the_graph(cu, rng):
+    """prefetch_l2 inside a GraphCache capture forks a branch that the capture joins (the graph is
+    built and replays, results unchanged); outside a capture it launches nothing; more than four
+    arrays, or one not 16-byte aligned, are refused."""
+    x, xh = quantize(cu, rng.standard_normal((4, 256)), "fp16")
+    w, wh = quantize(cu, rng.standard_normal((300, 256)) / 16, "fp16")
+    out = poisoned(cu, (4, 300), "fp16")
+    graphs = cu.GraphCache()
+
+    def launches():
+        cu.prefetch_l2([w, x])
+        cu.matmul(out, x, w)
+    for _ in range(2):
+        graphs.run("product", launches)
+        assert_close(cu, out, xh @ wh.T, "fp16")
+    assert cu.context().branch_ends == []
+    cu.prefetch_l2([w, x])
+    assert cu.context().branch_ends == []
+    with pytest.raises(DeviceError, match="at most 4 arrays, got 5"):
+        cu.prefetch_l2([w] * 5)
+    with pytest.raises(DeviceError, match="array 1 does not start on a 16-byte boundary"):
+        cu.prefetch_l2([w, x.ravel()[1:]])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -539,6 +539,25 @@ def add_bias_residual(out, x, bias, residual):
     out[...] = x + bias + residual
 
 
+def partials_size(rows: int, n: int) -> int:
+    """0: matmul_residual_layernorm splits no product here."""
+    return 0
+
+
+def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials):
+    """hidden += x @ weight^T + bias; normed = LayerNorm(hidden), the product through `product`
+    (`partials` unused: see partials_size)."""
+    matmul(product, x, weight)
+    residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps)
+
+
+PREFETCH_ROWS = range(0)  # prefetch_l2 does nothing here
+
+
+def prefetch_l2(arrays):
+    """Nothing here (the CUDA backend's asks the L2 to fetch weights ahead of their readers)."""
+
+
 def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):
     """hidden (T, E) += x + bias; normed (T, E) = LayerNorm(hidden)."""
     hidden += x + bias

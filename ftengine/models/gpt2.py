@@ -59,6 +59,7 @@ class GPT2Runner:
         b, t = max_batch, max_batch * max_len  # a prefill may hold every sequence's whole prompt
         e, v = c.n_embd, c.vocab_size
         cache = b * c.n_head * max_len * c.head_dim
+        self.partials_size = max(1, ops.partials_size(t, e))  # a prefill's rows too
         table = {f"{kind}{i}": (cache, self.dtype) for i in range(c.n_layer) for kind in ("k", "v")}
         table.update({
             # prefill: ids, sequence index (-1: padding), position (T each), each prompt's last row (B),
@@ -69,6 +70,7 @@ class GPT2Runner:
             "qkv": (t * 3 * e, self.dtype),       # (T, 3E)
             "ctx": (t * e, self.dtype),           # (T, E)
             "proj": (t * e, self.dtype),          # (T, E)
+            "partials": (self.partials_size, np.float32),  # a split product's partial sums (ops.py)
             "inter": (t * c.n_inner, self.dtype),  # (T, I)
             "last": (b * e, self.dtype),          # (B, E): the rows whose logits are wanted
             "logits": (b * v, np.float32),        # (B, V)
@@ -118,18 +120,21 @@ class GPT2Runner:
         hidden, normed = ws.view("hidden", (t, e)), ws.view("normed", (t, e))
         qkv, ctx, proj = ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e)), ws.view("proj", (t, e))
         inter = ws.view("inter", (t, c.n_inner))
+        partials = ws.view("partials", (self.partials_size,))
         eps = c.layer_norm_epsilon
         ops.layernorm(normed, hidden, self.layers[0]["ln1_gamma"], self.layers[0]["ln1_beta"], eps=eps)
         for i, w in enumerate(self.layers):
             after = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            if after and t in ops.PREFETCH_ROWS:
+                ops.prefetch_l2([after[k] for k in ("qkv_weight", "attn_out_weight", "fc_weight", "proj_weight")])
             ops.matmul(qkv, normed, w["qkv_weight"])
             attend(i, qkv, ctx)
-            ops.matmul(proj, ctx, w["attn_out_weight"])
-            ops.residual_layernorm(hidden, normed, proj, w["attn_out_bias"], w["ln2_gamma"], w["ln2_beta"], eps=eps)
+            ops.matmul_residual_layernorm(hidden, normed, ctx, w["attn_out_weight"], w["attn_out_bias"], w["ln2_gamma"],
+                                          w["ln2_beta"], eps=eps, product=proj, partials=partials)
             ops.matmul_bias_gelu(inter, normed, w["fc_weight"], w["fc_bias"], form=c.gelu)
-            ops.matmul(proj, inter, w["proj_weight"])
             gamma, beta = (after["ln1_gamma"], after["ln1_beta"]) if after else self.ln_f
-            ops.residual_layernorm(hidden, normed, proj, w["proj_bias"], gamma, beta, eps=eps)
+            ops.matmul_residual_layernorm(hidden, normed, inter, w["proj_weight"], w["proj_bias"], gamma, beta, eps=eps,
+                                          product=proj, partials=partials)
 
     @staticmethod
     def _split_prefill_inputs(flat, t: int, n: int) -> tuple:

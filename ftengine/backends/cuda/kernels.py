@@ -48,6 +48,15 @@ GEMV_COLS, GEMV_WIDE_BLOCKS_PER_SM = (2, 4), 2
 # flight) for up to `rows` rows of x, chosen on the H100 by kernels_cu/dev/skinny_tiles.py
 SKINNY_ROWS, SKINNY_MIN_ROWS, SKINNY_MIN_COLUMNS = 32, 4, 16384
 SKINNY_TILES = {16: (1, 4, 4), 32: (4, 4, 2)}
+# skinny_mma with K split over the grid's rows, for a narrow product that residual_layernorm reads
+# (attention output, FFN down: ops.py matmul_residual_layernorm), SPLIT_MIN_ROWS .. SKINNY_ROWS rows:
+# float partial sums of SKINNY_SPLITS slices (the largest at most max(2, K / SPLIT_SLICE_K)); its
+# (tiles, warps, chunks in flight) for up to `rows` rows. H100, weights read from memory
+# (kernels_cu/dev/skinny_split.py), product + residual_layernorm at 32 rows against cuBLASLt's:
+# 768->768 5.42 against 6.05 us, 3072->768 7.19 against 8.31; at 8 rows 4.90 / 6.69 against 5.84 / 8.02
+SPLIT_MIN_ROWS, SPLIT_SLICE_K = 8, 384
+SKINNY_SPLITS = (2, 4, 8)
+SPLIT_TILES = {8: (1, 8, 2), 32: (2, 8, 2)}
 # sampling.cu token choice: threads per block, the most slices per row, the fewest tokens a slice
 # gets, histogram bins and the u64 words of a row's state (the bins and 8 words)
 CHOICE_THREADS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN = 256, 64, 1024
@@ -71,9 +80,9 @@ def varlen_mma_name(ctype: str, d: int, general: bool, tiles: str) -> str:
     return f"varlen_attention_mma<{ctype}, {d}, {'true' if general else 'false'}, {warps}, {mt}, {kn}, {min_blocks}>"
 
 
-def skinny_name(ctype: str, out_ctype: str, rows: int) -> str:
-    """The skinny_mma instantiation for up to `rows` rows of x (a SKINNY_TILES key)."""
-    tiles, warps, unroll = SKINNY_TILES[rows]
+def skinny_name(ctype: str, out_ctype: str, tiles: tuple) -> str:
+    """The skinny_mma instantiation of `tiles` (a SKINNY_TILES or SPLIT_TILES value)."""
+    tiles, warps, unroll = tiles
     return f"skinny_mma<{ctype}, {out_ctype}, {tiles}, {warps}, {unroll}>"
 
 
@@ -95,6 +104,13 @@ def _vec_variants(kernel: str, t: str) -> list[str]:
     return [f"{kernel}<{t}, {v}>" for v in VECS[t]]
 
 
+def _residual_layernorm_variants(t: str) -> list[str]:
+    """decoder.cu residual_layernorm: after a plain product, and (16-bit types) after a split one of
+    each SKINNY_SPLITS count."""
+    xs = [(t, 1)] + ([] if t == "float" else [("float", s) for s in SKINNY_SPLITS])
+    return [f"residual_layernorm<{t}, {x}, {s}, {v}, {i}>" for x, s in xs for v in VECS[t] for i in ROW_ITEMS]
+
+
 FAMILIES = {
     "embedding.cu": lambda t: _row_variants("embed_layernorm", t),
     "layernorm.cu": lambda t: _row_variants("add_bias_residual_layernorm", t),
@@ -108,14 +124,15 @@ FAMILIES = {
                                        if tiles == "narrow" or d <= 64]),
     "pooling.cu": lambda t: [f"pool<{t}>", f"pool_packed<{t}>"],
     "decoder.cu": lambda t: (_vec_variants("embed_positions", t) + _row_variants("layernorm", t)
-                             + _vec_variants("add_bias_residual", t) + _row_variants("residual_layernorm", t)
+                             + _vec_variants("add_bias_residual", t) + _residual_layernorm_variants(t)
                              + _vec_variants("write_kv_cache", t) + _vec_variants("cached_attention", t)
                              + _vec_variants("gather_rows", t)),
     "sampling.cu": lambda t: [],
     "gemv.cu": lambda t: ([f"gemv<{t}, {o}, {v}, {c}>" for o in dict.fromkeys((t, "float")) for v in VECS[t]
                            for c in GEMV_COLS]
-                          + ([] if t == "float" else [skinny_name(t, o, rows) for o in (t, "float")
-                                                      for rows in SKINNY_TILES])),
+                          + ([] if t == "float" else [skinny_name(t, o, tiles) for o in (t, "float")
+                                                      for tiles in SKINNY_TILES.values()]
+                             + [skinny_name(t, "float", tiles) for tiles in SPLIT_TILES.values()])),
     # dtype fp8: fp16 activations, e4m3 product operands (sm_89+)
     "fp8.cu": lambda t: ([n for k in FP8_KERNELS for n in _row_variants(k, t)] if t == "__half" else []),
     # wgmma (sm_90a: ARCH_SPECIFIC)
@@ -129,7 +146,7 @@ ARCH_SPECIFIC = {"attention_sm90.cu": ("sm_90a", (9, 0), ("attention_varlen.cu",
 # file -> kernels every dtype uses (not templated on the element type): one module of their own,
 # so that an fp16 run never compiles the fp32 instantiations (the fp32 varlen attention alone
 # takes 17 s to compile on an H100)
-SHARED = {"pooling.cu": ["l2_normalize<float>"], "sampling.cu": SAMPLING_KERNELS,
+SHARED = {"pooling.cu": ["l2_normalize<float>"], "sampling.cu": SAMPLING_KERNELS, "gemv.cu": ["prefetch_l2"],
           "activation.cu": ["add_bias_act<float>"]}
 SHARED_KEY = "shared"
 
