@@ -56,12 +56,12 @@ def test_embed_layernorm_residual_gather(cu, rng, dtype, e):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, k, n, splits", [(8, 768, 768, 2), (13, 3072, 768, 8), (32, 800, 200, 2), (20, 96, 1000, 2),
-                                             (9, 1536, 64, 4), (7, 768, 768, 1), (33, 768, 768, 1)])
+                                             (9, 1536, 64, 4), (7, 768, 768, 1), (33, 768, 768, 1), (16, 256, 100, 1)])
 def test_matmul_residual_layernorm(cu, rng, dtype, m, k, n, splits):
     """A product read by residual + LayerNorm: with K split into `splits` slices (16-bit operands;
     gemv.cu's partial sums, added up by residual_layernorm) or (fewer or more rows than a split
-    takes, float32) matmul then residual_layernorm; against the NumPy twin fed the product as the
-    storage type holds it."""
+    takes, N not a multiple of 8, float32) matmul then residual_layernorm; against the NumPy twin
+    fed the product as the storage type holds it."""
     splits = 1 if dtype == "fp32" else splits
     assert cu.split_k(m, n, k, cu.storage_dtype(dtype)) == splits
     (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))

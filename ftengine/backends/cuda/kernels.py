@@ -105,10 +105,11 @@ def _vec_variants(kernel: str, t: str) -> list[str]:
 
 
 def _residual_layernorm_variants(t: str) -> list[str]:
-    """decoder.cu residual_layernorm: after a plain product, and (16-bit types) after a split one of
-    each SKINNY_SPLITS count."""
-    xs = [(t, 1)] + ([] if t == "float" else [("float", s) for s in SKINNY_SPLITS])
-    return [f"residual_layernorm<{t}, {x}, {s}, {v}, {i}>" for x, s in xs for v in VECS[t] for i in ROW_ITEMS]
+    """decoder.cu residual_layernorm: after a plain product, and (16-bit types, rows of whole 16-byte
+    vectors) after a split one of each SKINNY_SPLITS count."""
+    plain = [f"residual_layernorm<{t}, {t}, 1, {v}, {i}>" for v in VECS[t] for i in ROW_ITEMS]
+    split = [f"residual_layernorm<{t}, float, {s}, {VECS[t][0]}, {i}>" for s in SKINNY_SPLITS for i in ROW_ITEMS]
+    return plain + ([] if t == "float" else split)
 
 
 FAMILIES = {

@@ -720,8 +720,10 @@ def add_bias_residual(out, x, bias, residual):
 def split_k(m: int, n: int, k: int, dtype) -> int:
     """How many K slices matmul_residual_layernorm splits an m x k @ (n x k)^T product of dtype
     into (1: none): SPLIT_MIN_ROWS .. SKINNY_ROWS rows of 16-bit operands, a narrow product (below
-    SKINNY_MIN_COLUMNS), K a multiple of 32 with 32 or more per slice."""
-    if np.dtype(dtype) == np.float32 or not SPLIT_MIN_ROWS <= m <= SKINNY_ROWS or n >= SKINNY_MIN_COLUMNS or k % 32:
+    SKINNY_MIN_COLUMNS) of whole 16-byte vectors (N a multiple of 8: the reader's instantiations),
+    K a multiple of 32 with 32 or more per slice."""
+    if (np.dtype(dtype) == np.float32 or not SPLIT_MIN_ROWS <= m <= SKINNY_ROWS or n >= SKINNY_MIN_COLUMNS
+            or n % 8 or k % 32):
         return 1
     most = max(2, k // SPLIT_SLICE_K)
     return max((s for s in SKINNY_SPLITS if s <= most and 32 * s <= k), default=1)
@@ -736,9 +738,11 @@ def partials_size(rows: int, n: int) -> int:
 def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials):
     """hidden += x @ weight^T + bias; normed = LayerNorm(hidden), as matmul into `product` (M, N)
     then residual_layernorm. Where split_k splits the product: gemv.cu skinny_mma sums each K slice
-    into `partials` (float32, partials_size elements at least), residual_layernorm adds them up."""
+    into `partials` (float32, partials_size elements at least), residual_layernorm adds them up
+    (rows of whole 16-byte vectors: see split_k)."""
     (m, k), n = x.shape, weight.shape[0]
     splits = split_k(m, n, k, x.dtype)
+    vec, items, threads = _row_kernel_shape(hidden, n)
     if splits == 1 or weight.dtype != x.dtype or x.data.ptr % 16 or weight.data.ptr % 16:
         matmul(product, x, weight)
         residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps)
@@ -750,7 +754,6 @@ def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, e
     tiles = SPLIT_TILES[min(r for r in SPLIT_TILES if r >= m)]
     _launch("gemv.cu", skinny_name(_ctype(x), "float", tiles), (-(-n // (16 * tiles[0])), splits),
             (32 * tiles[1],), _gemv_args(parts, x, weight, None, 0))
-    vec, items, threads = _row_kernel_shape(hidden, n)
     _launch("decoder.cu", f"residual_layernorm<{_ctype(hidden)}, float, {splits}, {vec}, {items}>", (m,), (threads,),
             (hidden, normed, parts, bias, gamma, beta, np.int32(n), np.float32(eps)))
 
