@@ -555,7 +555,8 @@ PREFETCH_ROWS = range(0)  # prefetch_l2 does nothing here
 
 
 def prefetch_l2(arrays):
-    """Nothing here (the CUDA backend's asks the L2 to fetch weights ahead of their readers)."""
+    """Nothing here (the CUDA backend's prefetch_l2 asks the L2 to fetch weights ahead of their
+    readers)."""
 
 
 def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):

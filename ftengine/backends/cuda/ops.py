@@ -742,7 +742,6 @@ def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, e
     (rows of whole 16-byte vectors: see split_k)."""
     (m, k), n = x.shape, weight.shape[0]
     splits = split_k(m, n, k, x.dtype)
-    vec, items, threads = _row_kernel_shape(hidden, n)
     if splits == 1 or weight.dtype != x.dtype or x.data.ptr % 16 or weight.data.ptr % 16:
         matmul(product, x, weight)
         residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps)
@@ -754,6 +753,7 @@ def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, e
     tiles = SPLIT_TILES[min(r for r in SPLIT_TILES if r >= m)]
     _launch("gemv.cu", skinny_name(_ctype(x), "float", tiles), (-(-n // (16 * tiles[0])), splits),
             (32 * tiles[1],), _gemv_args(parts, x, weight, None, 0))
+    vec, items, threads = _row_kernel_shape(hidden, n)
     _launch("decoder.cu", f"residual_layernorm<{_ctype(hidden)}, float, {splits}, {vec}, {items}>", (m,), (threads,),
             (hidden, normed, parts, bias, gamma, beta, np.int32(n), np.float32(eps)))
 
