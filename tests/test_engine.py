@@ -212,7 +212,10 @@ def test_dropped_encoder_stops_its_threads(st_model):
 def test_device_failure_fails_everything_once_and_refuses_more(st_model):
     """A runner that cannot be built (what a lost CUDA context looks like to the engine):
     every waiting request gets one clear DeviceError, new work is refused, nothing hangs."""
+    submitted = threading.Event()
+
     def broken_runner(**_):
+        submitted.wait(60)  # fails once every request is queued (else a late submit is refused at once)
         raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
 
     engine = EncodeEngine(tokenizer=Tokenizer(st_model, max_length=48), make_runner=broken_runner,
@@ -220,6 +223,7 @@ def test_device_failure_fails_everything_once_and_refuses_more(st_model):
                           type_vocab_size=2)
     options = EncodeOptions(("mean",), True, 4096)
     futures = [engine.submit(texts_for(i, 10), options) for i in range(5)]
+    submitted.set()
     for f in futures:
         with pytest.raises(DeviceError, match="the encoder failed and cannot be used any more: "
                                               "RuntimeError: cudaErrorIllegalAddress"):
