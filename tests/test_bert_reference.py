@@ -93,8 +93,13 @@ def test_packed_layout_needs_supported_head_dim(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_token_id_outside_vocab_is_refused(tmp_path, layout):
+@pytest.mark.parametrize("field, bad", [("token id", "past"), ("token id", -1), ("token type", "past"),
+                                        ("token type", -1)])
+def test_token_outside_its_table_is_refused(tmp_path, layout, field, bad):
     runner = _runner(write_bert_checkpoint(tmp_path, **CONFIGS["head-dim-32"][0]), layout)
-    batch = Batch.from_lists([[2, 3], [2, runner.config.vocab_size, 3]], [[0, 0], [0, 0, 0]])
-    with pytest.raises(Exception, match=r"token id \d+ \(sequence 1, position 1\) is outside 0\.\.\d+"):
-        runner.hidden_states(batch)
+    c = runner.config
+    value = (c.vocab_size if field == "token id" else c.type_vocab_size) if bad == "past" else bad
+    ids, types = [[2, 3], [2, 4, 3]], [[0, 0], [0, 0, 0]]
+    (ids if field == "token id" else types)[1][1] = value
+    with pytest.raises(Exception, match=rf"{field} {value} \(sequence 1, position 1\) is outside 0\.\.\d+"):
+        runner.hidden_states(Batch.from_lists(ids, types))

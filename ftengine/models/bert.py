@@ -87,19 +87,22 @@ class Batch:
         return [rows[a:a + n] for a, n in zip(self.starts, self.lengths)]
 
 
-def position_ids(batch: Batch, config: BertConfig) -> np.ndarray:
+def position_ids(batch: Batch, config: BertConfig, starts=None) -> np.ndarray:
     """(T,) int32: the position-table row of every token. Token i of a sequence reads row
     i + position_offset; RoBERTa and MPNet number positions as transformers does, from the ids: a
     pad id inside a sequence (a text holding the literal pad token) reads row pad_token_id and
-    is not counted."""
-    within = np.arange(len(batch.ids)) - np.repeat(batch.starts, batch.lengths)
+    is not counted. starts: batch.starts where the caller has them."""
+    starts = batch.starts if starts is None else starts
+    if len(starts) == 1 and not config.position_offset:
+        return np.arange(len(batch.ids), dtype=np.int32)
+    within = np.arange(len(batch.ids)) - np.repeat(starts, batch.lengths)
     if not config.position_offset:
         return within.astype(np.int32)
     counted = batch.ids != config.pad_token_id
     if counted.all():
         return (within + config.position_offset).astype(np.int32)
     running = np.cumsum(counted)
-    before = np.repeat(running[batch.starts] - counted[batch.starts], batch.lengths)  # counted before each sequence
+    before = np.repeat(running[starts] - counted[starts], batch.lengths)  # counted before each sequence
     return np.where(counted, running - before + config.pad_token_id, config.pad_token_id).astype(np.int32)
 
 
@@ -169,6 +172,14 @@ def bucket_padded(b: int, s: int, *, max_seq_len: int, max_batch_tokens: int) ->
     return max(b, min(b_pad, max_batch_tokens // s_pad)), s_pad
 
 
+def _below(values: np.ndarray, limit: int) -> bool:
+    """Whether every value lies in 0..limit - 1: one reduction over int32 values (a negative one
+    read as unsigned is past any limit), two over others."""
+    if values.dtype == np.int32:
+        return values.size == 0 or int(values.view(np.uint32).max()) < limit
+    return values.size == 0 or (values.min() >= 0 and values.max() < limit)
+
+
 def bucket_packed(t: int, b: int, s: int, *, max_batch_tokens: int, max_seq_len: int) -> tuple[int, int, int]:
     """(tokens, sequences, longest) a packed batch runs at: tokens up to a multiple of 64 to
     512, then up a ladder of steps of about 19% (2^(1/4)); sequences up to a power of two;
@@ -184,13 +195,16 @@ def bucket_packed(t: int, b: int, s: int, *, max_batch_tokens: int, max_seq_len:
     return t_pad, b_pad, min(_round_up(s, 64), max_seq_len)
 
 
-def run_shape(layout: str, lengths: np.ndarray, *, max_batch_tokens: int, max_seq_len: int) -> tuple:
-    """The bucketed shape (tokens, sequences, longest) a batch of these lengths runs at."""
-    b, s = len(lengths), int(lengths.max())
+def run_shape(layout: str, lengths: np.ndarray, *, max_batch_tokens: int, max_seq_len: int,
+              totals: tuple = ()) -> tuple:
+    """The bucketed shape (tokens, sequences, longest) a batch of these lengths runs at; totals:
+    their (sum, max) where the caller has them."""
+    b = len(lengths)
+    total, s = totals or (int(lengths.sum()), int(lengths.max()))
     if layout == "padded":
         bp, sp = bucket_padded(b, s, max_seq_len=max_seq_len, max_batch_tokens=max_batch_tokens)
         return bp * sp, bp, sp
-    return bucket_packed(int(lengths.sum()), b, s, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len)
+    return bucket_packed(total, b, s, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len)
 
 
 def fits(layout: str, count: int, total: int, longest: int, *, max_batch_tokens: int, max_seq_len: int) -> bool:
@@ -328,25 +342,28 @@ class BertRunner:
         return fits(self.layout, count, total, longest, max_batch_tokens=self.max_batch_tokens,
                     max_seq_len=self.max_seq_len)
 
-    def check(self, batch: Batch):
-        """Validate a batch on the host before any kernel indexes memory with it."""
+    def check(self, batch: Batch) -> tuple:
+        """Validate a batch on the host before any kernel indexes memory with it. Returns its
+        (tokens, longest)."""
         c = self.config
         lengths = batch.lengths
         if len(lengths) == 0 or lengths.min() < 1:
             raise InputError("every sequence needs at least one token")
-        if not self.fits(len(lengths), int(lengths.sum()), int(lengths.max())):
+        total, longest = int(lengths.sum()), int(lengths.max())
+        if not self.fits(len(lengths), total, longest):
             raise InputError(
-                f"batch of {len(lengths)} sequences, {int(lengths.sum())} tokens, longest {int(lengths.max())}, "
+                f"batch of {len(lengths)} sequences, {total} tokens, longest {longest}, "
                 f"exceeds this runner's limits (max_batch_tokens {self.max_batch_tokens}, max_seq_len {self.max_seq_len})"
             )
         for values, limit, what in ((batch.ids, c.vocab_size, "token id"), (batch.token_types, c.type_vocab_size, "token type")):
-            if values.min() >= 0 and values.max() < limit:  # two reductions; the search only on a bad batch
+            if _below(values, limit):  # the search only on a bad batch
                 continue
             bad = np.flatnonzero((values < 0) | (values >= limit))
             if bad.size:
                 seq = int(np.searchsorted(batch.starts, bad[0], side="right")) - 1
                 raise InputError(f"{what} {values[bad[0]]} (sequence {seq}, position {bad[0] - batch.starts[seq]}) "
                                  f"is outside 0..{limit - 1}")
+        return total, longest
 
     def _inputs(self, t: int, b: int):
         """Views of "inputs" for t tokens and b sequences: ids, types, positions (t each),
@@ -358,8 +375,9 @@ class BertRunner:
         """Check the batch, lay it out at its bucketed shape (ids, token types, position rows,
         lengths, offsets) and copy it, in one transfer, into the fixed device buffer. Returns
         the shape (tokens, sequences, longest)."""
-        self.check(batch)
-        t, b, s = self.run_shape(batch)
+        totals = self.check(batch)
+        t, b, s = run_shape(self.layout, batch.lengths, max_batch_tokens=self.max_batch_tokens,
+                            max_seq_len=self.max_seq_len, totals=totals)
         st = self.staging[self._slot, :3 * t + 2 * b + 1]
         self._slot ^= 1
         ids, types, positions, lengths, cu_seqlens = (st[:t], st[t:2 * t], st[2 * t:3 * t], st[3 * t:3 * t + b],
@@ -371,14 +389,14 @@ class BertRunner:
             ids[:], types[:], positions[:] = pid.reshape(-1), ptype.reshape(-1), ppos.reshape(-1)
             lengths[:] = plen
         else:  # tokens past the last sequence (batch padding): pad ids, type 0, the first position row
-            n = len(batch.ids)
+            n, count = totals[0], len(batch.lengths)
             ids[:n], ids[n:] = batch.ids, self.config.pad_token_id
             types[:n], types[n:] = batch.token_types, 0
-            positions[:n], positions[n:] = position_ids(batch, self.config), first
-            lengths.fill(0)
-            lengths[:len(batch.lengths)] = batch.lengths
+            lengths[:count], lengths[count:] = batch.lengths, 0
         cu_seqlens[0] = 0
         np.cumsum(lengths, out=cu_seqlens[1:])
+        if self.layout != "padded":  # positions from the sequences' offsets, just summed
+            positions[:n], positions[n:] = position_ids(batch, self.config, starts=cu_seqlens[:count]), first
         self.ops.copy_from_host(self.ws.view("inputs", (3 * t + 2 * b + 1,)), st)
         return t, b, s
 

@@ -12,6 +12,7 @@ chosen tokens (or beam flags) every few steps.
 
 from __future__ import annotations
 
+from itertools import chain
 from types import SimpleNamespace
 
 import numpy as np
@@ -146,7 +147,9 @@ class GPT2Runner:
         ops, c, ws = self.ops, self.config, self.ws
         d_ids, d_seq, d_pos, rows, cu_seqlens = self._split_prefill_inputs(
             ws.view("prefill_inputs", (3 * t + 2 * n + 1,)), t, n)
-        ops.mark_seen(ws.view("seen", (self.max_batch, c.vocab_size)), d_ids, d_seq)
+        seen = ws.view("seen", (self.max_batch, c.vocab_size))
+        ops.zero(seen)
+        ops.mark_seen(seen, d_ids, d_seq)
         ops.embed_positions(ws.view("hidden", (t, c.n_embd)), d_ids, d_pos, self.wte, self.wpe)
 
         def attend(i, qkv, ctx):
@@ -185,7 +188,7 @@ class GPT2Runner:
             raise InputError("every prompt needs at least one token")
         if lengths.max() > self.max_len:
             raise InputError(f"a prompt of {lengths.max()} tokens exceeds this runner's max_len {self.max_len}")
-        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
+        ids = np.fromiter(chain.from_iterable(prompts), np.int64, int(lengths.sum()))
         self._check_ids(ids)
         real, count, longest = len(ids), len(prompts), int(lengths.max())
         t, n, s = real, count, longest
@@ -202,7 +205,6 @@ class GPT2Runner:
         rows[:count] = ends - 1
         cu_seqlens[1:count + 1], cu_seqlens[count + 1:] = ends, real
         self._upload("prefill_inputs", inputs)
-        self.ops.zero(self.ws.view("seen", (self.max_batch * self.config.vocab_size,)))
         self.prefill_graphs.run((t, n, s), lambda: self._prefill_launches(t, n, s))
 
     def _check_ids(self, ids):

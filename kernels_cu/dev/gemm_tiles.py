@@ -16,6 +16,18 @@ main loop), and the GELU epilogue is not overlapped with other tiles' products. 
 needed: a persistent kernel whose producer fills the next tile while the consumers finish one,
 epilogues ping-ponged between the consumer warpgroups, larger tiles or TMA multicast.
 
+The persistent kernel (candidate ("p", stages, 1): gemm_wgmma_persistent, 128 x 256 tiles, one
+m64n256k16 accumulator per consumer warpgroup, the producer running ahead across tiles), measured
+on the H100 on 2026-11-24, is slower still: plain 32,768 x 2,304 x 768 270-275 us against cuBLASLt's
+157, 32,768 x 3,072 x 768 358 us against 207 (the best of the candidates only at 3,072 -> 768: 261
+against 209); with the bias alone (a variant not kept) 485 us; with bias + erf GELU 900-940 us
+against 374-378 for cuBLASLt + the pass (the non-persistent (1, 3, 2) 612 in the same run). Two causes: its 128 x 256 tiles load 1.8 GB
+from the L2 for the 3,072-column product (5.1 TB/s at 358 us: the L2's bandwidth, where cuBLASLt's
+clusters share tiles by TMA multicast), and the epilogue (128 accumulators a thread, two warps per
+scheduler) runs latency-bound, not overlapped with any product. Next: a 2 x 1 cluster multicasting
+the weight tile, and the epilogue staged through shared memory by one warpgroup while the other
+multiplies (ping-pong).
+
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--out results.json]
 """
 
@@ -51,13 +63,20 @@ def tensor_map(a, box_cols: int, box_rows: int):
 
 
 def name(ctype, tiles):
+    if tiles[0] == "p":
+        return f"gemm_wgmma_persistent<{ctype}, {tiles[1]}>"
     return f"gemm_wgmma<{ctype}, {tiles[0]}, {tiles[1]}, {tiles[2]}>"
 
 
-def smem(itemsize, tiles):
-    return tiles[1] * (GEMM_BM + 128 * tiles[0]) * GEMM_BK * itemsize + 1024
+def columns(tiles) -> int:
+    """The tile's columns: 128 NI, or 256 for the persistent kernel."""
+    return 256 if tiles[0] == "p" else 128 * tiles[0]
 
-CANDIDATES = [(1, 3, 2), (1, 4, 1), (1, 6, 1), (2, 3, 1), (2, 4, 1)]
+
+def smem(itemsize, tiles):
+    return tiles[1] * (GEMM_BM + columns(tiles)) * GEMM_BK * itemsize + 1024
+
+CANDIDATES = [(1, 3, 2), (1, 4, 1), (1, 6, 1), (2, 3, 1), (2, 4, 1), ("p", 3, 1), ("p", 4, 1)]
 # (M, N, K, epilogue): 0 plain, 1 bias + erf GELU, 2 bias + tanh GELU
 CHECKS = [(1000, 3000, 760, 1), (129, 130, 72, 0), (300, 2304, 768, 2), (4096, 3072, 768, 1), (77, 512, 8, 1)]
 TIMED = [(32768, 3072, 768, 1), (4096, 3072, 768, 1), (1024, 3072, 768, 1), (512, 3072, 768, 1),
@@ -91,13 +110,15 @@ def main():
         size = smem(x.itemsize, cfg)
         if k_.max_dynamic_shared_size_bytes < size:
             k_.max_dynamic_shared_size_bytes = size
-        maps = [tensor_map(x, GEMM_BK, GEMM_BM), tensor_map(w, GEMM_BK, 128 * cfg[0])]
+        maps = [tensor_map(x, GEMM_BK, GEMM_BM), tensor_map(w, GEMM_BK, columns(cfg))]
         values = [ctypes.c_void_p(out.data.ptr), ctypes.c_void_p(bias.data.ptr)] + [
             ctypes.c_int32(v) for v in (m, n, k, epi)]
         pointers = [ctypes.addressof(values[0]), ctypes.addressof(values[1]), maps[0][1], maps[1][1]] + [
             ctypes.addressof(v) for v in values[2:]]
         params = (ctypes.c_void_p * len(pointers))(*pointers)
-        config = kernels._LaunchConfig((ctypes.c_uint * 3)(-(-n // (128 * cfg[0])), -(-m // GEMM_BM), 1),
+        tiles = (-(-n // columns(cfg)), -(-m // GEMM_BM), 1)
+        grid = (min(ctx.sm_count, tiles[0] * tiles[1]), 1, 1) if cfg[0] == "p" else tiles
+        config = kernels._LaunchConfig((ctypes.c_uint * 3)(*grid),
                                        (ctypes.c_uint * 3)(GEMM_THREADS, 1, 1), size, ctx.stream.ptr, None, 0)
         status = kernels._launch_kernel_ex()(ctypes.byref(config), k_.kernel.ptr, params, None)
         assert status == 0, f"cuLaunchKernelEx: CUresult {status}"
