@@ -105,7 +105,9 @@ __device__ __forceinline__ float from_order_key(unsigned k) {
 __device__ __forceinline__ float gelu(float v, int form) {
     if (form == 0) {
         const float a = fabsf(v);
-        const float t = __frcp_rn(fmaf(0.2316418883f, a, 1.0f));  // p / sqrt(2), p = 0.3275911
+        float t;  // 1 / (1 + p z), p / sqrt(2) = 0.2316..: the approximate reciprocal (within an ulp;
+                  // the denominator is at least 1), which unlike __frcp_rn has no slow path to branch to
+        asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(t) : "f"(fmaf(0.2316418883f, a, 1.0f)));
         float m = fmaf(t, 0.5307027145f, -0.7265760135f);           // c5 / 2, c4 / 2
         m = fmaf(m, t, 0.7107068705f);                              // c3 / 2
         m = fmaf(m, t, -0.142248368f);                              // c2 / 2
