@@ -95,35 +95,37 @@ __device__ __forceinline__ void fence_registers(float (&d)[R]) {
 
 // d (64 x 256, fp32) += A (64 x 16) B (16 x 256), as WGMMA_M64N128K16 with twice the columns:
 // fragment i of thread t: row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
-#define WGMMA_M64N256K16(TYPE)                                                                                                     \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                                     \
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " "                                                  \
-                 "{"                                                                                                               \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                          \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                                \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                                \
-                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                                \
-                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                                \
-                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                    \
-                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "               \
-                 "%128, %129, p, 1, 1, 0, 0;\n}\n"                                                                                 \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),         \
-                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),         \
-                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),         \
-                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),         \
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),         \
-                   "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),         \
-                   "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),         \
-                   "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),         \
-                   "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),         \
-                   "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),     \
-                   "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-                   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-                   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
+#define WGMMA_M64N256K16(TYPE)                                                                                         \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                         \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"                                     \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                              \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                    \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                    \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                    \
+                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                    \
+                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                    \
+                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "        \
+                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "   \
+                 "%128, %129, p, 1, 1, 0, 0;\n}\n"                                                                     \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),                 \
+                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),             \
+                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),          \
+                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),          \
+                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),          \
+                   "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),          \
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),          \
+                   "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),          \
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),          \
+                   "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),          \
+                   "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),          \
+                   "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),          \
+                   "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),          \
+                   "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),          \
+                   "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),     \
+                   "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),   \
+                   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),   \
+                   "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),   \
+                   "+f"(d[126]), "+f"(d[127])                                                                          \
                  : "l"(a), "l"(b), "r"(1))
 
 // Wgmma<T>::run(d, a, b): the m64n128k16 product for 64 accumulators, m64n256k16 for 128.
@@ -146,12 +148,13 @@ template <> struct Wgmma<__nv_bfloat16> {
 };
 
 // Stage s's barriers: full[s] (the producer's arrival + the copies' bytes) and empty[s] (one
-// arrival per consumer warp); by thread 0, before the block's first __syncthreads.
+// arrival per consumer warp of each of the `blocks` blocks whose copies fill the stage); by
+// thread 0, before the block's (or the cluster's) first barrier.
 template <int STAGES>
-__device__ __forceinline__ void init_stage_barriers(unsigned full, unsigned empty) {
+__device__ __forceinline__ void init_stage_barriers(unsigned full, unsigned empty, int blocks = 1) {
     for (int s = 0; s < STAGES; ++s) {
         mbar_init(full + 8 * s, 1);
-        mbar_init(empty + 8 * s, 8);
+        mbar_init(empty + 8 * s, 8 * blocks);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
@@ -174,28 +177,41 @@ __device__ __forceinline__ int produce_tile(int it, int k_steps, int m0, int n0,
 }
 
 // The epilogue of J x 8 columns from col0 of a thread's accumulator fragments (layout as
-// WGMMA_M64N128K16's, J = 16 per 128 columns), rows row0 and row0 + 8: + bias and GELU (epilogue
-// > 0), rounded once to T; rows past M and columns past N are not stored (N is even).
+// WGMMA_M64N128K16's, J = 16 per 128 columns), rows row0 and row0 + 8: + the tile's bias (sbias:
+// float, in shared memory, from col0) and GELU (epilogue > 0), rounded once to T; rows past M and
+// columns past N are not stored (N is even). Straight-line code but for the stores, so that the
+// GELUs of several fragments overlap (a bias load or a branch per fragment serialised them).
 template <typename T, int J>
-__device__ __forceinline__ void store_fragments(T* __restrict__ out, const T* __restrict__ bias, const float* acc,
-                                                int row0, int col0, int M, int N, int epilogue) {
+__device__ __forceinline__ void store_fragments(T* __restrict__ out, const float* sbias, const float* acc, int row0,
+                                                int col0, int M, int N, int epilogue) {
     #pragma unroll
     for (int j = 0; j < J; ++j) {
-        const int col = col0 + j * 8 + (threadIdx.x & 3) * 2;
-        if (col >= N) continue;
-        const float b0 = epilogue ? to_float(bias[col]) : 0.0f, b1 = epilogue ? to_float(bias[col + 1]) : 0.0f;
+        const int c = j * 8 + (threadIdx.x & 3) * 2, col = col0 + c;
+        const float b0 = sbias[c], b1 = sbias[c + 1];
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int row = row0 + 8 * h;
-            if (row >= M) continue;
             float v0 = acc[4 * j + 2 * h] + b0, v1 = acc[4 * j + 2 * h + 1] + b1;
             if (epilogue) {
                 v0 = gelu(v0, epilogue - 1);
                 v1 = gelu(v1, epilogue - 1);
             }
-            *reinterpret_cast<unsigned*>(out + (long)row * N + col) = pack2<T>(v0, v1);
+            const int row = row0 + 8 * h;
+            if (row < M && col < N) *reinterpret_cast<unsigned*>(out + (long)row * N + col) = pack2<T>(v0, v1);
         }
     }
+}
+
+// sbias[c] = bias[col0 + c] as float for c < count (0 past N or without an epilogue), by the
+// `threads` threads of a warpgroup or two (t: 0 .. threads - 1).
+template <typename T>
+__device__ __forceinline__ void stage_bias(float* sbias, const T* __restrict__ bias, int col0, int count, int N,
+                                           int epilogue, int t, int threads) {
+    for (int c = t; c < count; c += threads) sbias[c] = epilogue && col0 + c < N ? to_float(bias[col0 + c]) : 0.0f;
+}
+
+// A barrier of `threads` consumer threads (named barrier `id` > 0): the producer warp is not in it.
+__device__ __forceinline__ void consumers_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
 template <typename T, int NI, int STAGES, int MIN_BLOCKS>
@@ -224,6 +240,8 @@ __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS) gemm_wgmma(
         return;
     }
 
+    __shared__ float sbias[BN];
+    stage_bias(sbias, bias, n0, BN, N, epilogue, threadIdx.x, 256);
     const int wg = warp >> 2;  // the consumer warpgroup: tile rows 64 wg ..
     float acc[NI][64];
     #pragma unroll
@@ -250,73 +268,132 @@ __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS) gemm_wgmma(
     #pragma unroll
     for (int ni = 0; ni < NI; ++ni) fence_registers(acc[ni]);
 
+    consumers_sync(1, 256);  // sbias is complete
     const int row0 = m0 + wg * 64 + (warp & 3) * 16 + (lane >> 2);
     #pragma unroll
-    for (int ni = 0; ni < NI; ++ni) store_fragments<T, 16>(out, bias, acc[ni], row0, n0 + ni * 128, M, N, epilogue);
+    for (int ni = 0; ni < NI; ++ni)
+        store_fragments<T, 16>(out, sbias + ni * 128, acc[ni], row0, n0 + ni * 128, M, N, epilogue);
 }
 
-// The persistent form (gemm_tiles.py candidate ("p", STAGES, 1)): gridDim.x blocks (at most one
-// per SM) take the GEMM_BM x 256 tiles of out in turn (tile blockIdx.x, then every gridDim.x-th;
-// the 256-column tiles of a row band one after another, so that the blocks at work share their x
-// rows and the weights in the L2), each consumer warpgroup with one m64n256k16 accumulator. The
-// producer runs on through the tiles, STAGES steps ahead across a tile's end: while the consumers
-// apply the epilogue to one tile, the next tile's first steps arrive. Slower still (figures in
-// gemm_tiles.py): without TMA multicast its tile loads are bound by the L2's bandwidth, and the
-// epilogue (128 accumulators a thread, two warps per scheduler) is not overlapped with products.
-template <typename T, int STAGES>
+// The persistent form (gemm_tiles.py candidates ("p", STAGES, CLUSTER)): gridDim.x blocks (at most
+// one per SM) take the GEMM_BM x 256 tiles of out in turn, each consumer warpgroup with one
+// m64n256k16 accumulator. With CLUSTER 2, pairs of blocks (a thread-block cluster) take the two
+// row bands of a pair of tiles with the same columns: each block's producer copies its x tile
+// and half of the shared w tile, multicast into both blocks' shared memory, so the L2 serves
+// each w tile once per pair; a stage is refilled once the consumers of both blocks are done with
+// it (every consumer warp arrives on both blocks' empty barriers). Tiles (pairs) go in turn to the
+// blocks (clusters): tile blockIdx.x / CLUSTER, then every gridDim.x / CLUSTER-th, the 256-column
+// tiles of a row band one after another, so that the blocks at work share their x rows and the
+// weights in the L2. The producer runs on through the tiles, STAGES steps ahead across a tile's
+// end, so that while the consumers apply the epilogue to one tile, the next tile's first steps
+// arrive; the epilogue reads the tile's bias from shared memory (stage_bias: each warpgroup its
+// own, double-buffered).
+// grid: a multiple of CLUSTER blocks (cluster (CLUSTER, 1, 1)); w_map's box GEMM_BK x 256 / CLUSTER.
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// One arrival on the barrier at this block's offset `bar` in every block of the cluster (of
+// CLUSTER blocks; 1: this block's alone).
+template <int CLUSTER>
+__device__ __forceinline__ void mbar_arrive_all(unsigned bar) {
+    if constexpr (CLUSTER == 1)
+        mbar_arrive(bar);
+    else
+        for (unsigned q = 0; q < CLUSTER; ++q)
+            asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                         "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" :: "r"(bar), "r"(q) : "memory");
+}
+// tma_load into the same offset `dst` of every block of the cluster in `mask`, completing on
+// each one's barrier at offset `bar`.
+__device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaMap* map, int c0, int c1, unsigned bar,
+                                                   unsigned short mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;\n"
+                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+                 : "memory");
+}
+__device__ __forceinline__ void cluster_barrier() {
+    asm volatile("barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
+template <typename T, int STAGES, int CLUSTER>
 __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_wgmma_persistent(
         T* __restrict__ out,                   // (M, N)
         const T* __restrict__ bias,            // (N,), read when epilogue > 0
         const __grid_constant__ TmaMap x_map,  // x (M, K): box GEMM_BK x GEMM_BM
-        const __grid_constant__ TmaMap w_map,  // w (N, K): box GEMM_BK x 256
+        const __grid_constant__ TmaMap w_map,  // w (N, K): box GEMM_BK x 256 / CLUSTER
         int M, int N, int K, int epilogue) {
     wait_for_previous();
     constexpr int BN = 256;
     constexpr unsigned A_BYTES = GEMM_BM * GEMM_BK * sizeof(T), STAGE_BYTES = (GEMM_BM + BN) * GEMM_BK * sizeof(T);
+    constexpr unsigned W_PART = BN / CLUSTER * GEMM_BK * sizeof(T);  // one block's share of a w tile
     static_assert(GEMM_BK * sizeof(T) == 128, "a tile row is one 128-byte swizzle row");
+    static_assert(CLUSTER == 1 || CLUSTER == 2, "pairs at most");
     __shared__ __align__(8) unsigned long long barriers[2 * STAGES];  // full[STAGES] | empty[STAGES]
+    __shared__ float sbias[2][2][BN];  // per consumer warpgroup, per tile parity
     extern __shared__ unsigned char smem_raw[];
     const unsigned tiles = (smem_addr(smem_raw) + 1023u) & ~1023u;  // stage s: x tile | w tile
     const unsigned full = smem_addr(barriers), empty = full + 8 * STAGES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned rank = CLUSTER > 1 ? cluster_rank() : 0u;
     const int k_steps = (K + GEMM_BK - 1) / GEMM_BK;
-    const int n_tiles = (N + BN - 1) / BN, tile_count = n_tiles * ((M + GEMM_BM - 1) / GEMM_BM);
-    if (threadIdx.x == 0) init_stage_barriers<STAGES>(full, empty);
-    __syncthreads();
+    const int n_tiles = (N + BN - 1) / BN, bands = (M + GEMM_BM * CLUSTER - 1) / (GEMM_BM * CLUSTER);
+    const int work = n_tiles * bands, first = blockIdx.x / CLUSTER, stride = gridDim.x / CLUSTER;
+    if (threadIdx.x == 0) init_stage_barriers<STAGES>(full, empty, CLUSTER);
+    if (CLUSTER > 1) cluster_barrier();  // the peer's barriers are initialised before any copy or arrival
+    else __syncthreads();
 
     if (warp == 8) {  // the producer
         if (lane == 0) {
             int it = 0;
-            for (int tile = blockIdx.x; tile < tile_count; tile += gridDim.x)
-                it = produce_tile<STAGES, A_BYTES, STAGE_BYTES>(it, k_steps, tile / n_tiles * GEMM_BM,
-                                                                 tile % n_tiles * BN, tiles, full, empty, &x_map, &w_map);
+            for (int w = first; w < work; w += stride) {
+                const int m0 = ((w / n_tiles) * CLUSTER + rank) * GEMM_BM, n0 = w % n_tiles * BN;
+                for (int kt = 0; kt < k_steps; ++kt, ++it) {
+                    const int s = it % STAGES;
+                    if (it >= STAGES) mbar_wait(empty + 8 * s, (it / STAGES - 1) & 1);
+                    const unsigned a = tiles + s * STAGE_BYTES, bar = full + 8 * s;
+                    mbar_expect_tx(bar, STAGE_BYTES);  // the peer's share of w included
+                    tma_load(a, &x_map, kt * GEMM_BK, m0, bar);
+                    if (CLUSTER > 1)
+                        tma_load_multicast(a + A_BYTES + rank * W_PART, &w_map, kt * GEMM_BK, n0 + rank * (BN / CLUSTER),
+                                           bar, (unsigned short)((1u << CLUSTER) - 1));
+                    else
+                        tma_load(a + A_BYTES, &w_map, kt * GEMM_BK, n0, bar);
+                }
+            }
         }
-        return;
-    }
-
-    const int wg = warp >> 2;
-    float acc[128];
-    int it = 0;
-    for (int tile = blockIdx.x; tile < tile_count; tile += gridDim.x) {
-        const int m0 = tile / n_tiles * GEMM_BM, n0 = tile % n_tiles * BN;
-        #pragma unroll
-        for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-        fence_registers(acc);
-        for (int kt = 0; kt < k_steps; ++kt, ++it) {
-            const int s = it % STAGES;
-            mbar_wait(full + 8 * s, (it / STAGES) & 1);
-            const unsigned a = tiles + s * STAGE_BYTES + wg * 64 * 128, b = tiles + s * STAGE_BYTES + A_BYTES;
-            wgmma_fence();
+        __syncwarp();
+    } else {
+        const int wg = warp >> 2;
+        float acc[128];
+        int it = 0, local = 0;
+        for (int w = first; w < work; w += stride, ++local) {
+            const int m0 = ((w / n_tiles) * CLUSTER + rank) * GEMM_BM, n0 = w % n_tiles * BN;
+            float* bias_tile = sbias[wg][local & 1];
+            stage_bias(bias_tile, bias, n0, BN, N, epilogue, threadIdx.x & 127, 128);
             #pragma unroll
-            for (int k = 0; k < GEMM_BK / 16; ++k) Wgmma<T>::run(acc, wgmma_desc(a + 32 * k), wgmma_desc(b + 32 * k));
-            wgmma_commit();
-            wgmma_wait<1>();
-            if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+            for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+            fence_registers(acc);
+            for (int kt = 0; kt < k_steps; ++kt, ++it) {
+                const int s = it % STAGES;
+                mbar_wait(full + 8 * s, (it / STAGES) & 1);
+                const unsigned a = tiles + s * STAGE_BYTES + wg * 64 * 128, b = tiles + s * STAGE_BYTES + A_BYTES;
+                wgmma_fence();
+                #pragma unroll
+                for (int k = 0; k < GEMM_BK / 16; ++k) Wgmma<T>::run(acc, wgmma_desc(a + 32 * k), wgmma_desc(b + 32 * k));
+                wgmma_commit();
+                wgmma_wait<1>();
+                if (kt > 0 && lane == 0) mbar_arrive_all<CLUSTER>(empty + 8 * ((it - 1) % STAGES));
+            }
+            wgmma_wait<0>();
+            fence_registers(acc);
+            if (lane == 0) mbar_arrive_all<CLUSTER>(empty + 8 * ((it - 1) % STAGES));
+            consumers_sync(1 + wg, 128);  // this tile's bias is staged; the other buffer's readers are done
+            store_fragments<T, 32>(out, bias_tile, acc, m0 + wg * 64 + (warp & 3) * 16 + (lane >> 2), n0, M, N,
+                                   epilogue);
         }
-        wgmma_wait<0>();
-        fence_registers(acc);
-        if (lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
-
-        store_fragments<T, 32>(out, bias, acc, m0 + wg * 64 + (warp & 3) * 16 + (lane >> 2), n0, M, N, epilogue);
     }
+    if (CLUSTER > 1) cluster_barrier();  // no block leaves while its peer may still arrive on its barriers
 }

@@ -2,13 +2,15 @@
 (kernels_cu/dev/gemm_sm90.cu, sm_90a: TMA loads by a producer warp, two consumer warpgroups),
 checked and timed against what ftengine runs instead.
 
-Every (128-column wgmma tiles NI, stages, blocks per SM) candidate is first checked against NumPy
+Every candidate (gemm_wgmma's 128-column wgmma tiles NI, stages, blocks per SM; or "p",
+gemm_wgmma_persistent's stages and cluster size) is first checked against NumPy
 (float64) on shapes that are not multiples of its tiles (rows, columns and K tails), plain and with
 bias + GELU in both forms, fp16 and bf16, outputs poisoned; then timed on the encoders' products
 against cuBLASLt (its algorithm timed once per shape, as ops.matmul chooses it), followed by the
 bias + GELU pass for the FFN up-projection.
 
-Measured on the H100 (2026-11-23): every check passes, but no candidate beats cuBLASLt + the pass:
+Measured on the H100 (2026-11-23), the non-persistent kernel: every check passes, but no candidate
+beats cuBLASLt + the pass:
 BERT-base's up-projection at 32,768 rows 547 us against 382 (product 215 + pass 167); a plain
 3072 -> 768 product 252 against 225 us; K = 768 products about 400 TFLOP/s against cuBLASLt's 700.
 Non-persistent tiles pay the pipeline's fill and the epilogue per tile (about 0.77 of a K = 768
@@ -16,17 +18,25 @@ main loop), and the GELU epilogue is not overlapped with other tiles' products. 
 needed: a persistent kernel whose producer fills the next tile while the consumers finish one,
 epilogues ping-ponged between the consumer warpgroups, larger tiles or TMA multicast.
 
-The persistent kernel (candidate ("p", stages, 1): gemm_wgmma_persistent, 128 x 256 tiles, one
-m64n256k16 accumulator per consumer warpgroup, the producer running ahead across tiles), measured
-on the H100 on 2026-11-24, is slower still: plain 32,768 x 2,304 x 768 270-275 us against cuBLASLt's
-157, 32,768 x 3,072 x 768 358 us against 207 (the best of the candidates only at 3,072 -> 768: 261
-against 209); with the bias alone (a variant not kept) 485 us; with bias + erf GELU 900-940 us
-against 374-378 for cuBLASLt + the pass (the non-persistent (1, 3, 2) 612 in the same run). Two causes: its 128 x 256 tiles load 1.8 GB
-from the L2 for the 3,072-column product (5.1 TB/s at 358 us: the L2's bandwidth, where cuBLASLt's
-clusters share tiles by TMA multicast), and the epilogue (128 accumulators a thread, two warps per
-scheduler) runs latency-bound, not overlapped with any product. Next: a 2 x 1 cluster multicasting
-the weight tile, and the epilogue staged through shared memory by one warpgroup while the other
-multiplies (ping-pong).
+Measured on the H100 (2026-11-24), after three changes: the persistent kernel (candidates ("p",
+stages, cluster): gemm_wgmma_persistent, 128 x 256 tiles, one m64n256k16 accumulator per consumer
+warpgroup, the producer running ahead across tiles; cluster 2: pairs of blocks share each weight
+tile by TMA multicast), an epilogue in straight-line code reading the bias from shared memory
+(it had loaded the bias behind a branch per fragment, which serialised the fragments), and
+common.cuh's erf GELU on rcp.approx (its __frcp_rn slow path had serialised every GELU; the
+package's bias + GELU pass gained too). Every check passes. BERT-base's up-projection at 32,768
+rows, bias + erf GELU fused: ("p", 4, 1) 371 us, ("p", 4, 2) 388, (1, 3, 2) 431, against 346 for
+cuBLASLt (204) + the pass (142): 0.93x; at 4,096 rows 51.7 against 45.9; all-MiniLM-L6-v2's
+384 -> 1,536 at 32,768 rows 150 against 132. (Before the epilogue and GELU changes the fused
+products took 750-950 us.) What is left is the main loop: a plain 32,768 x 2,304 x 768 product
+runs 273-281 us (about 420 TFLOP/s) in every candidate, multicast or not, against cuBLASLt's 153-157
+(about 750). ncu on ("p", 4, 1) there: compute (SM) throughput 48%, L2 65%, L1 54%; stalls: short
+scoreboard 23% (the consumers polling their full barriers), named barriers 23%, wait 13%: the
+consumers wait for data. cuBLASLt runs nvjet_sm90_hsh_192x192_64x4_2x1_v_bz_coopB_TNN there
+(192 x 192 tiles, K steps of 64, 4 stages, 2 x 1 clusters, 384 threads, 168 registers, 213 KB of
+shared memory) at 78% compute throughput. A main loop at cuBLASLt's speed would make the fused
+product about 230 us (the epilogue's share measured here: 371 - 358 for the plain 3,072-column
+product), a third less than cuBLASLt + the pass.
 
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--out results.json]
 """
@@ -64,7 +74,7 @@ def tensor_map(a, box_cols: int, box_rows: int):
 
 def name(ctype, tiles):
     if tiles[0] == "p":
-        return f"gemm_wgmma_persistent<{ctype}, {tiles[1]}>"
+        return f"gemm_wgmma_persistent<{ctype}, {tiles[1]}, {tiles[2]}>"
     return f"gemm_wgmma<{ctype}, {tiles[0]}, {tiles[1]}, {tiles[2]}>"
 
 
@@ -76,9 +86,11 @@ def columns(tiles) -> int:
 def smem(itemsize, tiles):
     return tiles[1] * (GEMM_BM + columns(tiles)) * GEMM_BK * itemsize + 1024
 
-CANDIDATES = [(1, 3, 2), (1, 4, 1), (1, 6, 1), (2, 3, 1), (2, 4, 1), ("p", 3, 1), ("p", 4, 1)]
+# (NI, STAGES, MIN_BLOCKS) of gemm_wgmma; ("p", STAGES, CLUSTER) of gemm_wgmma_persistent
+CANDIDATES = [(1, 3, 2), (1, 4, 1), (2, 4, 1), ("p", 4, 1), ("p", 3, 2), ("p", 4, 2)]
 # (M, N, K, epilogue): 0 plain, 1 bias + erf GELU, 2 bias + tanh GELU
-CHECKS = [(1000, 3000, 760, 1), (129, 130, 72, 0), (300, 2304, 768, 2), (4096, 3072, 768, 1), (77, 512, 8, 1)]
+CHECKS = [(1000, 3000, 760, 1), (129, 130, 72, 0), (5000, 3072, 768, 1), (300, 600, 200, 0), (300, 2304, 768, 2),
+          (4096, 3072, 768, 1), (77, 512, 8, 1)]
 TIMED = [(32768, 3072, 768, 1), (4096, 3072, 768, 1), (1024, 3072, 768, 1), (512, 3072, 768, 1),
          (32768, 1536, 384, 1), (4096, 1536, 384, 1), (32768, 2304, 768, 0), (32768, 768, 3072, 0),
          (32768, 768, 768, 0), (4096, 768, 3072, 0)]
@@ -110,16 +122,21 @@ def main():
         size = smem(x.itemsize, cfg)
         if k_.max_dynamic_shared_size_bytes < size:
             k_.max_dynamic_shared_size_bytes = size
-        maps = [tensor_map(x, GEMM_BK, GEMM_BM), tensor_map(w, GEMM_BK, columns(cfg))]
+        cluster = cfg[2] if cfg[0] == "p" else 1
+        maps = [tensor_map(x, GEMM_BK, GEMM_BM), tensor_map(w, GEMM_BK, columns(cfg) // cluster)]
         values = [ctypes.c_void_p(out.data.ptr), ctypes.c_void_p(bias.data.ptr)] + [
             ctypes.c_int32(v) for v in (m, n, k, epi)]
         pointers = [ctypes.addressof(values[0]), ctypes.addressof(values[1]), maps[0][1], maps[1][1]] + [
             ctypes.addressof(v) for v in values[2:]]
         params = (ctypes.c_void_p * len(pointers))(*pointers)
-        tiles = (-(-n // columns(cfg)), -(-m // GEMM_BM), 1)
-        grid = (min(ctx.sm_count, tiles[0] * tiles[1]), 1, 1) if cfg[0] == "p" else tiles
-        config = kernels._LaunchConfig((ctypes.c_uint * 3)(*grid),
-                                       (ctypes.c_uint * 3)(GEMM_THREADS, 1, 1), size, ctx.stream.ptr, None, 0)
+        tiles = (-(-n // columns(cfg)), -(-m // (GEMM_BM * cluster)), 1)  # persistent: work items
+        grid = (cluster * min(ctx.sm_count // cluster, tiles[0] * tiles[1]), 1, 1) if cfg[0] == "p" else tiles
+        attributes = (kernels._Attribute * 1)()
+        attributes[0].id = kernels.CLUSTER_DIMENSION
+        attributes[0].value.dims[:] = (cluster, 1, 1)
+        config = kernels._LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(GEMM_THREADS, 1, 1), size,
+                                       ctx.stream.ptr, ctypes.cast(attributes, ctypes.POINTER(kernels._Attribute)),
+                                       int(cluster > 1))
         status = kernels._launch_kernel_ex()(ctypes.byref(config), k_.kernel.ptr, params, None)
         assert status == 0, f"cuLaunchKernelEx: CUresult {status}"
 
