@@ -34,7 +34,15 @@ runs 273-281 us (about 420 TFLOP/s) in every candidate, multicast or not, agains
 scoreboard 23% (the consumers polling their full barriers), named barriers 23%, wait 13%: the
 consumers wait for data. cuBLASLt runs nvjet_sm90_hsh_192x192_64x4_2x1_v_bz_coopB_TNN there
 (192 x 192 tiles, K steps of 64, 4 stages, 2 x 1 clusters, 384 threads, 168 registers, 213 KB of
-shared memory) at 78% compute throughput. A main loop at cuBLASLt's speed would make the fused
+shared memory) at 78% compute throughput. Variants of ("p", 4, 1) built by a scratch script
+(32,768 x 2,304 x 768, plain; cuBLASLt 157 us): as is 278 us; the copies alone (no products) 249;
+the products alone (the producer arriving without copying) 233; with ("p", 4, 2) 263 / 232 / 248.
+So neither half keeps up on its own: the copies of 128 x 256 tiles take about 200 us (the
+multicast saves a little), and the products, about 165 us at the tensor cores' rate, come with an
+epilogue that no product overlaps (its stores alone, 151 MB, about 50 us). What would be needed:
+the epilogue overlapped with the next tile's products (one consumer warpgroup's epilogue while
+the other multiplies, or TMA stores from shared memory), and tiles that load less per product
+(cuBLASLt's 192 x 192 in 2 x 1 clusters). A main loop at cuBLASLt's speed would make the fused
 product about 230 us (the epilogue's share measured here: 371 - 358 for the plain 3,072-column
 product), a third less than cuBLASLt + the pass.
 
