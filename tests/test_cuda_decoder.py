@@ -80,27 +80,33 @@ def test_matmul_residual_layernorm(cu, rng, dtype, m, k, n, splits):
 
 
 def test_prefetch_l2_runs_on_a_joined_branch_of_the_graph(cu, rng):
-    """prefetch_l2 inside a GraphCache capture forks a branch that the capture joins (the graph is
-    built and replays, results unchanged); outside a capture it launches nothing; more than four
-    arrays, or one not 16-byte aligned, are refused."""
+    """prefetch_l2 inside a GraphCache capture forks a branch (sm_90+) that the capture joins (the
+    graph is built and replays, results unchanged), for passes of PREFETCH_ROWS rows only (1 row:
+    none); outside a capture it launches nothing; more than four arrays, or one not 16-byte
+    aligned, are refused."""
     x, xh = quantize(cu, rng.standard_normal((4, 256)), "fp16")
     w, wh = quantize(cu, rng.standard_normal((300, 256)) / 16, "fp16")
     out = poisoned(cu, (4, 300), "fp16")
     graphs = cu.GraphCache()
+    forked = []  # branches each prefetch_l2 call added, per call
 
     def launches():
-        cu.prefetch_l2([w, x])
+        for rows in (1, 4):
+            before = len(cu.context().branch_ends)
+            cu.prefetch_l2([w, x], rows=rows)
+            forked.append(len(cu.context().branch_ends) - before)
         cu.matmul(out, x, w)
     for _ in range(2):
         graphs.run("product", launches)
         assert_close(cu, out, xh @ wh.T, "fp16")
+    assert forked[-2:] == [0, int(cu.context().dependent_launch)]  # the captured call's
     assert cu.context().branch_ends == []
-    cu.prefetch_l2([w, x])
+    cu.prefetch_l2([w, x], rows=4)
     assert cu.context().branch_ends == []
     with pytest.raises(DeviceError, match="at most 4 arrays, got 5"):
-        cu.prefetch_l2([w] * 5)
+        cu.prefetch_l2([w] * 5, rows=4)
     with pytest.raises(DeviceError, match="array 1 does not start on a 16-byte boundary"):
-        cu.prefetch_l2([w, x.ravel()[1:]])
+        cu.prefetch_l2([w, x.ravel()[1:]], rows=4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

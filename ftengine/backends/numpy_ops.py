@@ -551,10 +551,7 @@ def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, e
     residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps)
 
 
-PREFETCH_ROWS = range(0)  # prefetch_l2 does nothing here
-
-
-def prefetch_l2(arrays):
+def prefetch_l2(arrays, *, rows: int):
     """Nothing here (the CUDA backend's prefetch_l2 asks the L2 to fetch weights ahead of their
     readers)."""
 

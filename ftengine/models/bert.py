@@ -461,9 +461,9 @@ class BertRunner:
 
         for i, w in enumerate(self.layers):
             after = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            if after and not fp8 and t in ops.PREFETCH_ROWS:  # (fp8 weights are (e4m3, scales) pairs: not measured)
+            if after and not fp8:  # (fp8 weights are (e4m3, scales) pairs: not measured)
                 ops.prefetch_l2([after[k] for k in ("qkv_weight", "attn_out_weight", "ffn_in_weight",
-                                                    "ffn_out_weight")])
+                                                    "ffn_out_weight")], rows=t)
             if fp8:
                 ops.matmul_fp8(qkv, x8, x_scales, *w["qkv_weight"])
             else:

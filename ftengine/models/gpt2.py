@@ -126,8 +126,9 @@ class GPT2Runner:
         ops.layernorm(normed, hidden, self.layers[0]["ln1_gamma"], self.layers[0]["ln1_beta"], eps=eps)
         for i, w in enumerate(self.layers):
             after = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            if after and t in ops.PREFETCH_ROWS:
-                ops.prefetch_l2([after[k] for k in ("qkv_weight", "attn_out_weight", "fc_weight", "proj_weight")])
+            if after:
+                ops.prefetch_l2([after[k] for k in ("qkv_weight", "attn_out_weight", "fc_weight", "proj_weight")],
+                                rows=t)
             ops.matmul(qkv, normed, w["qkv_weight"])
             attend(i, qkv, ctx)
             ops.matmul_residual_layernorm(hidden, normed, ctx, w["attn_out_weight"], w["attn_out_bias"], w["ln2_gamma"],

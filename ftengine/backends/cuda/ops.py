@@ -255,18 +255,20 @@ def _launch(file, kname, grid, block, args, shared_mem=0, cluster=None):
 PREFETCH_ROWS = range(2, 129)
 
 
-def prefetch_l2(arrays):
-    """Inside a graph capture on sm_90+: the L2 fetches up to four arrays (the weights of the
-    launches that follow) on a branch of the graph beside those launches, from the point the
-    capture has reached; the capture joins the branch before it ends (join_branches). Elsewhere
-    nothing: outside a graph the prefetch could not run ahead of the launches it is for."""
+def prefetch_l2(arrays, *, rows: int):
+    """For a pass of `rows` rows in PREFETCH_ROWS, inside a graph capture on sm_90+: the L2
+    fetches up to four arrays (the weights of the launches that follow) on a branch of the graph
+    beside those launches, from the point the capture has reached; the capture joins the branch
+    before it ends (join_branches). Elsewhere nothing: outside a graph the prefetch could not run
+    ahead of the launches it is for."""
     if len(arrays) > 4:
         raise DeviceError(f"prefetch_l2 takes at most 4 arrays, got {len(arrays)}")
     misaligned = [i for i, a in enumerate(arrays) if a.data.ptr % 16]
     if misaligned:
         raise DeviceError(f"prefetch_l2: array {misaligned[0]} does not start on a 16-byte boundary")
     ctx = context()
-    if not arrays or _planning() or not (ctx.dependent_launch and ctx.stream.is_capturing()):
+    if (not arrays or rows not in PREFETCH_ROWS or _planning()
+            or not (ctx.dependent_launch and ctx.stream.is_capturing())):
         return
     cupy = ctx.cupy
     fork = cupy.cuda.Event(disable_timing=True)
@@ -351,14 +353,18 @@ def _gemv(out, x, weight, bias, epilogue, cols=None):
             _gemv_args(out, x, weight, bias, epilogue))
 
 
+def _skinny_operands(x, weight) -> bool:
+    """Whether the skinny kernel reads x and weight: 16-bit, of one dtype, 16-byte aligned."""
+    return (x.dtype != np.float32 and weight.dtype == x.dtype and x.data.ptr % 16 == 0
+            and weight.data.ptr % 16 == 0)
+
+
 def _skinny_fits(x, weight) -> bool:
     """Whether x @ weight^T goes to the tensor-core skinny kernel: SKINNY_MIN_ROWS .. SKINNY_ROWS
-    rows of 16-bit x and a weight of its dtype, SKINNY_MIN_COLUMNS output columns or more, K a
-    multiple of 32, 16-byte aligned operands."""
+    rows, SKINNY_MIN_COLUMNS output columns or more, K a multiple of 32, operands it reads."""
     m, k = x.shape
-    return (x.dtype != np.float32 and weight.dtype == x.dtype and SKINNY_MIN_ROWS <= m <= SKINNY_ROWS
-            and weight.shape[0] >= SKINNY_MIN_COLUMNS and k % 32 == 0 and x.data.ptr % 16 == 0
-            and weight.data.ptr % 16 == 0)
+    return (SKINNY_MIN_ROWS <= m <= SKINNY_ROWS and weight.shape[0] >= SKINNY_MIN_COLUMNS and k % 32 == 0
+            and _skinny_operands(x, weight))
 
 
 def _skinny(out, x, weight, bias, epilogue):
@@ -746,7 +752,7 @@ def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, e
     (rows of whole 16-byte vectors: see split_k)."""
     (m, k), n = x.shape, weight.shape[0]
     splits = split_k(m, n, k, x.dtype)
-    if splits == 1 or weight.dtype != x.dtype or x.data.ptr % 16 or weight.data.ptr % 16:
+    if splits == 1 or not _skinny_operands(x, weight):
         matmul(product, x, weight)
         residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps)
         return
