@@ -332,10 +332,11 @@ class BertRunner:
 
     # ------------------------------------------------------------ shapes and inputs
 
-    def run_shape(self, batch: Batch) -> tuple:
-        """The bucketed shape a batch runs at: (tokens, sequences, longest)."""
+    def run_shape(self, batch: Batch, totals: tuple = ()) -> tuple:
+        """The bucketed shape a batch runs at: (tokens, sequences, longest); totals: the batch's
+        (tokens, longest) where the caller has them (check returns them)."""
         return run_shape(self.layout, batch.lengths, max_batch_tokens=self.max_batch_tokens,
-                         max_seq_len=self.max_seq_len)
+                         max_seq_len=self.max_seq_len, totals=totals)
 
     def fits(self, count: int, total: int, longest: int) -> bool:
         """Whether `count` sequences of `total` tokens, the longest `longest`, fit one batch."""
@@ -376,8 +377,7 @@ class BertRunner:
         lengths, offsets) and copy it, in one transfer, into the fixed device buffer. Returns
         the shape (tokens, sequences, longest)."""
         totals = self.check(batch)
-        t, b, s = run_shape(self.layout, batch.lengths, max_batch_tokens=self.max_batch_tokens,
-                            max_seq_len=self.max_seq_len, totals=totals)
+        t, b, s = self.run_shape(batch, totals)
         st = self.staging[self._slot, :3 * t + 2 * b + 1]
         self._slot ^= 1
         ids, types, positions, lengths, cu_seqlens = (st[:t], st[t:2 * t], st[2 * t:3 * t], st[3 * t:3 * t + b],
