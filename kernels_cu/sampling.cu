@@ -427,11 +427,15 @@ __global__ void __launch_bounds__(CHOICE_THREADS) choose_draw(
 // The logits are read once and nothing goes through global memory: the blocks exchange their
 // histograms and sums through distributed shared memory between cluster barriers. S is a power of
 // two <= 8, so each block adds one range of every level's digits over the cluster.
-// Dynamic shared memory: hist (SAMPLE_BINS u64: this block's digit counts or masses as low and high
-// 32-bit words, then the draw's prefix sums), summed (SAMPLE_BINS / S u64: its range of the
-// cluster's digits), then the slice's scores (`slice` floats).
+// Dynamic shared memory: hist (SAMPLE_HIST_WORDS u32: this block's digit counts, or its masses in
+// three pieces; then the draw's prefix sums), summed (SAMPLE_BINS / S u64: its range of the
+// cluster's digits), the slice's scores (`slice` floats, at most SAMPLE_SLICE_MAX), then a select's
+// candidates (SAMPLE_CANDIDATES floats).
 #define SAMPLE_THREADS 256
 #define SAMPLE_BINS 2048
+#define SAMPLE_HIST_WORDS (3 * SAMPLE_BINS)
+#define SAMPLE_SLICE_MAX 65536
+#define SAMPLE_CANDIDATES 2048
 #define SAMPLE_CLUSTER_MAX 8
 
 __device__ __forceinline__ void cluster_sync() {  // with release / acquire of shared memory
@@ -470,57 +474,102 @@ __device__ __forceinline__ void cluster_share(A a, B b, A* slot_a, B* slot_b, A*
 }
 
 struct SampleShared {
-    unsigned long long* hist;         // low words at (unsigned*)hist, high words SAMPLE_BINS after
+    unsigned* hist;                   // SAMPLE_HIST_WORDS
     unsigned long long* summed;
     unsigned long long* range_total;  // this block's range sum (read by the peers)
 };
 
+// top-p's goal, choose_level's test (double)c / (double)total >= top_p, as a threshold on (double)c:
+// the least double d with d / total >= top_p (monotone in d, so the test holds iff (double)c >= d),
+// found from top_p * total by a few steps of an ulp; +infinity where the test never holds (total 0).
+__device__ __forceinline__ double mass_goal(unsigned long long total, float top_p) {
+    const double t = (double)total, p = (double)top_p;
+    if (!(1.0 >= p) || total == 0ull) return FT_INFINITY;
+    auto holds = [&](double d) { return d / t >= p; };
+    auto step = [](double d, long long by) { return __longlong_as_double(__double_as_longlong(d) + by); };
+    double d = fmax(p * t, 0.0);
+    while (d > 0.0 && holds(step(d, -1))) d = step(d, -1);
+    while (!holds(d)) d = step(d, 1);
+    return d;
+}
+
+// The slice's scores whose key has level 0's digits `prefix` (bits 31..21) and is >= floor_key,
+// for levels 1 and 2 to look at instead of the whole slice: warp w's (of its tokens w * 32 + lane
+// + j * blockDim.x) at cand + w * cap, their count in counts[w]. Block-wide; true where some warp
+// has more than cap (its list is then incomplete: the levels look at the slice).
+__device__ __forceinline__ bool sample_candidates(const float* sc, int n, unsigned prefix, unsigned floor_key,
+                                                  float* cand, int cap, int* counts) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float* out = cand + warp * cap;
+    int count = 0;
+    for (int i0 = warp * 32 + lane; i0 - lane < n; i0 += SWEEP_UNROLL * blockDim.x) {  // warp-uniform
+        float x[SWEEP_UNROLL];
+        #pragma unroll
+        for (int u = 0; u < SWEEP_UNROLL; ++u) x[u] = i0 + u * (int)blockDim.x < n ? sc[i0 + u * blockDim.x] : 0.0f;
+        #pragma unroll
+        for (int u = 0; u < SWEEP_UNROLL; ++u) {
+            const unsigned key = order_key(x[u]);
+            const bool take = i0 + u * (int)blockDim.x < n && (key & 0xffe00000u) == prefix && key >= floor_key;
+            const unsigned taken = __ballot_sync(~0u, take);
+            const int at = count + __popc(taken & ((1u << lane) - 1u));
+            if (take && at < cap) out[at] = x[u];
+            count += __popc(taken);
+        }
+    }
+    if (lane == 0) counts[warp] = count;
+    return __syncthreads_or(count > cap);
+}
+
 // One level of the radix select (choose_level's digits and goal) over the cluster: each block
 // counts its slice's tokens whose key matches `prefix` (mode 0) or their fixed-point mass among
-// keys >= floor_key (mode 1: 32-bit shared atomics, a mass's high word with the carry of its low
-// one, as 64-bit shared atomics loop on a compare-and-swap); block r adds digit range r of the S
+// keys >= floor_key (mode 1: 32-bit shared atomics that return nothing, so none waits, on a mass's
+// bits 0-15, 16-31 and 32-63 (64-bit shared atomics loop on a compare-and-swap): a slice of at
+// most SAMPLE_SLICE_MAX tokens sums none of them past 32 bits); block r adds digit range r of the S
 // histograms; every block then finds the same digit from the ranges' totals and the range that
-// holds it. Updates prefix and above (what lies above it); level 0 of mode 1 sets total.
-__device__ __forceinline__ void sample_level(const float* sc, int n, int S, int rank, int level, int mode, int k,
-                                             float top_p, unsigned floor_key, float mx, double scale,
-                                             const SampleShared& sh, unsigned& prefix, unsigned long long& above,
-                                             unsigned long long& total) {
+// holds it. each(f) calls f(score) for the tokens the level looks at (level 0: the slice; then its
+// candidates). Updates prefix and above (what lies above it); level 0 of mode 1 sets goal.
+template <typename Each>
+__device__ __forceinline__ void sample_level(Each each, int S, int rank, int level, int mode, int k, float top_p,
+                                             unsigned floor_key, float mx, double scale, const SampleShared& sh,
+                                             unsigned& prefix, unsigned long long& above, double& goal) {
     __shared__ unsigned long long scan[32], ranges[SAMPLE_CLUSTER_MAX], found_above;
     __shared__ unsigned found_key;
     const int bits = level < 2 ? 11 : 10, shift = level == 0 ? 21 : (level == 1 ? 10 : 0), bins = 1 << bits;
     const unsigned high = level == 0 ? 0u : ~0u << (shift + bits);
-    unsigned* low = reinterpret_cast<unsigned*>(sh.hist);
-    unsigned* high_words = low + SAMPLE_BINS;
-    for (int i = threadIdx.x; i < bins; i += blockDim.x) low[i] = high_words[i] = 0u;
+    unsigned* words = sh.hist;  // counts, or masses' bits 0-15, then 16-31 and 32-63 SAMPLE_BINS apart
+    const int pieces = mode ? 3 : 1;
+    for (int i = threadIdx.x; i < bins; i += blockDim.x)
+        for (int p = 0; p < pieces; ++p) words[p * SAMPLE_BINS + i] = 0u;
     __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float x = sc[i];
+    each([&](float x) {
         const unsigned key = order_key(x);
-        if ((key & high) != prefix || key < floor_key) continue;
+        if ((key & high) != prefix || key < floor_key) return;
         const unsigned digit = (key >> shift) & (bins - 1);
         if (mode) {
             const unsigned long long m = fixed_mass(x, mx, scale);
-            const unsigned add = (unsigned)m, old = atomicAdd(&low[digit], add);
-            const unsigned carry = (unsigned)(m >> 32) + (old + add < old ? 1u : 0u);
-            if (carry) atomicAdd(&high_words[digit], carry);
+            atomicAdd(&words[digit], (unsigned)m & 0xffffu);
+            atomicAdd(&words[SAMPLE_BINS + digit], (unsigned)m >> 16);
+            if (m >> 32) atomicAdd(&words[2 * SAMPLE_BINS + digit], (unsigned)(m >> 32));
         } else {
-            atomicAdd(&low[digit], 1u);
+            atomicAdd(&words[digit], 1u);
         }
-    }
+    });
     __syncthreads();
     cluster_sync();  // every block's histogram is complete
     const int range = bins / S, first = rank * range;
     unsigned long long mine = 0ull;
     for (int j = threadIdx.x; j < range; j += blockDim.x) {
-        unsigned lo_q[SAMPLE_CLUSTER_MAX], hi_q[SAMPLE_CLUSTER_MAX];
+        unsigned w[3][SAMPLE_CLUSTER_MAX];
         #pragma unroll
         for (int q = 0; q < SAMPLE_CLUSTER_MAX; ++q) {  // all loads in flight together
-            lo_q[q] = q < S ? cluster_peer(low, q)[first + j] : 0u;
-            hi_q[q] = q < S && mode ? cluster_peer(high_words, q)[first + j] : 0u;  // counts: low words only
+            const unsigned* peer = q < S ? cluster_peer(words, q) + first + j : nullptr;
+            #pragma unroll
+            for (int p = 0; p < 3; ++p) w[p][q] = peer && p < pieces ? peer[p * SAMPLE_BINS] : 0u;
         }
         unsigned long long v = 0ull;
         #pragma unroll
-        for (int q = 0; q < SAMPLE_CLUSTER_MAX; ++q) v += ((unsigned long long)hi_q[q] << 32) + lo_q[q];
+        for (int q = 0; q < SAMPLE_CLUSTER_MAX; ++q)
+            v += w[0][q] + ((unsigned long long)w[1][q] << 16) + ((unsigned long long)w[2][q] << 32);
         sh.summed[j] = v;
         mine += v;
     }
@@ -531,12 +580,11 @@ __device__ __forceinline__ void sample_level(const float* sc, int n, int S, int 
     if (threadIdx.x < S) ranges[threadIdx.x] = *cluster_peer(sh.range_total, threadIdx.x);
     __syncthreads();
     if (level == 0 && mode) {
-        total = 0ull;
+        unsigned long long total = 0ull;
         for (int q = 0; q < S; ++q) total += ranges[q];
+        goal = mass_goal(total, top_p);
     }
-    auto reached = [&](unsigned long long c) {
-        return mode ? (double)c / (double)total >= (double)top_p : c >= (unsigned long long)k;
-    };
+    auto reached = [&](unsigned long long c) { return mode ? (double)c >= goal : c >= (unsigned long long)k; };
     // the range where the count from the top reaches the goal (the same in every block)
     unsigned long long run = above;
     int owner = 0;
@@ -589,9 +637,10 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
     __shared__ unsigned keys[32], block_top, row_keys[SAMPLE_CLUSTER_MAX];
     __shared__ double dscan[32], block_mass, masses[SAMPLE_CLUSTER_MAX];
     __shared__ int iscan[32], block_last, lasts[SAMPLE_CLUSTER_MAX], block_bad, bads[SAMPLE_CLUSTER_MAX];
+    __shared__ int cand_count[SAMPLE_THREADS / 32];
     const int b = blockIdx.x, rank = blockIdx.y, S = gridDim.y;
-    const SampleShared sh{smem, smem + SAMPLE_BINS, &range_total};
-    float* sc = reinterpret_cast<float*>(smem + SAMPLE_BINS + SAMPLE_BINS / S);
+    const SampleShared sh{reinterpret_cast<unsigned*>(smem), smem + SAMPLE_HIST_WORDS / 2, &range_total};
+    float* sc = reinterpret_cast<float*>(smem + SAMPLE_HIST_WORDS / 2 + SAMPLE_BINS / S);
     const int lo = rank * slice, n = max(0, min(V, lo + slice) - lo);
     const unsigned char* seen = seen_all + (long)b * V + lo;
     const int step = *step_counter;
@@ -610,11 +659,10 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
         sc[eos[threadIdx.x] - lo] = -FT_INFINITY;
     __syncthreads();
     unsigned top = 0u;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float x = sc[i];
+    sweep(sc, n, [&](int i, float x) {
         if (temperature != 1.0f) sc[i] = x = x / temperature;
         top = max(top, order_key(x));
-    }
+    });
     bad = __syncthreads_or(bad);
     top = block_reduce(top, keys, 0u, MaxOp());
     cluster_share(top, bad, &block_top, &block_bad, row_keys, bads, S);
@@ -630,22 +678,36 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
         return;
     }
     const float mx = from_order_key(row_top);
+    // a select: level 0 over the slice, then its candidates (each warp's own) at levels 1 and 2
+    float* cand = sc + slice;
+    const int cap = SAMPLE_CANDIDATES / (SAMPLE_THREADS / 32);
+    auto slice_each = [&](auto f) { sweep(sc, n, [&](int, float x) { f(x); }); };
+    auto cand_each = [&](auto f) {
+        const float* mine = cand + (threadIdx.x >> 5) * cap;
+        for (int j = threadIdx.x & 31; j < cand_count[threadIdx.x >> 5]; j += 32) f(mine[j]);
+    };
+    auto select = [&](int mode, unsigned floor_key, unsigned& prefix) {
+        unsigned long long above = 0ull;
+        double goal = 0.0;
+        sample_level(slice_each, S, rank, 0, mode, k, top_p, floor_key, mx, scale, sh, prefix, above, goal);
+        const bool spilled = sample_candidates(sc, n, prefix, floor_key, cand, cap, cand_count);
+        for (int level = 1; level < 3; ++level) {
+            if (spilled)
+                sample_level(slice_each, S, rank, level, mode, k, top_p, floor_key, mx, scale, sh, prefix, above, goal);
+            else
+                sample_level(cand_each, S, rank, level, mode, k, top_p, floor_key, mx, scale, sh, prefix, above, goal);
+        }
+    };
     unsigned kth = 0u, cut = 0u;
-    unsigned long long above = 0ull, total = 0ull;
-    if (0 < k && k < V)
-        for (int level = 0; level < 3; ++level)
-            sample_level(sc, n, S, rank, level, 0, k, top_p, 0u, mx, scale, sh, kth, above, total);
-    if (top_p < 1.0f) {
-        above = 0ull;
-        for (int level = 0; level < 3; ++level)
-            sample_level(sc, n, S, rank, level, 1, k, top_p, kth, mx, scale, sh, cut, above, total);
-    }
+    if (0 < k && k < V) select(0, 0u, kth);
+    if (top_p < 1.0f) select(1, kth, cut);
     // the draw: thread t sums the masses of tokens t * per .. (in order)
     const unsigned keep = max(kth, cut);
     auto mass = [&](int i) { return order_key(sc[i]) >= keep ? expf(sc[i] - mx) : 0.0f; };
     const int per = (n + blockDim.x - 1) / blockDim.x, t0 = threadIdx.x * per, t1 = min(n, t0 + per);
     double mine = 0.0;
     int last = -1;
+    #pragma unroll 8
     for (int i = t0; i < t1; ++i) {
         const float p = mass(i);
         mine += (double)p;

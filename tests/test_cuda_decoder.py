@@ -394,6 +394,32 @@ def test_choose_tokens_over_slices_matches_numpy(cu, rng, rows, opts, sampling_p
     assert not cu.to_host(state).any()
 
 
+@pytest.mark.parametrize("opts", [dict(do_sample=True, top_k=40), dict(do_sample=True, top_p=0.9),
+                                  dict(do_sample=True, top_k=30000, top_p=0.5)])
+def test_choose_tokens_where_every_token_shares_the_first_digit(cu, rng, opts, sampling_path):
+    """Rows whose every score has the same top 11 key bits, so that every token stays a candidate
+    past the selects' first digit (more than the cluster kernel's lists hold: its last two digits
+    look at the whole slice again): all scores equal (a tie top-k keeps whole), and distinct scores
+    within [1, 1.025) in random order."""
+    v = 50257
+    logits = np.empty((3, v), np.float32)
+    logits[0] = 1.5
+    for row in (1, 2):
+        logits[row] = (1.0 + rng.permutation(v) * 4 * 2.0 ** -23).astype(np.float32)
+    if opts.get("top_p"):
+        logits = logits[1:]  # the reference orders ties by index, the GPU keeps or drops a tied group whole
+    rows = logits.shape[0]
+    params = GenerationParams(max_new_tokens=4, seed=5, **opts).checked(vocab_size=v)
+    out = cu.to_device(np.full(rows, -7, np.int32))
+    seen = np.zeros((rows, v), np.uint8)
+    cu.choose_tokens(out, cu.to_device(logits), cu.to_device(seen), ints(cu, [0]), ints(cu, [1]),
+                     scratch=cu.empty((rows, v), np.float32),
+                     state=cu.to_device(np.zeros((rows, cu.CHOICE_STATE_WORDS), np.uint64)), params=params)
+    expected = np.empty(rows, np.int32)
+    ref.choose_tokens(expected, logits, seen, np.array([0]), np.array([1]), scratch=None, state=None, params=params)
+    np.testing.assert_array_equal(cu.to_host(out), expected)
+
+
 def test_gpu_sampled_frequencies_match_the_distribution(cu, sampling_path):
     """Chi-square of 50,000 GPU draws (one row each) from a fixed 12-token distribution, on each
     sampling path."""

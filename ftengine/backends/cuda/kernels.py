@@ -62,9 +62,12 @@ SPLIT_TILES = {8: (1, 8, 2), 32: (2, 8, 2)}
 CHOICE_THREADS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN = 256, 64, 1024
 CHOICE_BINS, CHOICE_STATE_WORDS = 2048, 2048 + 8
 FP8_KERNELS = ("quantize_rows", "add_bias_residual_layernorm_quantize", "add_bias_gelu_quantize")  # a block per row
-# sampling.cu choose_sample (sm_90: a thread-block cluster per row): threads per block and the
-# most blocks of a cluster (a power of two)
-SAMPLE_THREADS, SAMPLE_CLUSTER_MAX = 256, 8
+# sampling.cu choose_sample (sm_90: a thread-block cluster per row): threads per block, the most
+# blocks of a cluster (a power of two), the u32 words of a block's histogram (three pieces of each
+# bin's mass), the most tokens a block holds (no piece's sum passes 32 bits) and the room for a
+# select's candidates past its first digit
+SAMPLE_THREADS, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX = 256, 8, 3 * 2048, 65536
+SAMPLE_CANDIDATES = 2048
 # attention_sm90.cu (wgmma): its head dim, queries per block (one warpgroup: two a block measured
 # slower at every shape, kernels_cu/dev/attention_wgmma.py) and keys per K/V tile
 VARLEN_WG_HEAD_DIM, VARLEN_WG_BLOCK_M, VARLEN_WG_KN = 64, 64, 64

@@ -19,11 +19,12 @@ from ...errors import DeviceError
 from . import cublas as cb
 from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, CHOICE_BINS,
                       CHOICE_SLICES_MAX, CHOICE_SLICE_MIN, CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS,
-                      GEMV_COLS, GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, ROW_ITEMS, SAMPLE_CLUSTER_MAX,
-                      SAMPLE_THREADS, SKINNY_MIN_COLUMNS, SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES,
-                      SOFTMAX_PER_LANE, SOFTMAX_VEC, SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M,
-                      VARLEN_HEAD_DIMS, VARLEN_TILES, VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM, VARLEN_WG_KN, VECS,
-                      ArchKernel, kernel, launch_ex, prepare, skinny_name, varlen_mma_name)
+                      GEMV_COLS, GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, ROW_ITEMS, SAMPLE_CANDIDATES,
+                      SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS,
+                      SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC,
+                      SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES,
+                      VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM, VARLEN_WG_KN, VECS, ArchKernel, kernel, launch_ex, prepare,
+                      skinny_name, varlen_mma_name)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -849,8 +850,9 @@ def sample_clusters(v: int) -> tuple[int, int]:
 
 
 def _sample_shared_mem(blocks: int, slice_: int) -> int:
-    """choose_sample's dynamic shared memory: a histogram, a range of the cluster's, the slice."""
-    return (CHOICE_BINS + CHOICE_BINS // blocks) * 8 + 4 * slice_
+    """choose_sample's dynamic shared memory: a histogram, a range of the cluster's, the slice and
+    a select's candidates."""
+    return SAMPLE_HIST_WORDS * 4 + CHOICE_BINS // blocks * 8 + 4 * (slice_ + SAMPLE_CANDIDATES)
 
 
 def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seq=None, lengths=None):
@@ -876,7 +878,7 @@ def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seq=N
     blocks, slice_ = sample_clusters(v)
     smem = _sample_shared_mem(blocks, slice_)
     ctx = context()
-    if sample and ctx.clusters and smem <= ctx.shared_mem_optin:
+    if sample and ctx.clusters and smem <= ctx.shared_mem_optin and slice_ <= SAMPLE_SLICE_MAX:
         _launch("sampling.cu", "choose_sample", (b, blocks), (SAMPLE_THREADS,),
                 (out, logits, seen, eos, np.int32(eos.size), step, seq, lengths, np.int32(length), np.int32(ngram),
                  np.int32(v), np.int32(slice_), np.int32(params.min_new_tokens), np.float32(params.temperature),
