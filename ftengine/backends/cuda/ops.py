@@ -368,9 +368,11 @@ def _skinny_fits(x, weight) -> bool:
             and _skinny_operands(x, weight))
 
 
-def _skinny(out, x, weight, bias, epilogue):
-    tiles = SKINNY_TILES[min(r for r in SKINNY_TILES if r >= x.shape[0])]
-    _launch("gemv.cu", skinny_name(_ctype(x), _ctype(out), tiles), (-(-weight.shape[0] // (16 * tiles[0])),),
+def _skinny(out, x, weight, bias, epilogue, *, table=SKINNY_TILES, splits=1):
+    """gemv.cu skinny_mma with the tiles `table` lists for x's rows; splits > 1: K in that many
+    slices over the grid's rows, out (splits, M, N) their float partial sums."""
+    tiles = table[min(r for r in table if r >= x.shape[0])]
+    _launch("gemv.cu", skinny_name(_ctype(x), _ctype(out), tiles), (-(-weight.shape[0] // (16 * tiles[0])), splits),
             (32 * tiles[1],), _gemv_args(out, x, weight, bias, epilogue))
 
 
@@ -761,9 +763,7 @@ def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, e
         raise DeviceError(f"partials holds {partials.size} {partials.dtype} values; a split product of {m} x {n} "
                           f"needs {splits * m * n} float32")
     parts = partials.ravel()[:splits * m * n].reshape(splits, m, n)
-    tiles = SPLIT_TILES[min(r for r in SPLIT_TILES if r >= m)]
-    _launch("gemv.cu", skinny_name(_ctype(x), "float", tiles), (-(-n // (16 * tiles[0])), splits),
-            (32 * tiles[1],), _gemv_args(parts, x, weight, None, 0))
+    _skinny(parts, x, weight, None, 0, table=SPLIT_TILES, splits=splits)
     vec, items, threads = _row_kernel_shape(hidden, n)
     _launch("decoder.cu", f"residual_layernorm<{_ctype(hidden)}, float, {splits}, {vec}, {items}>", (m,), (threads,),
             (hidden, normed, parts, bias, gamma, beta, np.int32(n), np.float32(eps)))
