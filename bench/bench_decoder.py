@@ -3,7 +3,8 @@ same process, GPT-2 small (HF GPT2Config defaults, HF random initialisation), fp
 
 Per case: prompt 32 tokens, 128 new tokens (min_new_tokens = max_new_tokens on both sides so
 both do the same number of steps). ms per step = (generation time - prefill time) / steps for
-ftengine; HF's = its whole `generate` time / new tokens. Also prefill times and the greedy
+ftengine; HF's = its whole `generate` time / new tokens. Also prefill times, the GPU time per op
+of a prefill and of a decode step (batch 1 and 32), the token choice alone, and the greedy
 batch-1 step against the weight-read floor.
 
 Usage: python bench/bench_decoder.py --out bench/results
@@ -41,7 +42,10 @@ TARGETS = {("greedy", 1): 0.15, ("topk", 32): 0.45, ("topp", 32): 0.5, ("beam", 
 PREFILL_TARGETS = {(1, 512): 0.4, (32, 128): 1.6}
 PREFILL_OPS = ("matmul", "matmul_bias_gelu", "matmul_residual_layernorm", "embed_positions", "layernorm",
                "residual_layernorm", "write_kv_cache", "varlen_attention", "gather_rows", "mark_seen")
+DECODE_OPS = ("matmul", "matmul_bias_gelu", "matmul_residual_layernorm", "embed_positions", "layernorm",
+              "decode_attention")
 PROMPT, NEW = 32, 128
+DECODE_CACHED = PROMPT + NEW // 2  # the decode-step breakdown: positions in the cache, mid-generation
 CHOICE_MODES = [("greedy", {}), ("sample", {"do_sample": True}), ("top-k 40", {"do_sample": True, "top_k": 40}),
                 ("top-p 0.9", {"do_sample": True, "top_p": 0.9}),
                 ("top-k 50 + top-p 0.9", {"do_sample": True, "top_k": 50, "top_p": 0.9})]
@@ -71,8 +75,26 @@ def prefill_breakdown(config, weights, prompts) -> dict:
     runner = GPT2Runner(config, weights, recorded, dtype="fp16", max_batch=len(prompts), max_len=len(prompts[0]),
                         graphs=False)
     runner.prefill(prompts)
+    return replayed_ops(recorded.calls)
+
+
+def decode_breakdown(config, weights, prompts) -> dict:
+    """GPU time per op of one decode step after the prompts (their positions in the KV cache):
+    each recorded op call replayed alone from a graph."""
+    recorded = RecordedOps(cuda_ops, DECODE_OPS)
+    cached = len(prompts[0])
+    runner = GPT2Runner(config, weights, recorded, dtype="fp16", max_batch=len(prompts), max_len=cached + 1,
+                        graphs=False)
+    runner.prefill(prompts)
+    recorded.calls.clear()
+    runner.decode([row[-1] for row in prompts], [cached] * len(prompts))
+    return replayed_ops(recorded.calls)
+
+
+def replayed_ops(calls) -> dict:
+    """Per op label: its calls and their GPU time, each call replayed alone from a graph."""
     total, count = defaultdict(float), defaultdict(int)
-    for label, fn, args, kwargs in recorded.calls:
+    for label, fn, args, kwargs in calls:
         total[label] += graph_ms(lambda: fn(*args, **kwargs))
         count[label] += 1
     ops = [{"op": k, "calls": count[k], "ms": round(v, 4)} for k, v in sorted(total.items(), key=lambda kv: -kv[1])]
@@ -168,6 +190,12 @@ def main():
                                  "direct_launches_ms": round(direct, 3), "target_ms": PREFILL_TARGETS[(b, s)],
                                  **prefill_breakdown(config, weights, prompts)})
             print(json.dumps(prefill_rows[-1]), flush=True)
+        decode_rows = []
+        for b in (1, 32):
+            prompts = rng.integers(0, config.vocab_size - 1, (b, DECODE_CACHED)).tolist()
+            decode_rows.append({"batch": b, "cached_positions": DECODE_CACHED,
+                                **decode_breakdown(config, weights, prompts)})
+            print(json.dumps(decode_rows[-1]), flush=True)
         choice_rows = choice_alone(config.vocab_size, rng)
     weight_bytes = sum(a.nbytes for a in [weights.wte, weights.wpe] + [x for l in weights.layers for x in vars(l).values()]) // 2
     floor_ms = weight_bytes / 3.0e12 * 1e3
@@ -176,7 +204,7 @@ def main():
     result = {"device": cuda_ops.context().device_name, "date": date.today().isoformat(),
               "versions": {"python": platform.python_version(), "cupy": cupy.__version__, "torch": torch.__version__,
                            "transformers": transformers.__version__, "numpy": np.__version__},
-              "rows": rows, "prefill": prefill_rows, "token_choice": choice_rows,
+              "rows": rows, "prefill": prefill_rows, "decode_steps": decode_rows, "token_choice": choice_rows,
               "weight_read_floor": {"fp16_weight_bytes": int(weight_bytes), "ms_at_3TBps": round(floor_ms, 4)}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -200,6 +228,11 @@ def main():
     for r in prefill_rows:
         lines += ["", f"GPU time per op, prefill {r['batch']} x {r['prompt']} fp16 (each op call replayed alone from "
                       "a graph):", "", "| op | calls | ms |", "|---|---|---|"]
+        lines += [f"| {o['op']} | {o['calls']} | {o['ms']:.3f} |" for o in r["ops"]]
+    for r in decode_rows:
+        lines += ["", f"GPU time per op, one decode step at batch {r['batch']} with {r['cached_positions']} positions "
+                      f"cached, fp16 (each op call replayed alone from a graph; the token choice apart, below): "
+                      f"{r['ops_sum_ms']:.3f} ms in ops", "", "| op | calls | ms |", "|---|---|---|"]
         lines += [f"| {o['op']} | {o['calls']} | {o['ms']:.3f} |" for o in r["ops"]]
     lines += ["", "Token choice alone (the processors, top-k / top-p selects and the seeded draw), GPU time replayed "
               "from a graph, random float32 logits. Sliced kernels: each row's vocabulary split over several blocks, "
