@@ -691,12 +691,9 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
         double goal = 0.0;
         sample_level(slice_each, S, rank, 0, mode, k, top_p, floor_key, mx, scale, sh, prefix, above, goal);
         const bool spilled = sample_candidates(sc, n, prefix, floor_key, cand, cap, cand_count);
-        for (int level = 1; level < 3; ++level) {
-            if (spilled)
-                sample_level(slice_each, S, rank, level, mode, k, top_p, floor_key, mx, scale, sh, prefix, above, goal);
-            else
-                sample_level(cand_each, S, rank, level, mode, k, top_p, floor_key, mx, scale, sh, prefix, above, goal);
-        }
+        auto rest_each = [&](auto f) { spilled ? slice_each(f) : cand_each(f); };
+        for (int level = 1; level < 3; ++level)
+            sample_level(rest_each, S, rank, level, mode, k, top_p, floor_key, mx, scale, sh, prefix, above, goal);
     };
     unsigned kth = 0u, cut = 0u;
     if (0 < k && k < V) select(0, 0u, kth);

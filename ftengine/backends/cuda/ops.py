@@ -764,17 +764,17 @@ def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, e
                           f"needs {splits * m * n} float32")
     parts = partials.ravel()[:splits * m * n].reshape(splits, m, n)
     _skinny(parts, x, weight, None, 0, table=SPLIT_TILES, splits=splits)
-    vec, items, threads = _row_kernel_shape(hidden, n)
-    _launch("decoder.cu", f"residual_layernorm<{_ctype(hidden)}, float, {splits}, {vec}, {items}>", (m,), (threads,),
-            (hidden, normed, parts, bias, gamma, beta, np.int32(n), np.float32(eps)))
+    residual_layernorm(hidden, normed, parts, bias, gamma, beta, eps=eps)
 
 
 def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):
+    """hidden (T, E) += x + bias; normed = LayerNorm(hidden). x (T, E) of hidden's dtype, or a
+    split product's float32 partial sums (slices, T, E), added up in slice order."""
     t, h = hidden.shape
     vec, items, threads = _row_kernel_shape(hidden, h)
-    t_type = _ctype(hidden)
-    _launch("decoder.cu", f"residual_layernorm<{t_type}, {t_type}, 1, {vec}, {items}>", (t,), (threads,),
-            (hidden, normed, x, bias, gamma, beta, np.int32(h), np.float32(eps)))
+    slices = x.shape[0] if x.ndim == 3 else 1
+    _launch("decoder.cu", f"residual_layernorm<{_ctype(hidden)}, {_ctype(x)}, {slices}, {vec}, {items}>", (t,),
+            (threads,), (hidden, normed, x, bias, gamma, beta, np.int32(h), np.float32(eps)))
 
 
 def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads):
