@@ -7,6 +7,13 @@ ftengine; HF's = its whole `generate` time / new tokens. Also prefill times, the
 of a prefill and of a decode step (batch 1 and 32), the token choice alone, and the greedy
 batch-1 step against the weight-read floor.
 
+ftengine's cases run after HF's earlier cases in the same process. On the H100 (2026-11-24),
+once any kernel has run on a CUDA stream other than ftengine's (torch's, or CuPy's default
+stream: 10 elementwise launches suffice), a GPT-2 small batch-32 step replayed from its graph
+takes about 17 us longer for the rest of the process (0.464 -> 0.481 ms top-k steps back to
+back; not the clocks, the stack limit, the cache configuration, allocations, or kernels on
+ftengine's own stream); the figures here include that.
+
 Usage: python bench/bench_decoder.py --out bench/results
 """
 

@@ -214,3 +214,28 @@ __global__ void prefetch_l2(const char* a0, long n0, const char* a1, long n1, co
     }
 #endif
 }
+
+// Asks the L2 to fetch the cached keys and values a decode step's attention reads next: positions
+// 0 .. positions[r] - 1 of row r's every head, from caches (rows, heads, L, row_bytes) whose
+// position rows are whole 16-byte units (ops.py checks); nothing where all rows' come to more than
+// max_bytes (they would not stay in the L2 until read). Launched on a branch of a captured graph
+// (ops.py prefetch_kv); sm_90+, elsewhere nothing. grid (rows), block 32.
+__global__ void prefetch_kv(const char* k_cache, const char* v_cache, const int* positions, int rows, int heads,
+                            int L, int row_bytes, long max_bytes) {
+    wait_for_previous();  // launched the plain way (a no-op), as every kernel starts
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    long cached = 0;
+    for (int r = threadIdx.x; r < rows; r += 32) cached += min(max(positions[r], 0), L);
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) cached += __shfl_xor_sync(0xffffffffu, cached, o);
+    if (cached * row_bytes * heads * 2 > max_bytes) return;
+    const long bytes = (long)min(max(positions[blockIdx.x], 0), L) * row_bytes;
+    for (int i = threadIdx.x; i < 2 * heads; i += 32) {
+        const char* head = (i & 1 ? v_cache : k_cache) + ((long)blockIdx.x * heads + (i >> 1)) * L * row_bytes;
+        for (long off = 0; off < bytes; off += PREFETCH_CHUNK) {
+            const unsigned n = (unsigned)min((long)PREFETCH_CHUNK, bytes - off);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(head + off), "r"(n) : "memory");
+        }
+    }
+#endif
+}

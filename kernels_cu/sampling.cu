@@ -810,29 +810,45 @@ __global__ void increment(int* counter) {
 #define BEAM_KEEP_MAX 64
 #define BEAM_NEG (-1.0e9f)  // HF's "impossible" score, added in float32
 
-// stats (R, 2) = row max and log(sum(exp(x - max))) of the logits; a non-finite logit flags its item.
-__global__ void __launch_bounds__(1024) beam_logsumexp(float* __restrict__ stats, int* __restrict__ flags,
-                                                       const float* __restrict__ logits, int V, int nb) {
+// stats (R, slices, 2) = the max of each `chunk`-token vocabulary slice of row r's logits and the
+// sum of exp(x - that max) over the slice (beam_candidates adds them up: row_logsumexp); a
+// non-finite logit flags its item. grid (R, slices), block 256.
+__global__ void __launch_bounds__(256) beam_logsumexp(float* __restrict__ stats, int* __restrict__ flags,
+                                                      const float* __restrict__ logits, int V, int nb, int chunk) {
     wait_then_launch_next();
     __shared__ float scratch[32];
-    const int r = blockIdx.x;
-    const float* x = logits + (long)r * V;
+    const int r = blockIdx.x, lo = blockIdx.y * chunk, n = min(V, lo + chunk) - lo;
+    const float* x = logits + (long)r * V + lo;
     float mx = -FT_INFINITY;
     int bad = 0;
-    sweep(x, V, [&](int, float v) {
+    sweep(x, n, [&](int, float v) {
         bad |= !isfinite(v);
         mx = fmaxf(mx, v);
     });
     mx = block_max(mx, scratch);
     bad = __syncthreads_or(bad);
     float sum = 0.0f;
-    sweep(x, V, [&](int, float v) { sum += expf(v - mx); });
+    sweep(x, n, [&](int, float v) { sum += expf(v - mx); });
     sum = block_sum(sum, scratch);
     if (threadIdx.x == 0) {
-        stats[2 * r] = mx;
-        stats[2 * r + 1] = logf(sum);
+        float* out = stats + 2 * ((long)r * gridDim.y + blockIdx.y);
+        out[0] = mx;
+        out[1] = sum;
         if (bad) flags[3 * (r / nb) + 2] = 1;
     }
+}
+
+// Row r's max and log(sum(exp(x - max))) from beam_logsumexp's `slices` partial sums, in slice order.
+__device__ __forceinline__ void row_logsumexp(const float* __restrict__ stats, int r, int slices, float& mx,
+                                              float& log_sum) {
+    const float* row = stats + 2L * r * slices;
+    mx = -FT_INFINITY;
+    for (int i = 0; i < slices; ++i) mx = fmaxf(mx, row[2 * i]);
+    float sum = 0.0f;
+    for (int i = 0; i < slices; ++i) {
+        if (row[2 * i] > -FT_INFINITY) sum += row[2 * i + 1] * expf(row[2 * i] - mx);  // none from a slice of -inf
+    }
+    log_sum = logf(sum);
 }
 
 // Stage 1, grid (R, slices), block 256: the log-probabilities of one vocabulary slice of row r
@@ -853,7 +869,8 @@ __global__ void __launch_bounds__(256) beam_candidates(
     const int step = *step_counter, cur = starts[b] + step;
     const int lo = blockIdx.y * chunk, hi = min(V, lo + chunk);
     const float* x = logits + (long)r * V;
-    const float mx = stats[2 * r], log_sum = stats[2 * r + 1];
+    float mx, log_sum;
+    row_logsumexp(stats, r, gridDim.y, mx, log_sum);
     sweep(x + lo, hi - lo, [&](int i, float v) { s[i] = (v - mx) - log_sum; });
     __syncthreads();
     const int* row = seq + (long)r * L;

@@ -109,6 +109,41 @@ def test_prefetch_l2_runs_on_a_joined_branch_of_the_graph(cu, rng):
         cu.prefetch_l2([w, x.ravel()[1:]], rows=4)
 
 
+def test_prefetch_kv_runs_on_a_joined_branch_of_the_graph(cu, rng):
+    """prefetch_kv inside a GraphCache capture forks a branch (sm_90+) that the capture joins, for
+    steps of KV_PREFETCH_ROWS rows only, and not for cache rows of D not whole 16-byte units; the
+    decode attention after it equals the reference over the caches as stored; outside a capture it
+    launches nothing."""
+    heads, d, length, rows = 3, 32, 64, 4
+    big = max(cu.KV_PREFETCH_ROWS) + 1
+    shape = (big, heads, length, d)
+    (k, k_ref), (v, v_ref) = (quantize(cu, rng.standard_normal(shape), "fp16") for _ in range(2))
+    odd = cu.empty((big, heads, length, 3), np.float16)
+    pos = np.array([0, 7, 63, 30] + [5] * (big - rows))
+    d_pos = ints(cu, pos)
+    qkv, qkvh = quantize(cu, rng.standard_normal((rows, 3 * heads * d)), "fp16")
+    bias, biash = quantize(cu, 0.3 * rng.standard_normal(3 * heads * d), "fp16")
+    out = poisoned(cu, (rows, heads * d), "fp16")
+    graphs = cu.GraphCache()
+    forked = []  # branches each prefetch_kv call added
+
+    def launches():
+        for caches, n in (((k, v), rows), ((k, v), big), ((odd, odd), rows)):
+            before = len(cu.context().branch_ends)
+            cu.prefetch_kv(*caches, d_pos[:n])
+            forked.append(len(cu.context().branch_ends) - before)
+        cu.decode_attention(out, qkv, bias, k, v, d_pos[:rows], heads=heads)
+    graphs.run("step", launches)
+    assert forked[-3:] == [int(cu.context().dependent_launch), 0, 0]  # the captured calls'
+    assert cu.context().branch_ends == []
+    stored_k, stored_v = cu.to_host(k).astype(np.float32), cu.to_host(v).astype(np.float32)
+    expected = np.empty((rows, heads * d), np.float32)
+    ref.cached_attention(expected, qkvh, biash, stored_k, stored_v, np.arange(rows), pos[:rows], heads=heads)
+    assert_close(cu, out, expected, "fp16")
+    cu.prefetch_kv(k, v, d_pos[:rows])
+    assert cu.context().branch_ends == []
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, d", [(12, 64), (4, 32), (2, 128), (3, 80)])
 def test_kv_cache_and_attention_every_cache_length(cu, rng, dtype, heads, d):

@@ -556,6 +556,11 @@ def prefetch_l2(arrays, *, rows: int):
     readers)."""
 
 
+def prefetch_kv(k_cache, v_cache, positions):
+    """Nothing here (the CUDA backend's prefetch_kv asks the L2 to fetch a decode step's cached
+    keys and values ahead of its attention)."""
+
+
 def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):
     """hidden (T, E) += x + bias; normed (T, E) = LayerNorm(hidden)."""
     hidden += x + bias

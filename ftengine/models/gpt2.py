@@ -96,7 +96,7 @@ class GPT2Runner:
             "fin_len": (b, np.int32), "fin_flag": (b, np.int32),
             "flags": (3 * b, np.int32),           # per prompt: improvable, done, non-finite logits
             "starts": (b, np.int32),              # per prompt: its length
-            "stats": (2 * b, np.float32),
+            "stats": (2 * b * -(-v // CANDIDATE_CHUNK), np.float32),  # (B, slices, 2): log-sum-exp partials
             "keys": (b * -(-v // CANDIDATE_CHUNK) * KEEP_MAX, np.uint64),
         })
         self.ws = Workspace(ops, table)
@@ -171,11 +171,14 @@ class GPT2Runner:
         ops, c, ws = self.ops, self.config, self.ws
         ids, pos = ws.view("next_ids", (b,)), ws.view("next_pos", (b,))
         indir = ws.view("indir", (b, self.max_len)) if indirect else None
+        ops.prefetch_kv(*self._caches(0), pos)
         ops.embed_positions(ws.view("hidden", (b, c.n_embd)), ids, pos, self.wte, self.wpe)
 
         def attend(i, qkv, ctx):
             k_cache, v_cache = self._caches(i)
             ops.decode_attention(ctx, qkv, self.layers[i]["qkv_bias"], k_cache, v_cache, pos, indir, heads=c.n_head)
+            if i + 1 < c.n_layer:  # the next layer's keys and values, while this layer's products run
+                ops.prefetch_kv(*self._caches(i + 1), pos)
         self._layers(b, attend)
         ops.matmul(ws.view("logits", (b, c.vocab_size)), ws.view("normed", (b, c.n_embd)), self.lm_head)
 
@@ -286,12 +289,13 @@ class GPT2Runner:
 
     def beam_state(self, batch: int, num_beams: int) -> SimpleNamespace:
         r, ws, length = batch * num_beams, self.ws, self.max_len
+        slices = -(-self.config.vocab_size // CANDIDATE_CHUNK)
         views = {name: ws.view(name, (r,)) for name in BEAM_FLOATS + BEAM_INTS}
         views.update({name: ws.view(name, (r, length)) for name in ("seq", "indir", "fin_seq")})
         return SimpleNamespace(**views, scratch=ws.view("beam_scratch", (3 * r, length)),
                                flags=ws.view("flags", (batch, 3)), starts=ws.view("starts", (batch,)),
-                               step=ws.view("step", (1,)), stats=ws.view("stats", (r, 2)),
-                               keys=ws.view("keys", (r * -(-self.config.vocab_size // CANDIDATE_CHUNK) * KEEP_MAX,)))
+                               step=ws.view("step", (1,)), stats=ws.view("stats", (r, slices, 2)),
+                               keys=ws.view("keys", (r * slices * KEEP_MAX,)))
 
     def _beam_select(self, batch: int, params):
         logits = self.ws.view("logits", (batch * params.num_beams, self.config.vocab_size))
