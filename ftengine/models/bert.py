@@ -175,9 +175,11 @@ def bucket_padded(b: int, s: int, *, max_seq_len: int, max_batch_tokens: int) ->
 def _below(values: np.ndarray, limit: int) -> bool:
     """Whether every value lies in 0..limit - 1: one reduction over int32 values (a negative one
     read as unsigned is past any limit), two over others."""
+    if values.size == 0:
+        return True
     if values.dtype == np.int32:
-        return values.size == 0 or int(values.view(np.uint32).max()) < limit
-    return values.size == 0 or (values.min() >= 0 and values.max() < limit)
+        return int(values.view(np.uint32).max()) < limit
+    return bool(values.min() >= 0 and values.max() < limit)
 
 
 def bucket_packed(t: int, b: int, s: int, *, max_batch_tokens: int, max_seq_len: int) -> tuple[int, int, int]:
@@ -383,19 +385,20 @@ class BertRunner:
         ids, types, positions, lengths, cu_seqlens = (st[:t], st[t:2 * t], st[2 * t:3 * t], st[3 * t:3 * t + b],
                                                       st[3 * t + b:])
         first = self.config.position_offset
+        cu_seqlens[0] = 0
         if self.layout == "padded":
             pid, ptype, plen = padded_arrays(batch, b=b, s=s, pad_id=self.config.pad_token_id)
             ppos = padded_grid(position_ids(batch, self.config), batch, b=b, s=s, fill=first)
             ids[:], types[:], positions[:] = pid.reshape(-1), ptype.reshape(-1), ppos.reshape(-1)
             lengths[:] = plen
-        else:  # tokens past the last sequence (batch padding): pad ids, type 0, the first position row
+            np.cumsum(lengths, out=cu_seqlens[1:])
+        else:  # tokens past the last sequence (batch padding): pad ids, type 0, the first position row;
+            # positions from the sequences' offsets
             n, count = totals[0], len(batch.lengths)
             ids[:n], ids[n:] = batch.ids, self.config.pad_token_id
             types[:n], types[n:] = batch.token_types, 0
             lengths[:count], lengths[count:] = batch.lengths, 0
-        cu_seqlens[0] = 0
-        np.cumsum(lengths, out=cu_seqlens[1:])
-        if self.layout != "padded":  # positions from the sequences' offsets, just summed
+            np.cumsum(lengths, out=cu_seqlens[1:])
             positions[:n], positions[n:] = position_ids(batch, self.config, starts=cu_seqlens[:count]), first
         self.ops.copy_from_host(self.ws.view("inputs", (3 * t + 2 * b + 1,)), st)
         return t, b, s
