@@ -60,6 +60,7 @@ class GPT2Runner:
         b, t = max_batch, max_batch * max_len  # a prefill may hold every sequence's whole prompt
         e, v = c.n_embd, c.vocab_size
         cache = b * c.n_head * max_len * c.head_dim
+        self.beam_slices = -(-v // CANDIDATE_CHUNK)  # a beam step's vocabulary slices (ops.py beam_select)
         self.partials_size = max(1, ops.partials_size(t, e))  # a prefill's rows too
         table = {f"{kind}{i}": (cache, self.dtype) for i in range(c.n_layer) for kind in ("k", "v")}
         table.update({
@@ -96,8 +97,8 @@ class GPT2Runner:
             "fin_len": (b, np.int32), "fin_flag": (b, np.int32),
             "flags": (3 * b, np.int32),           # per prompt: improvable, done, non-finite logits
             "starts": (b, np.int32),              # per prompt: its length
-            "stats": (2 * b * -(-v // CANDIDATE_CHUNK), np.float32),  # (B, slices, 2): log-sum-exp partials
-            "keys": (b * -(-v // CANDIDATE_CHUNK) * KEEP_MAX, np.uint64),
+            "stats": (2 * b * self.beam_slices, np.float32),  # (B, slices, 2): log-sum-exp partials
+            "keys": (b * self.beam_slices * KEEP_MAX, np.uint64),
         })
         self.ws = Workspace(ops, table)
         ops.zero(self.ws.view("choice", (b * ops.CHOICE_STATE_WORDS,)))
@@ -288,8 +289,7 @@ class GPT2Runner:
     # ------------------------------------------------------------------ beam search
 
     def beam_state(self, batch: int, num_beams: int) -> SimpleNamespace:
-        r, ws, length = batch * num_beams, self.ws, self.max_len
-        slices = -(-self.config.vocab_size // CANDIDATE_CHUNK)
+        r, ws, length, slices = batch * num_beams, self.ws, self.max_len, self.beam_slices
         views = {name: ws.view(name, (r,)) for name in BEAM_FLOATS + BEAM_INTS}
         views.update({name: ws.view(name, (r, length)) for name in ("seq", "indir", "fin_seq")})
         return SimpleNamespace(**views, scratch=ws.view("beam_scratch", (3 * r, length)),

@@ -150,8 +150,8 @@ ARCH_SPECIFIC = {"attention_sm90.cu": ("sm_90a", (9, 0), ("attention_varlen.cu",
 # file -> kernels every dtype uses (not templated on the element type): one module of their own,
 # so that an fp16 run never compiles the fp32 instantiations (the fp32 varlen attention alone
 # takes 17 s to compile on an H100)
-SHARED = {"pooling.cu": ["l2_normalize<float>"], "sampling.cu": SAMPLING_KERNELS, "gemv.cu": ["prefetch_l2", "prefetch_kv"],
-          "activation.cu": ["add_bias_act<float>"]}
+SHARED = {"pooling.cu": ["l2_normalize<float>"], "sampling.cu": SAMPLING_KERNELS,
+          "gemv.cu": ["prefetch_l2", "prefetch_kv"], "activation.cu": ["add_bias_act<float>"]}
 SHARED_KEY = "shared"
 
 
