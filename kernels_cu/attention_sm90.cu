@@ -11,7 +11,7 @@
 // wgmma (P stored swizzled) it ran no faster (kernels_cu/dev/attention_wgmma.py). K/V tiles of
 // VARLEN_WG_KN keys are copied asynchronously two stages deep in wgmma's 128-byte swizzled layout.
 // The online softmax, the query staging and the stores are varlen_attention_mma's.
-// grid (ceil(max_seqlen / 64), B * heads + 1), 128 threads; dynamic shared memory:
+// grid (ceil(max_seqlen / 64), B * heads), 128 threads; dynamic shared memory:
 // 2 x (K, V) x VARLEN_WG_KN x 64 elements, 64 x 72 (the staged queries), 1024 (alignment).
 
 #define VARLEN_WG_KN 64
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
     constexpr int D = 64, KN = VARLEN_WG_KN, BLOCK_M = 64, LDQ = D + 8;
     constexpr unsigned TILE_BYTES = KN * D * sizeof(T);
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    if (zero_padding_rows(ctx, cu_seqlens, batch, heads, n_tokens, heads * D)) return;
+    zero_padding_rows(ctx, cu_seqlens, batch, n_tokens, heads * D);
     const int bh = blockIdx.y, b = bh / heads, h = bh - b * heads;
     const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
     const int q0 = blockIdx.x * BLOCK_M;

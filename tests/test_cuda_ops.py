@@ -413,6 +413,31 @@ def test_varlen_attention(cu, rng, dtype, d, case, causal, attention_path):
     np.testing.assert_array_equal(cu.to_host(out), first)  # repeated runs are identical
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_varlen_attention_zeroes_many_padding_rows(cu, rng, dtype, misaligned, attention_path):
+    """Every block shares zeroing the rows past the last sequence: 1,000 of them (more than the
+    grid's threads store at once), in 16-byte units, or an element at a time where the output
+    starts 4 bytes past a 16-byte boundary (the kernels store pairs of 16-bit values); the
+    sequences' rows equal the reference."""
+    if attention_path == "mma" and dtype == "fp32":
+        pytest.skip("the wgmma kernel takes 16-bit types only")
+    lengths, heads, d = [40, 70, 3], 2, 64
+    h, t = heads * d, sum(lengths) + 1000
+    cu_seqlens = _offsets(lengths)
+    qkv, qkvh = quantize(cu, rng.standard_normal((t, 3 * h)), dtype)
+    bias, biash = quantize(cu, 0.5 * rng.standard_normal(3 * h), dtype)
+    storage = poisoned(cu, (t * h + 2,), dtype)
+    skip = 4 // storage.itemsize if misaligned else 0
+    out = storage[skip:skip + t * h].reshape(t, h)
+    assert (out.data.ptr % 16 != 0) == misaligned
+    cu.varlen_attention(out, qkv, bias, ints(cu, cu_seqlens), heads=heads, max_seqlen=max(lengths))
+    expected = np.empty((t, h), np.float32)
+    ref.varlen_attention(expected, qkvh, biash, cu_seqlens, heads=heads, max_seqlen=max(lengths))
+    assert not expected[sum(lengths):].any()
+    assert_close(cu, out, expected, dtype)
+
+
 def test_varlen_attention_routes_head_dim_64_to_wgmma_on_sm90(cu, rng, monkeypatch):
     """On sm_90 the plain fp16/bf16 attention at head dim 64 runs the wgmma kernel; other head dims,
     windows, relative biases and fp32 keep the mma.sync / SIMT kernels."""

@@ -184,14 +184,13 @@ def _below(values: np.ndarray, limit: int) -> bool:
 
 def bucket_packed(t: int, b: int, s: int, *, max_batch_tokens: int, max_seq_len: int) -> tuple[int, int, int]:
     """(tokens, sequences, longest) a packed batch runs at: tokens up to a multiple of 64 to
-    512, then up a ladder of steps of about 19% (2^(1/4)); sequences up to a power of two;
-    longest up to a multiple of 64 (the attention kernel's query tile)."""
+    512, then up to a quarter of the power of two below them (640, 768, 896, 1024, 1280, ...:
+    four rungs an octave, each power of two one, so that full batches of power-of-two shapes
+    carry no padding); sequences up to a power of two; longest up to a multiple of 64 (the
+    attention kernel's query tile)."""
     t_pad = _round_up(t, 64)
     if t_pad > 512:
-        rung = 512
-        while rung < t:
-            rung = _round_up(int(rung * 2 ** 0.25), 64)
-        t_pad = rung
+        t_pad = _round_up(t, 1 << ((t - 1).bit_length() - 3))
     t_pad = min(t_pad, max_batch_tokens)
     b_pad = min(1 << (b - 1).bit_length(), max_batch_tokens)
     return t_pad, b_pad, min(_round_up(s, 64), max_seq_len)

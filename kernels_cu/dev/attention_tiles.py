@@ -58,7 +58,7 @@ def launch(mod, d, cfg, ctx, qkv, bias, cu, heads, max_seqlen, causal):
     b = cu.size - 1
     block_m = 16 * cfg[0] * cfg[1]
     scale_log2 = np.float32(1.4426950408889634 / np.sqrt(d))
-    k((-(-max_seqlen // block_m), b * heads + 1), (32 * cfg[0],),
+    k((-(-max_seqlen // block_m), b * heads), (32 * cfg[0],),
       (ctx, qkv, bias, cu, np.int32(b), np.int32(heads), np.int32(ctx.shape[0]), scale_log2,
        np.int32(causal), np.int32(0), cu, cu, np.int32(0)), shared_mem=size)
     return cupy

@@ -626,7 +626,7 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
         name, smem = varlen_mma_name(ct, d, general, tiles), 2 * 2 * kn * (d + 8) * 2
     scale_log2 = np.float32(1.4426950408889634 / np.sqrt(d))
     table, buckets, max_len = rel_bias if rel_bias is not None else (cu_seqlens, cu_seqlens, 0)
-    _launch(file, name, (-(-max_seqlen // block_m), b * heads + 1), (threads,),
+    _launch(file, name, (-(-max_seqlen // block_m), b * heads), (threads,),
             (ctx, qkv, bias, cu_seqlens, np.int32(b), np.int32(heads), np.int32(t), scale_log2,
              np.int32(bool(causal)), np.int32(window), table, buckets, np.int32(max_len)), shared_mem=smem)
 
