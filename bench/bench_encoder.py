@@ -150,11 +150,13 @@ def replay_ms(graph, per: int, launches: int = 1):
 
 
 def graph_ms(fn, repeat=20):
-    """GPU time of fn's launches: captured `repeat` times into one graph, replayed between events."""
+    """GPU time of fn's launches: captured `repeat` times into one graph (with the branches some ops
+    fork, joined), replayed between events."""
     stream = cuda_ops.context().stream
     stream.begin_capture()
     for _ in range(repeat):
         fn()
+    cuda_ops.join_branches()
     return replay_ms(stream.end_capture(), repeat)
 
 

@@ -144,6 +144,43 @@ def test_prefetch_kv_runs_on_a_joined_branch_of_the_graph(cu, rng):
     assert cu.context().branch_ends == []
 
 
+def test_write_kv_cache_beside_runs_on_a_branch_joined_by_join_beside(cu, rng):
+    """write_kv_cache(beside=True) inside a GraphCache capture forks a branch (sm_90+) that
+    join_beside joins: an attention over the caches after the join reads every key and value it
+    wrote; outside a capture it writes on the stream. Both equal the NumPy reference."""
+    heads, d, length = 2, 32, 16
+    seq, pos = np.array([0, 1, 1, -1, 0]), np.array([3, 0, 1, 0, 4])
+    qkv, qkvh = quantize(cu, rng.standard_normal((5, 3 * heads * d)), "fp16")
+    bias, biash = quantize(cu, 0.3 * rng.standard_normal(3 * heads * d), "fp16")
+    k_ref, v_ref = (np.zeros((2, heads, length, d), np.float32) for _ in range(2))
+    ref.write_kv_cache(k_ref, v_ref, qkvh, biash, seq, pos, heads=heads)
+    keep = seq >= 0
+    expected = np.empty((keep.sum(), heads * d), np.float32)
+    ref.cached_attention(expected, qkvh[keep], biash, k_ref, v_ref, seq[keep], pos[keep], heads=heads)
+    d_seq, d_pos, kept_seq, kept_pos = ints(cu, seq), ints(cu, pos), ints(cu, seq[keep]), ints(cu, pos[keep])
+    kept_qkv, _ = quantize(cu, qkvh[keep], "fp16")
+    for captured in (True, False):
+        k, v = (cu.to_device(np.zeros((2, heads, length, d), np.float32), np.float16) for _ in range(2))
+        out = poisoned(cu, (keep.sum(), heads * d), "fp16")
+        forked = []
+
+        def launches():
+            cu.write_kv_cache(k, v, qkv, bias, d_seq, d_pos, heads=heads, beside=True)
+            forked.append(len(cu.context().beside_ends))
+            cu.join_beside()
+            cu.cached_attention(out, kept_qkv, bias, k, v, kept_seq, kept_pos, heads=heads)
+        if captured:
+            cu.GraphCache().run("prefill", launches)
+            assert forked[-1] == int(cu.context().dependent_launch)
+        else:
+            launches()
+            assert forked == [0]
+        assert cu.context().beside_ends == []
+        assert_close(cu, k, k_ref, "fp16")
+        assert_close(cu, v, v_ref, "fp16")
+        assert_close(cu, out, expected, "fp16")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, d", [(12, 64), (4, 32), (2, 128), (3, 80)])
 def test_kv_cache_and_attention_every_cache_length(cu, rng, dtype, heads, d):

@@ -561,15 +561,20 @@ def prefetch_kv(k_cache, v_cache, positions):
     keys and values ahead of its attention)."""
 
 
+def join_beside():
+    """Nothing here (the CUDA backend joins the work write_kv_cache(beside=True) branched off)."""
+
+
 def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):
     """hidden (T, E) += x + bias; normed (T, E) = LayerNorm(hidden)."""
     hidden += x + bias
     normed[...] = _layernorm(hidden, gamma, beta, eps)
 
 
-def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads):
+def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads, beside=False):
     """Token t's key and value (columns E..3E of qkv + bias) go to cache[seq_ids[t], :, positions[t]];
-    tokens of sequence -1 (padding) are skipped. Caches (B, heads, L, D)."""
+    tokens of sequence -1 (padding) are skipped. Caches (B, heads, L, D). beside: nothing here (the
+    CUDA backend may run the writes on a branch of a captured graph, see join_beside)."""
     e = qkv.shape[1] // 3
     x = (qkv + bias).reshape(-1, 3, heads, e // heads)                 # (T, 3, heads, D)
     keep = seq_ids >= 0                                                # -1: a padding token, no cache row

@@ -130,6 +130,7 @@ class GPT2Runner:
             if after:
                 ops.prefetch_l2([after[k] for k in ("qkv_weight", "attn_out_weight", "fc_weight", "proj_weight")],
                                 rows=t)
+            ops.join_beside()  # a prefill's cache writes of the layer before read qkv
             ops.matmul(qkv, normed, w["qkv_weight"])
             attend(i, qkv, ctx)
             ops.matmul_residual_layernorm(hidden, normed, ctx, w["attn_out_weight"], w["attn_out_bias"], w["ln2_gamma"],
@@ -157,8 +158,9 @@ class GPT2Runner:
         def attend(i, qkv, ctx):
             k_cache, v_cache = self._caches(i)
             bias = self.layers[i]["qkv_bias"]
-            ops.write_kv_cache(k_cache, v_cache, qkv, bias, d_seq, d_pos, heads=c.n_head)
-            if c.head_dim in PACKED_HEAD_DIMS:
+            packed = c.head_dim in PACKED_HEAD_DIMS  # the fused attention reads qkv, not the caches
+            ops.write_kv_cache(k_cache, v_cache, qkv, bias, d_seq, d_pos, heads=c.n_head, beside=packed)
+            if packed:
                 ops.varlen_attention(ctx, qkv, bias, cu_seqlens, heads=c.n_head, max_seqlen=max_len, causal=True)
             else:
                 ops.cached_attention(ctx, qkv, bias, k_cache, v_cache, d_seq, d_pos, heads=c.n_head)
