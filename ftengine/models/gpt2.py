@@ -130,7 +130,7 @@ class GPT2Runner:
             if after:
                 ops.prefetch_l2([after[k] for k in ("qkv_weight", "attn_out_weight", "fc_weight", "proj_weight")],
                                 rows=t)
-            ops.join_beside()  # a prefill's cache writes of the layer before read qkv
+            ops.join_beside()  # the layer before's cache writes (a prefill's, beside) read qkv
             ops.matmul(qkv, normed, w["qkv_weight"])
             attend(i, qkv, ctx)
             ops.matmul_residual_layernorm(hidden, normed, ctx, w["attn_out_weight"], w["attn_out_bias"], w["ln2_gamma"],

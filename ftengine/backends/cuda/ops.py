@@ -305,8 +305,8 @@ def _branching() -> bool:
 
 def _on_branch(file: str, name: str, grid, block, args, *, beside: bool = False):
     """Launches kernel `name` of `file` on a branch of the graph being captured, forked from the
-    point the capture has reached; join_branches joins it (beside: join_beside, or else
-    join_branches)."""
+    point the capture has reached; join_branches joins it, or with beside=True join_beside (which
+    join_branches calls too)."""
     ctx = context()
     fork = ctx.cupy.cuda.Event(disable_timing=True)
     fork.record(ctx.stream)
