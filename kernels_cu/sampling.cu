@@ -430,7 +430,8 @@ __global__ void __launch_bounds__(CHOICE_THREADS) choose_draw(
 // Dynamic shared memory: hist (SAMPLE_HIST_WORDS u32: this block's digit counts, or its masses in
 // three pieces; then the draw's prefix sums), summed (SAMPLE_BINS / S u64: its range of the
 // cluster's digits), the slice's scores (`slice` floats, at most SAMPLE_SLICE_MAX), then a select's
-// candidates (SAMPLE_CANDIDATES floats).
+// candidates (SAMPLE_CANDIDATES floats). FEW: a select may end in sample_few (ops.choose_tokens
+// instantiates it for rows with top-k).
 #define SAMPLE_THREADS 256
 #define SAMPLE_BINS 2048
 #define SAMPLE_HIST_WORDS (3 * SAMPLE_BINS)
@@ -527,12 +528,14 @@ __device__ __forceinline__ bool sample_candidates(const float* sc, int n, unsign
 // most SAMPLE_SLICE_MAX tokens sums none of them past 32 bits); block r adds digit range r of the S
 // histograms; every block then finds the same digit from the ranges' totals and the range that
 // holds it. each(f) calls f(score) for the tokens the level looks at (level 0: the slice; then its
-// candidates). Updates prefix and above (what lies above it); level 0 of mode 1 sets goal.
+// candidates). Updates prefix, above (what lies above it) and weight (what its digit holds: a
+// count or a mass); level 0 of mode 1 sets goal.
 template <typename Each>
 __device__ __forceinline__ void sample_level(Each each, int S, int rank, int level, int mode, int k, float top_p,
                                              unsigned floor_key, float mx, double scale, const SampleShared& sh,
-                                             unsigned& prefix, unsigned long long& above, double& goal) {
-    __shared__ unsigned long long scan[32], ranges[SAMPLE_CLUSTER_MAX], found_above;
+                                             unsigned& prefix, unsigned long long& above, double& goal,
+                                             unsigned long long& weight) {
+    __shared__ unsigned long long scan[32], ranges[SAMPLE_CLUSTER_MAX], found_above, found_weight;
     __shared__ unsigned found_key;
     const int bits = level < 2 ? 11 : 10, shift = level == 0 ? 21 : (level == 1 ? 10 : 0), bins = 1 << bits;
     const unsigned high = level == 0 ? 0u : ~0u << (shift + bits);
@@ -611,6 +614,7 @@ __device__ __forceinline__ void sample_level(Each each, int S, int rank, int lev
             if (j < per && reached(run + v[j])) {
                 found_key = prefix | ((unsigned)(owner * range + range - 1 - (lo + j)) << shift);
                 found_above = run;
+                found_weight = v[j];
                 break;
             }
             run += v[j];
@@ -619,8 +623,67 @@ __device__ __forceinline__ void sample_level(Each each, int S, int rank, int lev
     __syncthreads();
     prefix = found_key;
     above = found_above;
+    weight = found_weight;
 }
 
+// A select's levels 1 and 2 at once, where the caller knows the cluster's candidates
+// (sample_candidates' lists: the keys of level 0's digit, at or above floor_key) are at most
+// SAMPLE_FEW: every block copies all of them, through distributed shared memory, and finds the key
+// the two levels would, the largest v with reached(above + what the candidates >= v weigh) (a
+// count, mode 0; their fixed-point masses, mode 1: the integers the levels add up, so the same
+// key). Block-wide, the same in every block. Returns what the keys >= the key found weigh (mode 0:
+// how many tokens the select keeps); 0, with prefix unchanged, where no key reaches the goal.
+#define SAMPLE_FEW 256
+// hist: this block's histogram words, which no peer reads once a level has returned (the copies'
+// keys and weights go there).
+template <typename Reached>
+__device__ __forceinline__ unsigned long long sample_few(const float* cand, int cap, const int* cand_count, int S,
+                                                         unsigned long long above, Reached reached, int mode,
+                                                         float mx, double scale, unsigned* hist, unsigned& prefix) {
+    constexpr int W = SAMPLE_THREADS / 32;
+    static_assert(SAMPLE_FEW <= SAMPLE_THREADS && SAMPLE_FEW <= SAMPLE_CANDIDATES / W
+                  && 3 * SAMPLE_FEW <= SAMPLE_HIST_WORDS, "a candidate a thread; lists that hold them all");
+    __shared__ int counts[SAMPLE_CLUSTER_MAX * W], total;
+    __shared__ unsigned found;
+    __shared__ unsigned long long found_from;
+    unsigned* keys = hist;
+    unsigned long long* weights = reinterpret_cast<unsigned long long*>(hist + SAMPLE_FEW);
+    cluster_sync();  // every block's lists are complete
+    if ((int)threadIdx.x < S * W) counts[threadIdx.x] = *cluster_peer(cand_count + threadIdx.x % W, threadIdx.x / W);
+    if (threadIdx.x == 0) found_from = 0ull;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int sum = 0;
+        for (int i = 0; i < S * W; ++i) sum += counts[i];
+        total = sum;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < total) {  // thread t copies candidate t: one remote load each, all in flight at once
+        int list = 0, at = threadIdx.x;
+        while (at >= counts[list]) at -= counts[list++];
+        const float x = cluster_peer(cand + (list % W) * cap, list / W)[at];
+        keys[threadIdx.x] = order_key(x);
+        weights[threadIdx.x] = mode ? fixed_mass(x, mx, scale) : 1ull;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < total) {
+        const unsigned mine = keys[threadIdx.x];
+        unsigned long long over = 0ull, from = 0ull;  // what the keys > mine, >= mine weigh
+        for (int i = 0; i < total; ++i) {
+            over += keys[i] > mine ? weights[i] : 0ull;
+            from += keys[i] >= mine ? weights[i] : 0ull;
+        }
+        if (!reached(above + over) && reached(above + from)) {  // one key: every such thread writes the same
+            found = mine;
+            found_from = above + from;
+        }
+    }
+    __syncthreads();
+    if (found_from) prefix = found;
+    return found_from;
+}
+
+template <bool FEW>
 __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
         int* __restrict__ out,                    // (B,)
         const float* __restrict__ logits_all,     // (B, V)
@@ -686,18 +749,31 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
         const float* mine = cand + (threadIdx.x >> 5) * cap;
         for (int j = threadIdx.x & 31; j < cand_count[threadIdx.x >> 5]; j += 32) f(mine[j]);
     };
-    auto select = [&](int mode, unsigned floor_key, unsigned& prefix) {
-        unsigned long long above = 0ull;
+    // a select; bound: at most how many tokens are at or above floor_key. Returns (mode 0) how many
+    // tokens are at or above the key found
+    auto select = [&](int mode, unsigned floor_key, unsigned long long bound, unsigned& prefix) {
+        unsigned long long above = 0ull, weight = 0ull;
         double goal = 0.0;
-        sample_level(slice_each, S, rank, 0, mode, k, top_p, floor_key, mx, scale, sh, prefix, above, goal);
+        sample_level(slice_each, S, rank, 0, mode, k, top_p, floor_key, mx, scale, sh, prefix, above, goal, weight);
         const bool spilled = sample_candidates(sc, n, prefix, floor_key, cand, cap, cand_count);
+        auto reached = [&](unsigned long long c) { return mode ? (double)c >= goal : c >= (unsigned long long)k; };
+        if constexpr (FEW) {
+            if ((mode ? bound : weight) <= SAMPLE_FEW) {  // few candidates (mode 0: level 0's digit's count)
+                const unsigned long long kept = sample_few(cand, cap, cand_count, S, above, reached, mode, mx, scale,
+                                                           sh.hist, prefix);
+                if (kept) return kept;
+            }
+        }
         auto rest_each = [&](auto f) { spilled ? slice_each(f) : cand_each(f); };
         for (int level = 1; level < 3; ++level)
-            sample_level(rest_each, S, rank, level, mode, k, top_p, floor_key, mx, scale, sh, prefix, above, goal);
+            sample_level(rest_each, S, rank, level, mode, k, top_p, floor_key, mx, scale, sh, prefix, above, goal,
+                         weight);
+        return above + weight;
     };
     unsigned kth = 0u, cut = 0u;
-    if (0 < k && k < V) select(0, 0u, kth);
-    if (top_p < 1.0f) select(1, kth, cut);
+    unsigned long long kept = ~0ull;
+    if (0 < k && k < V) kept = select(0, 0u, ~0ull, kth);
+    if (top_p < 1.0f) select(1, kth, kept, cut);
     // the draw: thread t sums the masses of tokens t * per .. (in order)
     const unsigned keep = max(kth, cut);
     auto mass = [&](int i) { return order_key(sc[i]) >= keep ? expf(sc[i] - mx) : 0.0f; };

@@ -433,6 +433,21 @@ def test_choose_tokens_matches_numpy(cu, rng, opts, sampling_path):
         assert not cu.to_host(state).any()  # left zero for the next call
 
 
+def chosen_like_numpy(cu, logits, params, state=None):
+    """choose_tokens on the GPU for float32 logits (B, V) at step 0 with nothing seen (state: a
+    fresh one unless given), asserted equal to NumPy's choice; the tokens."""
+    rows, v = logits.shape
+    state = cu.to_device(np.zeros((rows, cu.CHOICE_STATE_WORDS), np.uint64)) if state is None else state
+    out = cu.to_device(np.full(rows, -7, np.int32))
+    seen = np.zeros((rows, v), np.uint8)
+    cu.choose_tokens(out, cu.to_device(logits), cu.to_device(seen), ints(cu, [0]), ints(cu, [1]),
+                     scratch=cu.empty((rows, v), np.float32), state=state, params=params)
+    expected = np.empty(rows, np.int32)
+    ref.choose_tokens(expected, logits, seen, np.array([0]), np.array([1]), scratch=None, state=None, params=params)
+    np.testing.assert_array_equal(cu.to_host(out), expected)
+    return expected
+
+
 SLICED_CHOICES = [dict(), dict(do_sample=True, top_k=40), dict(do_sample=True, top_k=3000),
                   dict(do_sample=True, top_k=60, temperature=0.8), dict(do_sample=True, top_p=0.95),
                   dict(do_sample=True, top_k=200, top_p=0.5)]
@@ -454,14 +469,7 @@ def test_choose_tokens_over_slices_matches_numpy(cu, rng, rows, opts, sampling_p
     logits[0, 9:] = -1e30
     params = GenerationParams(max_new_tokens=4, seed=3, **opts).checked(vocab_size=v)
     state = cu.to_device(np.zeros((rows, cu.CHOICE_STATE_WORDS), np.uint64))
-    out = cu.to_device(np.full(rows, -7, np.int32))
-    empty_seen = np.zeros((rows, v), np.uint8)
-    cu.choose_tokens(out, cu.to_device(logits), cu.to_device(empty_seen), ints(cu, [0]), ints(cu, [1]),
-                     scratch=cu.empty((rows, v), np.float32), state=state, params=params)
-    expected = np.empty(rows, np.int32)
-    ref.choose_tokens(expected, logits, empty_seen, np.array([0]), np.array([1]), scratch=None, state=None,
-                      params=params)
-    np.testing.assert_array_equal(cu.to_host(out), expected)
+    expected = chosen_like_numpy(cu, logits, params, state)
     assert 0 <= expected[0] < 9
     assert not cu.to_host(state).any()
 
@@ -480,16 +488,24 @@ def test_choose_tokens_where_every_token_shares_the_first_digit(cu, rng, opts, s
         logits[row] = (1.0 + rng.permutation(v) * 4 * 2.0 ** -23).astype(np.float32)
     if opts.get("top_p"):
         logits = logits[1:]  # the reference orders ties by index, the GPU keeps or drops a tied group whole
-    rows = logits.shape[0]
-    params = GenerationParams(max_new_tokens=4, seed=5, **opts).checked(vocab_size=v)
-    out = cu.to_device(np.full(rows, -7, np.int32))
-    seen = np.zeros((rows, v), np.uint8)
-    cu.choose_tokens(out, cu.to_device(logits), cu.to_device(seen), ints(cu, [0]), ints(cu, [1]),
-                     scratch=cu.empty((rows, v), np.float32),
-                     state=cu.to_device(np.zeros((rows, cu.CHOICE_STATE_WORDS), np.uint64)), params=params)
-    expected = np.empty(rows, np.int32)
-    ref.choose_tokens(expected, logits, seen, np.array([0]), np.array([1]), scratch=None, state=None, params=params)
-    np.testing.assert_array_equal(cu.to_host(out), expected)
+    chosen_like_numpy(cu, logits, GenerationParams(max_new_tokens=4, seed=5, **opts).checked(vocab_size=v))
+
+
+@pytest.mark.parametrize("few", [255, 256, 257])
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_choose_tokens_around_the_cluster_kernels_few_candidates(cu, rng, few, top_p, sampling_path):
+    """Rows whose top-k threshold lies among `few` distinct scores sharing their first digit (all
+    in [1, 1.25), the rest far below): up to SAMPLE_FEW (256) of them the cluster kernel's selects
+    find the key from every block's candidates at once, past it digit by digit; with top-p after
+    top-k, its select looks at top-k's survivors only. The same tokens as NumPy either way."""
+    v, rows = 50257, 4
+    logits = (rng.standard_normal((rows, v)) - 10).astype(np.float32)
+    for r in range(rows):
+        logits[r, rng.choice(v, few, replace=False)] = 1.0 + rng.permutation(few) / (4 * few)
+    params = GenerationParams(max_new_tokens=4, seed=9, do_sample=True, top_k=few // 2 + 3,
+                              top_p=top_p).checked(vocab_size=v)
+    expected = chosen_like_numpy(cu, logits, params)
+    assert (logits[np.arange(rows), expected] >= 1.0).all()
 
 
 def test_gpu_sampled_frequencies_match_the_distribution(cu, sampling_path):
@@ -512,8 +528,9 @@ def test_gpu_sampled_frequencies_match_the_distribution(cu, sampling_path):
 
 def test_choose_tokens_sends_sampling_to_one_cluster_kernel_where_it_fits(cu, rng, monkeypatch):
     """On sm_90+, sampling runs choose_sample alone (a cluster of 8 blocks per row of GPT-2's
-    vocabulary, 4 of a 6000-token one); greedy runs choose_prepare; a slice past the block's
-    shared memory takes the sliced kernels. Each gives NumPy's tokens."""
+    vocabulary, 4 of a 6000-token one; its instantiation with sample_few where top-k is set);
+    greedy runs choose_prepare; a slice past the block's shared memory takes the sliced kernels.
+    Each gives NumPy's tokens."""
     ctx = cu.context()
     if not ctx.clusters:
         pytest.skip("thread-block clusters need sm_90+")
@@ -527,10 +544,13 @@ def test_choose_tokens_sends_sampling_to_one_cluster_kernel_where_it_fits(cu, rn
     monkeypatch.setattr(cu, "_launch", recording)
     b, v = 5, 50257
     logits = (rng.standard_normal((b, v)) * 2).astype(np.float32)
-    seen = np.zeros((b, v), np.uint8)
+    chosen_like_numpy(cu, logits, GenerationParams(max_new_tokens=2, seed=7, do_sample=True,
+                                                   top_p=0.9).checked(vocab_size=v))
+    assert launched == ["choose_sample<false>"]  # no top-k: the kernel without sample_few
+    launched.clear()
     expected_kernels = {
         (False, None): ["choose_prepare"],
-        (True, None): ["choose_sample"],
+        (True, None): ["choose_sample<true>"],
         (True, 32 * 1024): ["choose_prepare"] + ["choose_level"] * 3 + ["choose_draw"],
     }
     for (sample, optin), kernels in expected_kernels.items():
@@ -539,15 +559,8 @@ def test_choose_tokens_sends_sampling_to_one_cluster_kernel_where_it_fits(cu, rn
         params = GenerationParams(max_new_tokens=2, seed=7, do_sample=sample, top_k=40 if sample else 0).checked(
             vocab_size=v)
         launched.clear()
-        out = cu.to_device(np.full(b, -7, np.int32))
-        cu.choose_tokens(out, cu.to_device(logits), cu.to_device(seen), ints(cu, [0]), ints(cu, [1]),
-                         scratch=cu.empty((b, v), np.float32),
-                         state=cu.to_device(np.zeros((b, cu.CHOICE_STATE_WORDS), np.uint64)), params=params)
+        chosen_like_numpy(cu, logits, params)
         assert launched == kernels
-        expected = np.empty(b, np.int32)
-        ref.choose_tokens(expected, logits, seen, np.array([0]), np.array([1]), scratch=None, state=None,
-                          params=params)
-        np.testing.assert_array_equal(cu.to_host(out), expected)
 
 
 @pytest.mark.parametrize("options", [dict(), dict(num_beams=3, num_return_sequences=2),

@@ -71,8 +71,8 @@ SAMPLE_CANDIDATES = 2048
 # attention_sm90.cu (wgmma): its head dim, queries per block (one warpgroup: two a block measured
 # slower at every shape, kernels_cu/dev/attention_wgmma.py) and keys per K/V tile
 VARLEN_WG_HEAD_DIM, VARLEN_WG_BLOCK_M, VARLEN_WG_KN = 64, 64, 64
-SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample", "mark_seen", "append_tokens",
-                    "increment", "beam_logsumexp", "beam_candidates", "beam_select"]
+SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample<false>", "choose_sample<true>",
+                    "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates", "beam_select"]
 
 
 def varlen_mma_name(ctype: str, d: int, general: bool, tiles: str) -> str:
