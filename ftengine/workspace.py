@@ -31,6 +31,10 @@ class Workspace:
         """The size of the one allocation `table` needs."""
         return sum(cls._aligned(count, dtype) for count, dtype in table.values())
 
+    def size(self, name: str) -> int:
+        """The element count allocated for entry `name`."""
+        return self.entries[name][1]
+
     def view(self, name: str, shape):
         """The first prod(shape) elements of entry `name`, shaped. Refuses shapes over the entry's size."""
         key = (name, tuple(shape))

@@ -239,6 +239,32 @@ __device__ __forceinline__ void round_row(float (&v)[ITEMS][VEC], const bool (&v
         }
 }
 
+// Row blockIdx.x of a product into registers (layout as load_row_sum's): x (gridDim.x, H) of T, or
+// (X float) a product split over K, its SPLITS partial sums (SPLITS, gridDim.x, H) added up in slice
+// order and rounded to T, as the product would have stored their sum.
+template <typename T, typename X, int SPLITS, int VEC, int ITEMS>
+__device__ __forceinline__ void load_product_row(float (&v)[ITEMS][VEC], bool (&valid)[ITEMS], const X* x, int H) {
+    const long base = (long)blockIdx.x * H;
+    const X* parts[SPLITS];
+    #pragma unroll
+    for (int s = 0; s < SPLITS; ++s) parts[s] = x + (s * (long)gridDim.x) * H + base;
+    load_row_sum<X, VEC, ITEMS, SPLITS>(v, valid, parts, H);
+    if constexpr (!SameType<X, T>::value) round_row<T, VEC, ITEMS>(v, valid);
+}
+
+// v += each of the N rows `terms` in turn (float sums in the order a reference adds them).
+template <typename T, int VEC, int ITEMS, int N>
+__device__ __forceinline__ void add_row_terms(float (&v)[ITEMS][VEC], bool (&valid)[ITEMS], const T* const (&terms)[N],
+                                              int H) {
+    float w[ITEMS][VEC];
+    #pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const T* const term[1] = {terms[n]};
+        load_row_sum<T, VEC, ITEMS, 1>(w, valid, term, H);
+        add_rows<VEC, ITEMS>(v, w, valid);
+    }
+}
+
 // A row held in registers (layout as load_row_sum's) stored to `out`.
 template <typename T, int VEC, int ITEMS>
 __device__ __forceinline__ void store_row(T* out, const float (&v)[ITEMS][VEC], const bool (&valid)[ITEMS]) {

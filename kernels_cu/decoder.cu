@@ -64,20 +64,11 @@ __global__ void residual_layernorm(T* hidden, T* __restrict__ normed, const X* _
     wait_then_launch_next();
     __shared__ float scratch[32];
     const long base = (long)blockIdx.x * H;
-    float v[ITEMS][VEC], w[ITEMS][VEC];
+    float v[ITEMS][VEC];
     bool valid[ITEMS];
-    const X* parts[SPLITS];
-    #pragma unroll
-    for (int s = 0; s < SPLITS; ++s) parts[s] = x + (s * (long)gridDim.x) * H + base;
-    load_row_sum<X, VEC, ITEMS, SPLITS>(v, valid, parts, H);
-    if constexpr (!SameType<X, T>::value) round_row<T, VEC, ITEMS>(v, valid);
+    load_product_row<T, X, SPLITS, VEC, ITEMS>(v, valid, x, H);
     const T* const terms[2] = {bias, hidden + base};  // (x + bias) + hidden, as the reference
-    #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-        const T* const term[1] = {terms[n]};
-        load_row_sum<T, VEC, ITEMS, 1>(w, valid, term, H);
-        add_rows<VEC, ITEMS>(v, w, valid);
-    }
+    add_row_terms<T, VEC, ITEMS, 2>(v, valid, terms, H);
     store_row<T, VEC, ITEMS>(hidden + base, v, valid);
     round_row<T, VEC, ITEMS>(v, valid);  // the stored, rounded sum
     layernorm_row_store<T, VEC, ITEMS>(normed + base, v, valid, gamma, beta, H, eps, scratch);

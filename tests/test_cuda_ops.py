@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from ftengine.backends import numpy_ops as ref
+from ftengine.errors import DeviceError
 from tests.tolerances import OPS
 
 pytestmark = pytest.mark.gpu
@@ -80,6 +81,37 @@ def test_add_bias_residual_layernorm(cu, rng, dtype, h, alias):
     ref.add_bias_residual_layernorm(expected, xh, bh, rh, gh, beh, eps=1e-5)
     cu.add_bias_residual_layernorm(out, x, b, r, g, be, eps=1e-5)
     assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n, splits", [(128, 3072, 768, 4), (300, 3072, 768, 2), (13, 2064, 96, 2),
+                                             (7, 2048, 64, 4), (3, 3072, 768, 1), (1100, 2048, 768, 1),
+                                             (40, 3072, 100, 1), (40, 1536, 384, 1)])
+@pytest.mark.parametrize("alias", [False, True])
+def test_matmul_bias_residual_layernorm(cu, rng, dtype, m, k, n, splits, alias):
+    """A product read by bias + residual + LayerNorm (BERT's FFN down): with K split into `splits`
+    slices (16-bit operands: cuBLAS's float partial sums, added up by the split LayerNorm kernel)
+    or (too few rows, too many outputs, N not a multiple of 8, K too short, float32) matmul then
+    add_bias_residual_layernorm; against the NumPy twin fed the product as the storage type holds
+    it. The output may be the residual itself."""
+    splits = 1 if dtype == "fp32" else splits
+    assert cu.blas_split_k(m, n, k, cu.storage_dtype(dtype)) == splits
+    # operands on a grid of 1/4 in [-2, 2]: every sum of their products is exact in float32, so the
+    # product as stored is the exact one rounded, whatever the order or the slices of its sums
+    (x, xh), (w, wh) = (quantize(cu, rng.integers(-8, 9, s) / 4, dtype) for s in ((m, k), (n, k)))
+    (r, rh), (bias, biash), (g, gh), (b, bh) = (quantize(cu, rng.standard_normal(s), dtype)
+                                                for s in ((m, n), (n,), (n,), (n,)))
+    product, partials = poisoned(cu, (m, n), dtype), cu.empty((max(1, cu.partials_size(m, n)),), np.float32)
+    out = r if alias else poisoned(cu, (m, n), dtype)
+    cu.matmul_bias_residual_layernorm(out, x, w, bias, r, g, b, eps=1e-5, product=product, partials=partials)
+    stored = quantize(cu, xh.astype(np.float64) @ wh.T.astype(np.float64), dtype)[1]
+    expected = np.empty((m, n), np.float32)
+    ref.add_bias_residual_layernorm(expected, stored, biash, rh, gh, bh, eps=1e-5)
+    assert_close(cu, out, expected, dtype)
+    if splits > 1:
+        with pytest.raises(DeviceError, match=r"partials holds 7 float32 values; a split product"):
+            cu.matmul_bias_residual_layernorm(out, x, w, bias, r, g, b, eps=1e-5, product=product,
+                                              partials=partials[:7])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -540,7 +540,7 @@ def add_bias_residual(out, x, bias, residual):
 
 
 def partials_size(rows: int, n: int) -> int:
-    """0: matmul_residual_layernorm splits no product here."""
+    """0: matmul_residual_layernorm and matmul_bias_residual_layernorm split no product here."""
     return 0
 
 
@@ -549,6 +549,13 @@ def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, e
     (`partials` unused: see partials_size)."""
     matmul(product, x, weight)
     residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps)
+
+
+def matmul_bias_residual_layernorm(out, x, weight, bias, residual, gamma, beta, *, eps, product, partials):
+    """out = LayerNorm(x @ weight^T + bias + residual), the product through `product` (`partials`
+    unused: see partials_size). out may alias residual."""
+    matmul(product, x, weight)
+    add_bias_residual_layernorm(out, product, bias, residual, gamma, beta, eps=eps)
 
 
 def prefetch_l2(arrays, *, rows: int):

@@ -288,6 +288,7 @@ class BertRunner:
             "attn_ln": (t * h, act),                   # (T, H)
             "inter": (t * c.intermediate_size * (2 if self.modern else 1), act),  # (T, I), GeGLU: (T, 2I)
             "pooled": (t * len(POOLING_ORDER) * h, np.float32),  # (B, modes*H), float32 on every backend
+            "partials": (max(1, self.ops.partials_size(t, h)), np.float32),  # a split product's sums (ops.py)
         }
         if self.modern:
             table["gated"] = (t * c.intermediate_size, act)  # (T, I): the GeGLU's output
@@ -446,6 +447,7 @@ class BertRunner:
         attn_ln = ws.view("attn_ln", (t, h))
         inter = ws.view("inter", (t, c.intermediate_size))
         attention = self._attention_packed if self.layout == "packed" else self._attention_padded
+        partials = ws.view("partials", (ws.size("partials"),))
         eps, fp8 = c.layer_norm_eps, self.fp8
         ops.embed_layernorm(hidden, ids, token_types, positions, self.word_emb, self.pos_emb,
                             self.type_emb, *self.emb_ln, eps=eps)
@@ -477,11 +479,13 @@ class BertRunner:
                 ops.matmul_fp8(inter, x8, x_scales, *w["ffn_in_weight"])
                 ops.add_bias_gelu_quantize(inter8, inter_scales, inter, w["ffn_in_bias"], form=c.gelu)
                 ops.matmul_fp8(proj, inter8, inter_scales, *w["ffn_out_weight"])
+                layernorm(hidden, proj, w["ffn_out_bias"], attn_ln, w["ffn_ln_gamma"], w["ffn_ln_beta"],
+                          i + 1 < len(self.layers))
             else:
                 ops.matmul_bias_gelu(inter, attn_ln, w["ffn_in_weight"], w["ffn_in_bias"], form=c.gelu)
-                ops.matmul(proj, inter, w["ffn_out_weight"])
-            layernorm(hidden, proj, w["ffn_out_bias"], attn_ln, w["ffn_ln_gamma"], w["ffn_ln_beta"],
-                      fp8 and i + 1 < len(self.layers))
+                ops.matmul_bias_residual_layernorm(hidden, inter, w["ffn_out_weight"], w["ffn_out_bias"], attn_ln,
+                                                   w["ffn_ln_gamma"], w["ffn_ln_beta"], eps=eps, product=proj,
+                                                   partials=partials)
 
     def _modernbert_layers(self, t: int, b: int, s: int):
         """ModernBERT: embedding norm, then pre-LayerNorm layers (rotary positions, global or

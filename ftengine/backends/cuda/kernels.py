@@ -57,6 +57,18 @@ SKINNY_TILES = {16: (1, 4, 4), 32: (4, 4, 2)}
 SPLIT_MIN_ROWS, SPLIT_SLICE_K = 8, 384
 SKINNY_SPLITS = (2, 4, 8)
 SPLIT_TILES = {8: (1, 8, 2), 32: (2, 8, 2)}
+# a long-K product that a residual + LayerNorm reads (FFN down), from BLAS_SPLIT_MIN_ROWS rows: cuBLAS
+# computes its K slices as one strided batch of float32 partial sums, which the LayerNorm kernel adds
+# up (no reduction kernel: ops.py blas_split_k): BLAS_SPLIT_OUTPUTS lists (most M x N outputs, slices).
+# H100 fp16, 768 outputs a row, product + residual_layernorm, us, before -> split (best slices),
+# K = 3072: 4 rows 6.5 -> 5.6 (4), 32 rows 6.7 -> 5.8 (4), 128 rows 8.5 -> 6.7 (4), 256 rows 8.8 -> 7.3
+# (4), 512 rows 10.3 -> 9.7 (2), 1024 rows 14.0 -> 12.8 (2), 2048 rows 18.4 -> 22.5 (2: none taken);
+# K = 768 gains at most 0.4 us (48-512 rows) and loses at 32 rows or fewer: none taken. Captured passes,
+# us: GPT-2 small decode step at 4 rows 339.9 -> 321.6, 8 rows 345.5 -> 339.9, 32 rows 432.9 -> 431.3;
+# prefill 4 x 64 434.3 -> 418.4, 1 x 512 549.6 -> 542.5; BERT-base layers 1 x 128 381.0 -> 363.6,
+# 8 x 128 637.0 -> 621.1
+BLAS_SPLIT_MIN_ROWS, BLAS_SPLIT_MIN_K = 4, 2048
+BLAS_SPLIT_OUTPUTS = ((256 * 768, 4), (1024 * 768, 2))
 # sampling.cu token choice: threads per block, the most slices per row, the fewest tokens a slice
 # gets, histogram bins and the u64 words of a row's state (the bins and 8 words)
 CHOICE_THREADS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN = 256, 64, 1024
@@ -107,6 +119,15 @@ def _vec_variants(kernel: str, t: str) -> list[str]:
     return [f"{kernel}<{t}, {v}>" for v in VECS[t]]
 
 
+def _layernorm_variants(t: str) -> list[str]:
+    """layernorm.cu add_bias_residual_layernorm: after a plain product, and (16-bit types, rows of
+    whole 16-byte vectors) after a split one of each BLAS_SPLIT_OUTPUTS slice count."""
+    plain = [f"add_bias_residual_layernorm<{t}, {t}, 1, {v}, {i}>" for v in VECS[t] for i in ROW_ITEMS]
+    split = [f"add_bias_residual_layernorm<{t}, float, {s}, {VECS[t][0]}, {i}>" for _, s in BLAS_SPLIT_OUTPUTS
+             for i in ROW_ITEMS]
+    return plain + ([] if t == "float" else split)
+
+
 def _residual_layernorm_variants(t: str) -> list[str]:
     """decoder.cu residual_layernorm: after a plain product, and (16-bit types, rows of whole 16-byte
     vectors) after a split one of each SKINNY_SPLITS count."""
@@ -117,7 +138,7 @@ def _residual_layernorm_variants(t: str) -> list[str]:
 
 FAMILIES = {
     "embedding.cu": lambda t: _row_variants("embed_layernorm", t),
-    "layernorm.cu": lambda t: _row_variants("add_bias_residual_layernorm", t),
+    "layernorm.cu": _layernorm_variants,
     "activation.cu": lambda t: _vec_variants("add_bias_gelu", t) + _vec_variants("gated_gelu", t),
     "rotary.cu": lambda t: [f"rotary_qkv<{t}>"],
     "attention.cu": lambda t: (_vec_variants("add_qkv_bias_split_heads", t) + _vec_variants("merge_heads", t)
@@ -299,7 +320,7 @@ def prepare(files, ctypes, *, workers: int = 8):
 
 @lru_cache(maxsize=None)
 def kernel(file: str, name: str):
-    """A compiled kernel, e.g. kernel("layernorm.cu", "add_bias_residual_layernorm<__half, 8, 1>")."""
+    """A compiled kernel, e.g. kernel("layernorm.cu", "add_bias_residual_layernorm<__half, __half, 1, 8, 1>")."""
     return module(file, _owner(file, name)).get_function(name)
 
 

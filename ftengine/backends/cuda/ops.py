@@ -17,14 +17,14 @@ import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
-from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, CHOICE_BINS,
-                      CHOICE_SLICES_MAX, CHOICE_SLICE_MIN, CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS,
-                      GEMV_COLS, GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, ROW_ITEMS, SAMPLE_CANDIDATES,
-                      SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS,
-                      SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC,
-                      SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES,
-                      VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM, VARLEN_WG_KN, VECS, ArchKernel, kernel, launch_ex, prepare,
-                      skinny_name, varlen_mma_name)
+from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, BLAS_SPLIT_MIN_K,
+                      BLAS_SPLIT_MIN_ROWS, BLAS_SPLIT_OUTPUTS, CHOICE_BINS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN,
+                      CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMV_COLS, GEMV_ROWS, GEMV_THREADS,
+                      GEMV_WIDE_BLOCKS_PER_SM, ROW_ITEMS, SAMPLE_CANDIDATES, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS,
+                      SAMPLE_SLICE_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS, SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS,
+                      SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC, SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES,
+                      VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM,
+                      VARLEN_WG_KN, VECS, ArchKernel, kernel, launch_ex, prepare, skinny_name, varlen_mma_name)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -671,8 +671,8 @@ def merge_heads(out, ctx, *, batch, seq, heads):
 def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
     t, h = out.shape
     vec, items, threads = _row_kernel_shape(out, h)
-    _launch("layernorm.cu", f"add_bias_residual_layernorm<{_ctype(out)}, {vec}, {items}>", (t,), (threads,),
-            (out, x, bias, residual, gamma, beta, np.int32(h), np.float32(eps)))
+    _launch("layernorm.cu", f"add_bias_residual_layernorm<{_ctype(out)}, {_ctype(out)}, 1, {vec}, {items}>", (t,),
+            (threads,), (out, x, bias, residual, gamma, beta, np.int32(h), np.float32(eps)))
 
 
 def add_bias_gelu(out, x, bias, *, form):
@@ -785,29 +785,81 @@ def split_k(m: int, n: int, k: int, dtype) -> int:
     return max((s for s in SKINNY_SPLITS if s <= most and 32 * s <= k), default=1)
 
 
+def blas_split_k(m: int, n: int, k: int, dtype) -> int:
+    """How many K slices matmul_residual_layernorm and matmul_bias_residual_layernorm have cuBLAS
+    compute as float32 partial sums (1: none): 16-bit operands, BLAS_SPLIT_MIN_ROWS rows or more, K of BLAS_SPLIT_MIN_K or more that
+    splits into whole 16-byte vectors, rows of whole 16-byte vectors (N a multiple of 8), and few
+    enough outputs (BLAS_SPLIT_OUTPUTS)."""
+    if np.dtype(dtype) == np.float32 or m < BLAS_SPLIT_MIN_ROWS or k < BLAS_SPLIT_MIN_K or n % 8:
+        return 1
+    return next((s for outputs, s in BLAS_SPLIT_OUTPUTS if m * n <= outputs and k % (8 * s) == 0), 1)
+
+
 def partials_size(rows: int, n: int) -> int:
-    """float32 elements of the `partials` buffer matmul_residual_layernorm needs for up to `rows`
-    rows of n output columns."""
-    return max(SKINNY_SPLITS) * min(rows, SKINNY_ROWS) * n
+    """float32 elements of the `partials` buffer matmul_residual_layernorm and
+    matmul_bias_residual_layernorm need for up to `rows` rows of n output columns."""
+    blas = max(s * min(rows * n, outputs) for outputs, s in BLAS_SPLIT_OUTPUTS)
+    return max(max(SKINNY_SPLITS) * min(rows, SKINNY_ROWS) * n, blas)
+
+
+def _split_partials(partials, splits: int, m: int, n: int):
+    """The (splits, m, n) float32 view of `partials` that a split product's sums go to."""
+    if partials.dtype != np.float32 or partials.size < splits * m * n:
+        raise DeviceError(f"partials holds {partials.size} {partials.dtype} values; a split product of {m} x {n} "
+                          f"needs {splits * m * n} float32")
+    return partials.ravel()[:splits * m * n].reshape(splits, m, n)
+
+
+def _split_product(parts, x, weight):
+    """parts (S, M, N) float32: parts[s] = x[:, s K/S ..] @ weight[:, s K/S ..]^T, for x (M, K) and
+    weight (N, K) of one 16-bit type, through cuBLAS as one strided batch."""
+    s, m, n = parts.shape
+    k = x.shape[1]
+    ks, kind = k // s, cb.DATA_TYPES[x.dtype.name]
+    if _planning():
+        return
+    ctx = context()
+    with ctx.stream:
+        ctx.blas.gemm_strided_batched(cb.OP_T, cb.OP_N, n, m, ks, weight.data.ptr, kind, k, ks, x.data.ptr, kind, k,
+                                      ks, parts.data.ptr, cb.CUDA_R_32F, n, m * n, s)
 
 
 def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials):
     """hidden += x @ weight^T + bias; normed = LayerNorm(hidden), as matmul into `product` (M, N)
-    then residual_layernorm. Where split_k splits the product: gemv.cu skinny_mma sums each K slice
-    into `partials` (float32, partials_size elements at least), residual_layernorm adds them up
-    (rows of whole 16-byte vectors: see split_k)."""
+    then residual_layernorm. Where blas_split_k or split_k splits the product: cuBLAS or gemv.cu
+    skinny_mma sums each K slice into `partials` (float32, partials_size elements at least), and
+    residual_layernorm adds them up (rows of whole 16-byte vectors)."""
     (m, k), n = x.shape, weight.shape[0]
-    splits = split_k(m, n, k, x.dtype)
-    if splits == 1 or not _skinny_operands(x, weight):
+    blas_splits = blas_split_k(m, n, k, x.dtype) if weight.dtype == x.dtype else 1
+    splits = blas_splits if blas_splits > 1 else (split_k(m, n, k, x.dtype) if _skinny_operands(x, weight) else 1)
+    if splits == 1:
         matmul(product, x, weight)
         residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps)
         return
-    if partials.dtype != np.float32 or partials.size < splits * m * n:
-        raise DeviceError(f"partials holds {partials.size} {partials.dtype} values; a split product of {m} x {n} "
-                          f"needs {splits * m * n} float32")
-    parts = partials.ravel()[:splits * m * n].reshape(splits, m, n)
-    _skinny(parts, x, weight, None, 0, table=SPLIT_TILES, splits=splits)
+    parts = _split_partials(partials, splits, m, n)
+    if blas_splits > 1:
+        _split_product(parts, x, weight)
+    else:
+        _skinny(parts, x, weight, None, 0, table=SPLIT_TILES, splits=splits)
     residual_layernorm(hidden, normed, parts, bias, gamma, beta, eps=eps)
+
+
+def matmul_bias_residual_layernorm(out, x, weight, bias, residual, gamma, beta, *, eps, product, partials):
+    """out = LayerNorm(x @ weight^T + bias + residual), as matmul into `product` (M, N) then
+    add_bias_residual_layernorm; where blas_split_k splits the product, cuBLAS sums each K slice
+    into `partials` (float32, partials_size elements at least) and add_bias_residual_layernorm adds
+    them up. `out` may alias `residual`."""
+    (m, k), n = x.shape, weight.shape[0]
+    splits = blas_split_k(m, n, k, x.dtype) if weight.dtype == x.dtype else 1
+    if splits == 1:
+        matmul(product, x, weight)
+        add_bias_residual_layernorm(out, product, bias, residual, gamma, beta, eps=eps)
+        return
+    parts = _split_partials(partials, splits, m, n)
+    _split_product(parts, x, weight)
+    vec, items, threads = _row_kernel_shape(out, n)
+    _launch("layernorm.cu", f"add_bias_residual_layernorm<{_ctype(out)}, float, {splits}, {vec}, {items}>", (m,),
+            (threads,), (out, parts, bias, residual, gamma, beta, np.int32(n), np.float32(eps)))
 
 
 def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):
