@@ -55,20 +55,21 @@ def test_embed_layernorm_residual_gather(cu, rng, dtype, e):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m, k, n, blas, splits", [
-    (8, 768, 768, 1, 2), (13, 3072, 768, 4, 4), (32, 800, 200, 1, 2), (20, 96, 1000, 1, 2), (9, 1536, 64, 1, 4),
-    (7, 768, 768, 1, 1), (33, 768, 768, 1, 1), (16, 256, 100, 1, 1), (300, 3072, 768, 2, 2), (6, 2064, 96, 2, 2),
-    (5, 2056, 40, 1, 1), (1100, 2048, 768, 1, 1)])
-def test_matmul_residual_layernorm(cu, rng, dtype, m, k, n, blas, splits):
-    """A product read by residual + LayerNorm: with K split into `splits` slices (16-bit operands;
-    partial sums from cuBLAS's strided batch where `blas` > 1, else from gemv.cu, added up by
-    residual_layernorm) or (slices of K not whole 16-byte vectors, too many outputs, fewer or more
-    rows than a split takes, N not a multiple of 8, float32) matmul then residual_layernorm;
-    against the NumPy twin fed the product as the storage type holds it."""
-    blas, splits = (1, 1) if dtype == "fp32" else (blas, splits)
+@pytest.mark.parametrize("m, k, n, skinny, blas", [
+    (8, 768, 768, 2, 1), (13, 3072, 768, 8, 4), (32, 800, 200, 2, 1), (20, 96, 1000, 2, 1), (9, 1536, 64, 4, 1),
+    (7, 768, 768, 1, 1), (33, 768, 768, 1, 1), (16, 256, 100, 1, 1), (300, 3072, 768, 1, 2), (6, 2064, 96, 1, 2),
+    (5, 2056, 40, 1, 1), (1100, 2048, 768, 1, 1), (7, 3072, 768, 1, 4)])
+def test_matmul_residual_layernorm(cu, rng, dtype, m, k, n, skinny, blas):
+    """A product read by residual + LayerNorm: with K split into slices (16-bit operands; partial
+    sums from gemv.cu where split_k gives `skinny` > 1, else from cuBLAS's strided batch where
+    blas_split_k gives `blas` > 1, added up by residual_layernorm) or (slices of K not whole
+    16-byte vectors, too many outputs, fewer or more rows than a split takes, N not a multiple of
+    8, float32) matmul then residual_layernorm; against the NumPy twin fed the product as the
+    storage type holds it."""
+    skinny, blas = (1, 1) if dtype == "fp32" else (skinny, blas)
     storage = cu.storage_dtype(dtype)
-    assert cu.blas_split_k(m, n, k, storage) == blas
-    assert blas > 1 or cu.split_k(m, n, k, storage) == splits
+    assert (cu.split_k(m, n, k, storage), cu.blas_split_k(m, n, k, storage)) == (skinny, blas)
+    splits = max(skinny, blas)
     # operands on a grid of 1/4 in [-2, 2]: every sum of their products is exact in float32, so the
     # product as stored is the exact one rounded, whatever the order or the slices of its sums
     (x, xh), (w, wh) = (quantize(cu, rng.integers(-8, 9, s) / 4, dtype) for s in ((m, k), (n, k)))

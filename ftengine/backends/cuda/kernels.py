@@ -57,14 +57,16 @@ SKINNY_TILES = {16: (1, 4, 4), 32: (4, 4, 2)}
 SPLIT_MIN_ROWS, SPLIT_SLICE_K = 8, 384
 SKINNY_SPLITS = (2, 4, 8)
 SPLIT_TILES = {8: (1, 8, 2), 32: (2, 8, 2)}
-# a long-K product that a residual + LayerNorm reads (FFN down), from BLAS_SPLIT_MIN_ROWS rows: cuBLAS
+# a long-K product that a residual + LayerNorm reads (FFN down), from BLAS_SPLIT_MIN_ROWS rows (GPT-2:
+# where the skinny split above does not take it): cuBLAS
 # computes its K slices as one strided batch of float32 partial sums, which the LayerNorm kernel adds
 # up (no reduction kernel: ops.py blas_split_k): BLAS_SPLIT_OUTPUTS lists (most M x N outputs, slices).
 # H100 fp16, 768 outputs a row, product + residual_layernorm, us, before -> split (best slices),
 # K = 3072: 4 rows 6.5 -> 5.6 (4), 32 rows 6.7 -> 5.8 (4), 128 rows 8.5 -> 6.7 (4), 256 rows 8.8 -> 7.3
 # (4), 512 rows 10.3 -> 9.7 (2), 1024 rows 14.0 -> 12.8 (2), 2048 rows 18.4 -> 22.5 (2: none taken);
 # K = 768 gains at most 0.4 us (48-512 rows) and loses at 32 rows or fewer: none taken. Captured passes,
-# us: GPT-2 small decode step at 4 rows 339.9 -> 321.6, 8 rows 345.5 -> 339.9, 32 rows 432.9 -> 431.3;
+# us: GPT-2 small decode step at 4 rows 339.9 -> 321.6 (8 and 32 rows, against the skinny split:
+# 345.5 -> 339.9 and 432.9 -> 431.3, but see ops.matmul_residual_layernorm);
 # prefill 4 x 64 434.3 -> 418.4, 1 x 512 549.6 -> 542.5; BERT-base layers 1 x 128 381.0 -> 363.6,
 # 8 x 128 637.0 -> 621.1
 BLAS_SPLIT_MIN_ROWS, BLAS_SPLIT_MIN_K = 4, 2048

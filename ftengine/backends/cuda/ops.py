@@ -826,18 +826,22 @@ def _split_product(parts, x, weight):
 
 def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials):
     """hidden += x @ weight^T + bias; normed = LayerNorm(hidden), as matmul into `product` (M, N)
-    then residual_layernorm. Where blas_split_k or split_k splits the product: cuBLAS or gemv.cu
-    skinny_mma sums each K slice into `partials` (float32, partials_size elements at least), and
-    residual_layernorm adds them up (rows of whole 16-byte vectors)."""
+    then residual_layernorm. Where split_k, or else blas_split_k, splits the product: gemv.cu
+    skinny_mma or cuBLAS sums each K slice into `partials` (float32, partials_size elements at
+    least), and residual_layernorm adds them up (rows of whole 16-byte vectors)."""
     (m, k), n = x.shape, weight.shape[0]
-    blas_splits = blas_split_k(m, n, k, x.dtype) if weight.dtype == x.dtype else 1
-    splits = blas_splits if blas_splits > 1 else (split_k(m, n, k, x.dtype) if _skinny_operands(x, weight) else 1)
+    # the skinny split first: at 32 rows cuBLAS's took 1.6 us off a decode step graph, but after
+    # other streams' kernels in the process (bench_decoder's note) it made top-k / top-p batch-32
+    # generation 1.4 / 3.8 us a step slower (H100, HF's generate run first, medians of 6 alternating runs)
+    skinny = split_k(m, n, k, x.dtype) if _skinny_operands(x, weight) else 1
+    blas = blas_split_k(m, n, k, x.dtype) if skinny == 1 and weight.dtype == x.dtype else 1
+    splits = max(skinny, blas)
     if splits == 1:
         matmul(product, x, weight)
         residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps)
         return
     parts = _split_partials(partials, splits, m, n)
-    if blas_splits > 1:
+    if blas > 1:
         _split_product(parts, x, weight)
     else:
         _skinny(parts, x, weight, None, 0, table=SPLIT_TILES, splits=splits)
