@@ -210,10 +210,10 @@ def attention_alone(b=64, s=512, heads=12, d=64):
     return row
 
 
-OP_NAMES = ("matmul", "matmul_bias_gelu", "batched_matmul", "embed_layernorm", "add_qkv_bias_split_heads", "masked_softmax",
-            "merge_heads", "add_bias_residual_layernorm", "add_bias_gelu", "pool", "l2_normalize",
-            "varlen_attention", "pool_packed", "matmul_fp8", "quantize_rows", "add_bias_residual_layernorm_quantize",
-            "add_bias_gelu_quantize")
+OP_NAMES = ("matmul", "matmul_bias_gelu", "matmul_bias_residual_layernorm", "batched_matmul", "embed_layernorm",
+            "add_qkv_bias_split_heads", "masked_softmax", "merge_heads", "add_bias_residual_layernorm", "add_bias_gelu",
+            "pool", "l2_normalize", "varlen_attention", "pool_packed", "matmul_fp8", "quantize_rows",
+            "add_bias_residual_layernorm_quantize", "add_bias_gelu_quantize")
 
 
 class RecordedOps:
@@ -231,7 +231,7 @@ class RecordedOps:
 
         def recorded(*args, **kwargs):
             label = name
-            if name in ("matmul", "matmul_bias_gelu"):
+            if name in ("matmul", "matmul_bias_gelu", "matmul_bias_residual_layernorm"):  # out, x, weight, ...
                 label = f"{name} {args[1].shape[1]}->{args[2].shape[0]}"
             elif name == "matmul_residual_layernorm":  # arguments hidden, normed, x, weight, ...
                 label = f"{name} {args[2].shape[1]}->{args[3].shape[0]}"
