@@ -224,12 +224,13 @@ __global__ void prefetch_kv(const char* k_cache, const char* v_cache, const int*
                             int L, int row_bytes, long max_bytes) {
     wait_for_previous();  // launched the plain way (a no-op), as every kernel starts
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    auto before = [&](int r) { return min(max(positions[r], 0), L); };  // row r's positions cached before it
     long cached = 0;
-    for (int r = threadIdx.x; r < rows; r += 32) cached += min(max(positions[r], 0), L);
+    for (int r = threadIdx.x; r < rows; r += 32) cached += before(r);
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) cached += __shfl_xor_sync(0xffffffffu, cached, o);
     if (cached * row_bytes * heads * 2 > max_bytes) return;
-    const long bytes = (long)min(max(positions[blockIdx.x], 0), L) * row_bytes;
+    const long bytes = (long)before(blockIdx.x) * row_bytes;
     for (int i = threadIdx.x; i < 2 * heads; i += 32) {
         const char* head = (i & 1 ? v_cache : k_cache) + ((long)blockIdx.x * heads + (i >> 1)) * L * row_bytes;
         for (long off = 0; off < bytes; off += PREFETCH_CHUNK) {
