@@ -530,6 +530,12 @@ __device__ __forceinline__ bool sample_candidates(const float* sc, int n, unsign
 // holds it. each(f) calls f(score) for the tokens the level looks at (level 0: the slice; then its
 // candidates). Updates prefix, above (what lies above it) and weight (what its digit holds: a
 // count or a mass); level 0 of mode 1 sets goal.
+// Whether what a select counts from the top, c, reaches its goal: k tokens (mode 0, top-k), or the
+// fixed-point mass goal (mode 1, top-p).
+__device__ __forceinline__ bool select_reached(unsigned long long c, int mode, double goal, int k) {
+    return mode ? (double)c >= goal : c >= (unsigned long long)k;
+}
+
 template <typename Each>
 __device__ __forceinline__ void sample_level(Each each, int S, int rank, int level, int mode, int k, float top_p,
                                              unsigned floor_key, float mx, double scale, const SampleShared& sh,
@@ -587,7 +593,7 @@ __device__ __forceinline__ void sample_level(Each each, int S, int rank, int lev
         for (int q = 0; q < S; ++q) total += ranges[q];
         goal = mass_goal(total, top_p);
     }
-    auto reached = [&](unsigned long long c) { return mode ? (double)c >= goal : c >= (unsigned long long)k; };
+    auto reached = [&](unsigned long long c) { return select_reached(c, mode, goal, k); };
     // the range where the count from the top reaches the goal (the same in every block)
     unsigned long long run = above;
     int owner = 0;
@@ -756,7 +762,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
         double goal = 0.0;
         sample_level(slice_each, S, rank, 0, mode, k, top_p, floor_key, mx, scale, sh, prefix, above, goal, weight);
         const bool spilled = sample_candidates(sc, n, prefix, floor_key, cand, cap, cand_count);
-        auto reached = [&](unsigned long long c) { return mode ? (double)c >= goal : c >= (unsigned long long)k; };
+        auto reached = [&](unsigned long long c) { return select_reached(c, mode, goal, k); };
         if constexpr (FEW) {
             if ((mode ? bound : weight) <= SAMPLE_FEW) {  // few candidates (mode 0: level 0's digit's count)
                 const unsigned long long kept = sample_few(cand, cap, cand_count, S, above, reached, mode, mx, scale,

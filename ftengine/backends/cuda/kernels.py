@@ -58,9 +58,9 @@ SPLIT_MIN_ROWS, SPLIT_SLICE_K = 8, 384
 SKINNY_SPLITS = (2, 4, 8)
 SPLIT_TILES = {8: (1, 8, 2), 32: (2, 8, 2)}
 # a long-K product that a residual + LayerNorm reads (FFN down), from BLAS_SPLIT_MIN_ROWS rows (GPT-2:
-# where the skinny split above does not take it): cuBLAS
-# computes its K slices as one strided batch of float32 partial sums, which the LayerNorm kernel adds
-# up (no reduction kernel: ops.py blas_split_k): BLAS_SPLIT_OUTPUTS lists (most M x N outputs, slices).
+# where the skinny split above does not take it): cuBLAS computes its K slices as one strided batch of
+# float32 partial sums, which the LayerNorm kernel adds up (no reduction kernel: ops.py blas_split_k).
+# BLAS_SPLIT_OUTPUTS lists (most M x N outputs, slices).
 # H100 fp16, 768 outputs a row, product + residual_layernorm, us, before -> split (best slices),
 # K = 3072: 4 rows 6.5 -> 5.6 (4), 32 rows 6.7 -> 5.8 (4), 128 rows 8.5 -> 6.7 (4), 256 rows 8.8 -> 7.3
 # (4), 512 rows 10.3 -> 9.7 (2), 1024 rows 14.0 -> 12.8 (2), 2048 rows 18.4 -> 22.5 (2: none taken);
@@ -121,26 +121,24 @@ def _vec_variants(kernel: str, t: str) -> list[str]:
     return [f"{kernel}<{t}, {v}>" for v in VECS[t]]
 
 
-def _layernorm_variants(t: str) -> list[str]:
-    """layernorm.cu add_bias_residual_layernorm: after a plain product, and (16-bit types, rows of
-    whole 16-byte vectors) after a split one of each BLAS_SPLIT_OUTPUTS slice count."""
-    plain = [f"add_bias_residual_layernorm<{t}, {t}, 1, {v}, {i}>" for v in VECS[t] for i in ROW_ITEMS]
-    split = [f"add_bias_residual_layernorm<{t}, float, {s}, {VECS[t][0]}, {i}>" for _, s in BLAS_SPLIT_OUTPUTS
-             for i in ROW_ITEMS]
+def _after_product_variants(kernel: str, t: str, splits) -> list[str]:
+    """A row kernel <T, X, SPLITS, VEC, ITEMS> that reads a product: a plain one (X = T), and
+    (16-bit types, rows of whole 16-byte vectors) a split one's float partial sums of each count
+    in `splits`."""
+    plain = [f"{kernel}<{t}, {t}, 1, {v}, {i}>" for v in VECS[t] for i in ROW_ITEMS]
+    split = [f"{kernel}<{t}, float, {s}, {VECS[t][0]}, {i}>" for s in splits for i in ROW_ITEMS]
     return plain + ([] if t == "float" else split)
 
 
-def _residual_layernorm_variants(t: str) -> list[str]:
-    """decoder.cu residual_layernorm: after a plain product, and (16-bit types, rows of whole 16-byte
-    vectors) after a split one of each SKINNY_SPLITS count."""
-    plain = [f"residual_layernorm<{t}, {t}, 1, {v}, {i}>" for v in VECS[t] for i in ROW_ITEMS]
-    split = [f"residual_layernorm<{t}, float, {s}, {VECS[t][0]}, {i}>" for s in SKINNY_SPLITS for i in ROW_ITEMS]
-    return plain + ([] if t == "float" else split)
+# the slice counts of split products: cuBLAS's (ops.py blas_split_k), which BERT's and GPT-2's
+# LayerNorm kernels read, and gemv.cu skinny_mma's, which GPT-2's reads
+BLAS_SPLITS = tuple(s for _, s in BLAS_SPLIT_OUTPUTS)
+SPLIT_COUNTS = tuple(sorted(set(SKINNY_SPLITS) | set(BLAS_SPLITS)))
 
 
 FAMILIES = {
     "embedding.cu": lambda t: _row_variants("embed_layernorm", t),
-    "layernorm.cu": _layernorm_variants,
+    "layernorm.cu": lambda t: _after_product_variants("add_bias_residual_layernorm", t, BLAS_SPLITS),
     "activation.cu": lambda t: _vec_variants("add_bias_gelu", t) + _vec_variants("gated_gelu", t),
     "rotary.cu": lambda t: [f"rotary_qkv<{t}>"],
     "attention.cu": lambda t: (_vec_variants("add_qkv_bias_split_heads", t) + _vec_variants("merge_heads", t)
@@ -151,7 +149,8 @@ FAMILIES = {
                                        if tiles == "narrow" or d <= 64]),
     "pooling.cu": lambda t: [f"pool<{t}>", f"pool_packed<{t}>"],
     "decoder.cu": lambda t: (_vec_variants("embed_positions", t) + _row_variants("layernorm", t)
-                             + _vec_variants("add_bias_residual", t) + _residual_layernorm_variants(t)
+                             + _vec_variants("add_bias_residual", t)
+                             + _after_product_variants("residual_layernorm", t, SPLIT_COUNTS)
                              + _vec_variants("write_kv_cache", t) + _vec_variants("cached_attention", t)
                              + _vec_variants("gather_rows", t)),
     "sampling.cu": lambda t: [],

@@ -669,10 +669,13 @@ def merge_heads(out, ctx, *, batch, seq, heads):
 
 
 def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
+    """out (T, H) = LayerNorm(x + bias + residual). x (T, H) of out's dtype, or a split product's
+    float32 partial sums (slices, T, H), added up in slice order. out may alias residual."""
     t, h = out.shape
     vec, items, threads = _row_kernel_shape(out, h)
-    _launch("layernorm.cu", f"add_bias_residual_layernorm<{_ctype(out)}, {_ctype(out)}, 1, {vec}, {items}>", (t,),
-            (threads,), (out, x, bias, residual, gamma, beta, np.int32(h), np.float32(eps)))
+    slices = x.shape[0] if x.ndim == 3 else 1
+    _launch("layernorm.cu", f"add_bias_residual_layernorm<{_ctype(out)}, {_ctype(x)}, {slices}, {vec}, {items}>",
+            (t,), (threads,), (out, x, bias, residual, gamma, beta, np.int32(h), np.float32(eps)))
 
 
 def add_bias_gelu(out, x, bias, *, form):
@@ -787,9 +790,9 @@ def split_k(m: int, n: int, k: int, dtype) -> int:
 
 def blas_split_k(m: int, n: int, k: int, dtype) -> int:
     """How many K slices matmul_residual_layernorm and matmul_bias_residual_layernorm have cuBLAS
-    compute as float32 partial sums (1: none): 16-bit operands, BLAS_SPLIT_MIN_ROWS rows or more, K of BLAS_SPLIT_MIN_K or more that
-    splits into whole 16-byte vectors, rows of whole 16-byte vectors (N a multiple of 8), and few
-    enough outputs (BLAS_SPLIT_OUTPUTS)."""
+    compute as float32 partial sums (1: none): 16-bit operands, BLAS_SPLIT_MIN_ROWS rows or more, K
+    of BLAS_SPLIT_MIN_K or more that splits into whole 16-byte vectors, rows of whole 16-byte
+    vectors (N a multiple of 8), and few enough outputs (BLAS_SPLIT_OUTPUTS)."""
     if np.dtype(dtype) == np.float32 or m < BLAS_SPLIT_MIN_ROWS or k < BLAS_SPLIT_MIN_K or n % 8:
         return 1
     return next((s for outputs, s in BLAS_SPLIT_OUTPUTS if m * n <= outputs and k % (8 * s) == 0), 1)
@@ -861,9 +864,7 @@ def matmul_bias_residual_layernorm(out, x, weight, bias, residual, gamma, beta, 
         return
     parts = _split_partials(partials, splits, m, n)
     _split_product(parts, x, weight)
-    vec, items, threads = _row_kernel_shape(out, n)
-    _launch("layernorm.cu", f"add_bias_residual_layernorm<{_ctype(out)}, float, {splits}, {vec}, {items}>", (m,),
-            (threads,), (out, parts, bias, residual, gamma, beta, np.int32(n), np.float32(eps)))
+    add_bias_residual_layernorm(out, parts, bias, residual, gamma, beta, eps=eps)
 
 
 def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):
