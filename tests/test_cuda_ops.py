@@ -311,8 +311,8 @@ def test_gemv_either_column_tile(cu, rng, dtype, cols, m):
 @pytest.mark.parametrize("m, k, n", [(2, 32, 33), (5, 96, 50), (8, 800, 777), (9, 256, 1000), (17, 3072, 64),
                                      (32, 768, 1031)])
 def test_skinny_tensor_core_product(cu, rng, dtype, m, k, n):
-    """The tensor-core skinny kernel (gemv.cu skinny_mma; both tile configurations: up to 16 rows
-    and past them) on shapes that are not multiples of its tiles, K from one 32-wide chunk to many:
+    """The tensor-core skinny kernel (gemv.cu skinny_mma; every tile configuration: up to 8, up to
+    16 and up to 32 rows) on shapes that are not multiples of its tiles, K from one 32-wide chunk to many:
     plain, into float32 (LM-head logits), and with bias + GELU, both forms."""
     (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
     expected = (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32)

@@ -18,7 +18,7 @@ import statistics
 
 import numpy as np
 
-CANDIDATES = [(t, w, u) for t in (1, 2, 4) for w in (2, 4, 8) if t * w <= 16 for u in (2, 4)]
+CANDIDATES = [(t, w, u) for t in (1, 2, 4, 8) for w in (2, 4, 8) if t * w <= 16 for u in (1, 2, 4) if t * u <= 8]
 # name -> (N, K, epilogue, logits in float)
 SHAPES = {"qkv 768->2304": (2304, 768, 0, False), "attn out 768->768": (768, 768, 0, False),
           "ffn up 768->3072 + gelu": (3072, 768, 2, False), "ffn down 3072->768": (768, 3072, 0, False),
@@ -35,7 +35,7 @@ def build():
     import cupy
     from ftengine.backends.cuda import kernels
     names = sorted({name(c, o) for c in CANDIDATES for o in ("__half", "float")})
-    names += [f"gemv<__half, {o}, 8>" for o in ("__half", "float")]
+    names += [f"gemv<__half, {o}, 8, 2>" for o in ("__half", "float")]
     return cupy.RawModule(code=kernels.source("gemv.cu"), options=kernels.compile_options(), name_expressions=names)
 
 
@@ -56,7 +56,7 @@ def skinny(mod, cfg, out, x, w, bias, epilogue, dependent=False):
 
 
 def gemv(mod, out, x, w, bias, epilogue, dependent=False):
-    launch(mod, f"gemv<__half, {'float' if out.dtype == np.float32 else '__half'}, 8>", (-(-w.shape[0] // 2),),
+    launch(mod, f"gemv<__half, {'float' if out.dtype == np.float32 else '__half'}, 8, 2>", (-(-w.shape[0] // 2),),
            (128,), out, x, w, bias, epilogue, dependent)
 
 

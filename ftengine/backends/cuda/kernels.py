@@ -45,9 +45,11 @@ GEMV_COLS, GEMV_WIDE_BLOCKS_PER_SM = (2, 4), 2
 # faster: GPT-2's LM head at 2 rows 28.3 against 30.9 us, at 3 rows 30.7 against 31.0; at 4 rows 33.8
 # against 31.1) and products of SKINNY_MIN_COLUMNS output columns or more (an LM head; narrower ones
 # cover too few SMs with 16-column blocks: cuBLAS wins there); its (16-column tiles, warps, chunks in
-# flight) for up to `rows` rows of x, chosen on the H100 by kernels_cu/dev/skinny_tiles.py
+# flight) for up to `rows` rows of x, chosen on the H100 by kernels_cu/dev/skinny_tiles.py (one chunk
+# in flight, a candidate since 2026-11-24: GPT-2's LM head at 16 rows 36.7 -> 33.9 us, at 32 rows
+# 39.3 -> 37.3; at 4-8 rows it lost 0.3-0.4 us)
 SKINNY_ROWS, SKINNY_MIN_ROWS, SKINNY_MIN_COLUMNS = 32, 4, 16384
-SKINNY_TILES = {16: (1, 4, 4), 32: (4, 4, 2)}
+SKINNY_TILES = {8: (1, 4, 4), 16: (2, 4, 1), 32: (4, 4, 1)}
 # skinny_mma with K split over the grid's rows, for a narrow product that residual_layernorm reads
 # (attention output, FFN down: ops.py matmul_residual_layernorm), SPLIT_MIN_ROWS .. SKINNY_ROWS rows:
 # float partial sums of SKINNY_SPLITS slices (the largest at most max(2, K / SPLIT_SLICE_K)); its
