@@ -65,12 +65,7 @@ __device__ __forceinline__ void zero_padding_rows(T* ctx, const int* cu_seqlens,
 
 // ---------------------------------------------------------------- tensor cores (half, bf16)
 
-// Four 8x8 b16 matrices from shared memory (a 32-bit shared window address); lane l gives a
-// row address of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
+// common.cuh's ldmatrix_x4, each 8x8 matrix transposed.
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));

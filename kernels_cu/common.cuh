@@ -310,6 +310,13 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// Four 8x8 b16 matrices from shared memory (a 32-bit shared window address); lane l gives a
+// row address of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
 // Tensor cores (half, bf16): D (16 x 8, float) += A (16 x 16, row-major) B (16 x 8, column-major),
 // mma.sync m16n8k16; fragments as the PTX ISA lays them out (lane l: group l / 4, pair l % 4).
 template <typename T> struct MmaOp;

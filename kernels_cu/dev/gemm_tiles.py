@@ -105,10 +105,41 @@ TIMED = [(32768, 3072, 768, 1), (4096, 3072, 768, 1), (1024, 3072, 768, 1), (512
 OPS_TOL = {"fp16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}  # tests/tolerances.py OPS
 
 
-def main():
+def check_candidates(candidates, checks, launch, rng) -> int:
+    """Every candidate against NumPy (float64 products of the rounded operands) on `checks`
+    ((M, N, K, epilogue) shapes), fp16 and bf16, outputs poisoned with NaN, at the package's op
+    tolerance; launch(candidate, out, x, w, bias, epilogue) runs one. Returns the failures."""
     import cupy
-    from bench.bench_encoder import graph_ms
     from ftengine.backends import numpy_ops as ref
+    from ftengine.backends.cuda import ops as cu
+    failures = 0
+    for dtype in ("fp16", "bf16"):
+        for m, n, k, epi in checks:
+            xh = (rng.standard_normal((m, k)) / np.sqrt(k) ** 0.5).astype(np.float32)
+            wh = (rng.standard_normal((n, k)) / np.sqrt(k) ** 0.5).astype(np.float32)
+            bh = rng.standard_normal(n).astype(np.float32)
+            x, w, b = (cu.to_device(a, cu.storage_dtype(dtype)) for a in (xh, wh, bh))
+            xh, wh, bh = (cu.to_host(a).astype(np.float64) for a in (x, w, b))
+            expected = xh @ wh.T
+            if epi:
+                ref.matmul_bias_gelu(expected, xh, wh, bh, form="erf" if epi == 1 else "tanh")
+            atol, rtol = OPS_TOL[dtype]
+            for cfg in candidates:
+                out = cu.empty((m, n), cu.storage_dtype(dtype))
+                with cu.context().stream:
+                    out.view(cupy.uint16).fill(0x7FC0 if dtype == "bf16" else 0x7E00)
+                launch(cfg, out, x, w, b, epi)
+                got = cu.to_host(out).astype(np.float64)
+                err = np.abs(got - expected)
+                ok = not np.isnan(got).any() and bool(np.all(err <= atol + rtol * np.abs(expected)))
+                failures += not ok
+                print(f"check {dtype} {m}x{n}x{k} epi {epi} {cfg}: {'ok' if ok else 'FAIL'} "
+                      f"max err {np.nanmax(err):.3g} nan {int(np.isnan(got).sum())}", flush=True)
+    return failures
+
+
+def main():
+    from bench.bench_encoder import graph_ms
     from ftengine.backends.cuda import kernels
     from ftengine.backends.cuda import ops as cu
 
@@ -148,29 +179,7 @@ def main():
         status = kernels._launch_kernel_ex()(ctypes.byref(config), k_.kernel.ptr, params, None)
         assert status == 0, f"cuLaunchKernelEx: CUresult {status}"
 
-    failures = 0
-    for dtype in ("fp16", "bf16"):
-        for m, n, k, epi in CHECKS:
-            xh = (rng.standard_normal((m, k)) / np.sqrt(k) ** 0.5).astype(np.float32)
-            wh = (rng.standard_normal((n, k)) / np.sqrt(k) ** 0.5).astype(np.float32)
-            bh = rng.standard_normal(n).astype(np.float32)
-            x, w, b = (cu.to_device(a, cu.storage_dtype(dtype)) for a in (xh, wh, bh))
-            xh, wh, bh = (cu.to_host(a).astype(np.float64) for a in (x, w, b))
-            expected = xh @ wh.T
-            if epi:
-                ref.matmul_bias_gelu(expected, xh, wh, bh, form="erf" if epi == 1 else "tanh")
-            atol, rtol = OPS_TOL[dtype]
-            for cfg in CANDIDATES:
-                out = cu.empty((m, n), cu.storage_dtype(dtype))
-                with ctx.stream:
-                    out.view(cupy.uint16).fill(0x7FC0 if dtype == "bf16" else 0x7E00)
-                launch(cfg, out, x, w, b, epi)
-                got = cu.to_host(out).astype(np.float64)
-                err = np.abs(got - expected)
-                ok = not np.isnan(got).any() and bool(np.all(err <= atol + rtol * np.abs(expected)))
-                failures += not ok
-                print(f"check {dtype} {m}x{n}x{k} epi {epi} {cfg}: {'ok' if ok else 'FAIL'} "
-                      f"max err {np.nanmax(err):.3g} nan {int(np.isnan(got).sum())}", flush=True)
+    failures = check_candidates(CANDIDATES, CHECKS, launch, rng)
     print(f"{failures} failed checks", flush=True)
 
     rows = []
