@@ -84,8 +84,10 @@ __global__ void __launch_bounds__(WM * WN * KS * 32) tile_mma(T* __restrict__ ou
             #pragma unroll
             for (int i = 0; i < TM; ++i) {
                 #pragma unroll
-                for (int j = 0; j < TN; ++j)
-                    MmaOp<T>::run(acc[i][j], a[kk & 1][i], b[kk & 1][j / 2][(j & 1) * 2], b[kk & 1][j / 2][(j & 1) * 2 + 1]);
+                for (int j = 0; j < TN; ++j) {
+                    const unsigned(&bj)[4] = b[kk & 1][j / 2];
+                    MmaOp<T>::run(acc[i][j], a[kk & 1][i], bj[(j & 1) * 2], bj[(j & 1) * 2 + 1]);
+                }
             }
         }
     }

@@ -79,8 +79,8 @@ def main():
     args = p.parse_args()
     folder = Path(__file__).resolve().parent
     names = [name(t, c) for t in ("__half", "__nv_bfloat16") for c in CANDIDATES]
-    module = cupy.RawModule(code=(folder.parent / "common.cuh").read_text() + "\n" + (folder / "tile_mma.cu").read_text(),
-                            options=kernels.compile_options(), name_expressions=names)
+    code = (folder.parent / "common.cuh").read_text() + "\n" + (folder / "tile_mma.cu").read_text()
+    module = cupy.RawModule(code=code, options=kernels.compile_options(), name_expressions=names)
     ctx = cu.context()
     rng = np.random.default_rng(0)
     result = {"device": ctx.device_name, "candidates": CANDIDATES, "products": []}
