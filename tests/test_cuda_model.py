@@ -135,6 +135,27 @@ def test_graphs_on_and_off_identical(checkpoints, cu, name, layout, dtype):
             np.testing.assert_array_equal(a, b)
 
 
+def test_batches_in_flight_reuse_host_buffers(checkpoints, cu):
+    """Batches submitted back to back (two on the device at once, results waited for late and out
+    of order, outputs growing and shrinking) each get their own embeddings: the host buffers and
+    events a slot reuses never mix two batches."""
+    path = checkpoints("minilm-shaped")
+    rng = np.random.default_rng(12)
+    runner = _runner(path, cu, "fp32", "packed")
+    reference = _runner(path, numpy_ops, "fp32", "packed")
+    batches = [_batch(runner.config, rng, lengths) for lengths in
+               ([5, 9], list(range(1, 41)), [128], [3] * 30, [77, 1, 64], [2])]
+    modes = ("mean", "cls")
+    pending = [runner.submit(batch, pooling=modes, normalize=False) for batch in batches]
+    for i in (5, 0, 3, 1, 4, 2):
+        expected = reference.embed(batches[i], pooling=modes, normalize=False)
+        got = pending[i].wait()
+        assert got.shape == expected.shape
+        scale = max(1.0, np.abs(expected).max())
+        assert np.abs(got - expected).max() / scale <= GPU_FP32_REL, f"batch {i}"
+        assert pending[i].device_seconds > 0
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_packed_and_padded_agree(checkpoints, cu, dtype):
     """Both layouts compute the same function; they differ by rounding only, which stays

@@ -665,3 +665,30 @@ def test_a_graph_of_dependent_kernels_gives_numpys_values(cu, rng):
         cu.add_bias_residual(direct, x, bias, direct)
     for out in (graphed, direct):
         np.testing.assert_array_equal(cu.to_host(out), expected)
+
+
+def test_host_copies_both_ways(cu):
+    """copy_from_host: a matching array (one cudaMemcpyAsync), a strided or other-dtype source
+    (converted first), a wrong shape refused; copy_to_host_async through a reused HostSlot, its
+    buffer growing, each copy's values its own."""
+    rng = np.random.default_rng(3)
+    dst = poisoned(cu, (37, 5), "fp32")
+    src = rng.standard_normal((37, 5)).astype(np.float32)
+    cu.copy_from_host(dst, src)
+    np.testing.assert_array_equal(cu.to_host(dst), src)
+    wide = rng.standard_normal((37, 10))
+    cu.copy_from_host(dst, wide[:, ::2])  # float64, not contiguous
+    np.testing.assert_array_equal(cu.to_host(dst), wide[:, ::2].astype(np.float32))
+    ids = cu.empty((100,), np.int32)
+    cu.copy_from_host(ids, list(range(100)))
+    np.testing.assert_array_equal(cu.to_host(ids), np.arange(100))
+    with pytest.raises(ValueError):
+        cu.copy_from_host(dst, src[:36])
+    slot = cu.HostSlot()
+    for shape in ((3, 4), (50, 20), (2, 2), (50, 20)):
+        values = rng.standard_normal(shape).astype(np.float32)
+        pending = cu.copy_to_host_async(cu.to_device(values), slot)
+        got = pending.wait()
+        np.testing.assert_array_equal(got, values)
+        cu.copy_to_host_async(cu.to_device(np.zeros(shape, np.float32)), slot).wait()
+        np.testing.assert_array_equal(got, values)  # wait() gave a copy, not the slot's buffer

@@ -65,9 +65,9 @@ def prepare_kernels(files, dtype_name: str, *, head_dim: int):
 
 
 class DeviceTimer:
-    """Wall time of the (synchronous) work between creation and stop()."""
+    """Wall time of the (synchronous) work between creation and stop() (events: unused here)."""
 
-    def __init__(self):
+    def __init__(self, events=None):
         self._start = time.perf_counter()
         self._end = None
 
@@ -673,8 +673,14 @@ class _Ready:
         return self.array
 
 
-def copy_to_host_async(array):
-    """A copy of array with .wait() -> the host array (here at once)."""
+class HostSlot:
+    """The CUDA backend's reusable host side of a batch in flight; nothing to keep here."""
+
+    events = None
+
+
+def copy_to_host_async(array, slot=None):
+    """A copy of array with .wait() -> the host array (here at once; slot unused)."""
     return _Ready(np.array(array))
 
 

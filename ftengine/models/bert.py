@@ -317,6 +317,9 @@ class BertRunner:
             pending.wait()  # batches on the device still read the old buffers
         self.ws = self.graphs = self.staging = None  # free the old buffers first
         self._in_flight = deque()
+        # per staging slot: its host side (timer events, the results' buffer) and the batch using it
+        self._host_slots = [self.ops.HostSlot(), self.ops.HostSlot()]
+        self._slot_batches = [None, None]
         table = self.workspace_table(max_batch_tokens)
         try:
             self.ws = Workspace(self.ops, table)
@@ -570,7 +573,11 @@ class BertRunner:
                              f"the model's Dense module takes {self.head[0][0].shape[1]}")
         if len(self._in_flight) == 2:
             self._in_flight.popleft().wait()
-        timer = self.ops.DeviceTimer()
+        slot = self._slot
+        if self._slot_batches[slot] is not None:  # done already, unless a batch failed between its load and here
+            self._slot_batches[slot].wait()
+        host = self._host_slots[slot]
+        timer = self.ops.DeviceTimer(host.events)
         t, b, s = self._load_inputs(batch)
 
         def forward():
@@ -579,8 +586,10 @@ class BertRunner:
 
         self.graphs.run(("embed", t, b, s, pooling, normalize, skip), forward)
         timer.stop()
-        pending = PendingEmbeddings(self.ops.copy_to_host_async(self._output(b, pooling)), len(batch.lengths), timer)
+        pending = PendingEmbeddings(self.ops.copy_to_host_async(self._output(b, pooling), host), len(batch.lengths),
+                                    timer)
         self._in_flight.append(pending)
+        self._slot_batches[slot] = pending
         return pending
 
     def embed(self, batch: Batch, *, pooling: tuple, normalize: bool, skip: int = 0) -> np.ndarray:
