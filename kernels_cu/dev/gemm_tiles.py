@@ -46,6 +46,16 @@ the other multiplies, or TMA stores from shared memory), and tiles that load les
 product about 230 us (the epilogue's share measured here: 371 - 358 for the plain 3,072-column
 product), a third less than cuBLASLt + the pass.
 
+Measured on the H100 (2026-11-25), ncu on the plain 32,768 x 2,304 x 768 product (clocks locked by
+ncu, one launch each): cuBLASLt (nvjet 192 x 192, 2 x 1 clusters) 210.6 us, L2 reads by the SMs 834
+MB, 1.21 GB delivered to the SMs, 56 MB from DRAM, tensor pipes active 78% of the time; ("p", 4, 1)
+314.6 us, 1.27 GB, 1.36 GB, 55 MB, 48.7%; ("p", 4, 2) 316.7 us, 909 MB, 1.36 GB, 55 MB, 47.6%. So
+the multicast pair reads the L2 about as little as cuBLASLt does and is no faster: the copies' volume
+is not what holds the main loop back (the "copies alone" figures above measure the ring's pacing, not
+the L2's rate); the consumers leave the tensor pipes idle half the time. Next to look at: how far
+ahead the producer can run (a stage is released only after the next K step's products, so about two
+of the four stages are in flight), the epilogue's 4-byte stores, and the named-barrier stalls.
+
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--out results.json]
 """
 
