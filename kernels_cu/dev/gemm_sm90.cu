@@ -201,6 +201,48 @@ __device__ __forceinline__ void store_fragments(T* __restrict__ out, const float
     }
 }
 
+// The epilogue of store_fragments (J x 8 columns, rows row and row + 8 of the warpgroup's 64),
+// written into shared memory instead: `buf` holds the 64 rows as boxes of 64 columns (8 KB each,
+// rows of 128 bytes in TMA's 128-byte swizzle: row r's 16-byte chunk c at c ^ (r % 8)), for
+// tma_store to copy out. A warp's 32-bit writes of one fragment fall in 32 distinct banks.
+template <typename T, int J>
+__device__ __forceinline__ void stage_fragments(unsigned char* __restrict__ buf, const float* sbias, float* acc,
+                                                int row, int epilogue) {
+    // bias + GELU on the accumulators in place first, with no store among them, so that the GELUs
+    // of several fragments overlap; then the stores
+    #pragma unroll
+    for (int j = 0; j < J; ++j) {
+        const int c = j * 8 + (threadIdx.x & 3) * 2;
+        const float b0 = sbias[c], b1 = sbias[c + 1];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float v0 = acc[4 * j + 2 * h] + b0, v1 = acc[4 * j + 2 * h + 1] + b1;
+            if (epilogue) {
+                v0 = gelu(v0, epilogue - 1);
+                v1 = gelu(v1, epilogue - 1);
+            }
+            acc[4 * j + 2 * h] = v0;
+            acc[4 * j + 2 * h + 1] = v1;
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < J; ++j) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row + 8 * h;
+            unsigned char* dst = buf + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + 4 * (threadIdx.x & 3);
+            *reinterpret_cast<unsigned*>(dst) = pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+    }
+}
+
+// The box of `map` at (inner c0, outer c1) from shared memory at `src` (TMA; rows and columns past
+// the tensor are not written), in this thread's current bulk group.
+__device__ __forceinline__ void tma_store(const TmaMap* map, unsigned src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+                 :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(src) : "memory");
+}
+
 // sbias[c] = bias[col0 + c] as float for c < count (0 past N or without an epilogue), by the
 // `threads` threads of a warpgroup or two (t: 0 .. threads - 1).
 template <typename T>
@@ -288,7 +330,13 @@ __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS) gemm_wgmma(
 // end, so that while the consumers apply the epilogue to one tile, the next tile's first steps
 // arrive; the epilogue reads the tile's bias from shared memory (stage_bias: each warpgroup its
 // own, double-buffered).
-// grid: a multiple of CLUSTER blocks (cluster (CLUSTER, 1, 1)); w_map's box GEMM_BK x 256 / CLUSTER.
+// TMA_STORE (candidates ("ps", STAGES, CLUSTER); out's rows 16-byte multiples, as TMA needs): each
+// consumer warpgroup writes its 64 x 256 results into a buffer of its own in shared memory
+// (stage_fragments) and one of its threads copies them out with TMA stores, which run on while the
+// warpgroup goes on to its next tile (the buffer is rewritten once they have read it): whole
+// 128-byte lines, where store_fragments' 4-byte stores fill half of each 32-byte sector they touch.
+// grid: a multiple of CLUSTER blocks (cluster (CLUSTER, 1, 1)); w_map's box GEMM_BK x 256 / CLUSTER;
+// dynamic shared memory: STAGES stages, then (TMA_STORE) 2 x 64 x 256 elements, + 1024 (alignment).
 __device__ __forceinline__ unsigned cluster_rank() {
     unsigned r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
@@ -318,13 +366,14 @@ __device__ __forceinline__ void cluster_barrier() {
     asm volatile("barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
-template <typename T, int STAGES, int CLUSTER>
+template <typename T, int STAGES, int CLUSTER, bool TMA_STORE = false>
 __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_wgmma_persistent(
         T* __restrict__ out,                   // (M, N)
         const T* __restrict__ bias,            // (N,), read when epilogue > 0
         const __grid_constant__ TmaMap x_map,  // x (M, K): box GEMM_BK x GEMM_BM
         const __grid_constant__ TmaMap w_map,  // w (N, K): box GEMM_BK x 256 / CLUSTER
-        int M, int N, int K, int epilogue) {
+        int M, int N, int K, int epilogue,
+        const __grid_constant__ TmaMap out_map) {  // TMA_STORE: out (M, N) (rows of 16-byte multiples), box 64 x 64
     wait_for_previous();
     constexpr int BN = 256;
     constexpr unsigned A_BYTES = GEMM_BM * GEMM_BK * sizeof(T), STAGE_BYTES = (GEMM_BM + BN) * GEMM_BK * sizeof(T);
@@ -390,10 +439,27 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_wgmma_persistent(
             wgmma_wait<0>();
             fence_registers(acc);
             if (lane == 0) mbar_arrive_all<CLUSTER>(empty + 8 * ((it - 1) % STAGES));
+            // the previous tile's stores have read this warpgroup's buffer (its issuing thread's bulk groups)
+            if (TMA_STORE && (threadIdx.x & 127) == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
             consumers_sync(1 + wg, 128);  // this tile's bias is staged; the other buffer's readers are done
-            store_fragments<T, 32>(out, bias_tile, acc, m0 + wg * 64 + (warp & 3) * 16 + (lane >> 2), n0, M, N,
-                                   epilogue);
+            if constexpr (TMA_STORE) {
+                const unsigned buf = tiles + STAGES * STAGE_BYTES + wg * 4 * 8192;
+                stage_fragments<T, 32>(smem_raw + (buf - smem_addr(smem_raw)), bias_tile, acc,
+                                       (warp & 3) * 16 + (lane >> 2), epilogue);
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, to TMA
+                consumers_sync(1 + wg, 128);
+                if ((threadIdx.x & 127) == 0) {
+                    #pragma unroll
+                    for (int c = 0; c < 4; ++c) tma_store(&out_map, buf + c * 8192, n0 + 64 * c, m0 + 64 * wg);
+                    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+                }
+            } else {
+                store_fragments<T, 32>(out, bias_tile, acc, m0 + wg * 64 + (warp & 3) * 16 + (lane >> 2), n0, M, N,
+                                       epilogue);
+            }
         }
+        if (TMA_STORE && (threadIdx.x & 127) == 0)
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the last stores, before the block ends
     }
     if (CLUSTER > 1) cluster_barrier();  // no block leaves while its peer may still arrive on its barriers
 }

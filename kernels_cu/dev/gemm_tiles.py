@@ -3,7 +3,8 @@
 checked and timed against what ftengine runs instead.
 
 Every candidate (gemm_wgmma's 128-column wgmma tiles NI, stages, blocks per SM; or "p",
-gemm_wgmma_persistent's stages and cluster size) is first checked against NumPy
+gemm_wgmma_persistent's stages and cluster size; "ps", the same storing its results by TMA) is
+first checked against NumPy
 (float64) on shapes that are not multiples of its tiles (rows, columns and K tails), plain and with
 bias + GELU in both forms, fp16 and bf16, outputs poisoned; then timed on the encoders' products
 against cuBLASLt (its algorithm timed once per shape, as ops.matmul chooses it), followed by the
@@ -56,6 +57,23 @@ the L2's rate); the consumers leave the tensor pipes idle half the time. Next to
 ahead the producer can run (a stage is released only after the next K step's products, so about two
 of the four stages are in flight), the epilogue's 4-byte stores, and the named-barrier stalls.
 
+Measured on the H100 (2026-11-25), the epilogue through shared memory and TMA stores (candidates
+("ps", STAGES, CLUSTER), 3 stages to leave room for the two 32 KB result buffers; a plain twin
+where out's rows are not 16-byte multiples): every check passes. Plain products: 32,768 x 2,304 x
+768 205.1 us against 269.6-283.3 for the "p" candidates (cuBLASLt 157.1: 0.77x, from 0.58x);
+32,768 x 768 x 768 70.5 against 93.9 (cuBLASLt 58.2: 0.83x); 32,768 x 768 x 3,072 252.0 against
+243.9 ((p, 4, 1): there the epilogue is a smaller share than the fourth stage). Fused bias + erf
+GELU: 32,768 x 3,072 x 768 379.2-383.2 against 379.5 for ("p", 4, 1) and 349.7 for cuBLASLt + the
+pass (0.92x); all-MiniLM-L6-v2's 32,768 x 1,536 x 384 137.4 against 132.5 (0.96x); 4,096 x 3,072 x
+768 50.2 against 45.7. The GELU now costs the fused product about 110 us at 32,768 x 3,072 (the
+pass: 142), which no product overlaps. On the way: shared-memory writes as asm volatile stores kept
+the compiler from overlapping the fragments' work (plain 253 us against 205 with plain C++
+stores); and with the plain twin's store path compiled into the same kernel (each path 128
+unrolled GELUs in both forms) the fused product took 463-477 us: the kernel's code outgrew the
+instruction cache. Next: the GELU form as a template parameter (half the epilogue's code again),
+and each consumer warpgroup on a tile of its own, so that one's epilogue (its results leaving by
+TMA) runs while the other multiplies.
+
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--out results.json]
 """
 
@@ -90,22 +108,28 @@ def tensor_map(a, box_cols: int, box_rows: int):
     return buffer, address
 
 
+def persistent(tiles) -> bool:
+    return tiles[0] in ("p", "ps")
+
+
 def name(ctype, tiles):
-    if tiles[0] == "p":
-        return f"gemm_wgmma_persistent<{ctype}, {tiles[1]}, {tiles[2]}>"
+    if persistent(tiles):
+        return f"gemm_wgmma_persistent<{ctype}, {tiles[1]}, {tiles[2]}, {'true' if tiles[0] == 'ps' else 'false'}>"
     return f"gemm_wgmma<{ctype}, {tiles[0]}, {tiles[1]}, {tiles[2]}>"
 
 
 def columns(tiles) -> int:
     """The tile's columns: 128 NI, or 256 for the persistent kernel."""
-    return 256 if tiles[0] == "p" else 128 * tiles[0]
+    return 256 if persistent(tiles) else 128 * tiles[0]
 
 
 def smem(itemsize, tiles):
-    return tiles[1] * (GEMM_BM + columns(tiles)) * GEMM_BK * itemsize + 1024
+    staged = 2 * 64 * 256 * itemsize if tiles[0] == "ps" else 0  # the TMA stores' buffers
+    return tiles[1] * (GEMM_BM + columns(tiles)) * GEMM_BK * itemsize + staged + 1024
 
-# (NI, STAGES, MIN_BLOCKS) of gemm_wgmma; ("p", STAGES, CLUSTER) of gemm_wgmma_persistent
-CANDIDATES = [(1, 3, 2), (1, 4, 1), (2, 4, 1), ("p", 4, 1), ("p", 3, 2), ("p", 4, 2)]
+# (NI, STAGES, MIN_BLOCKS) of gemm_wgmma; ("p", STAGES, CLUSTER) of gemm_wgmma_persistent; ("ps",
+# STAGES, CLUSTER): the same with its results stored by TMA from shared memory
+CANDIDATES = [(1, 3, 2), (1, 4, 1), (2, 4, 1), ("p", 4, 1), ("p", 3, 2), ("p", 4, 2), ("ps", 3, 1), ("ps", 3, 2)]
 # (M, N, K, epilogue): 0 plain, 1 bias + erf GELU, 2 bias + tanh GELU
 CHECKS = [(1000, 3000, 760, 1), (129, 130, 72, 0), (5000, 3072, 768, 1), (300, 600, 200, 0), (300, 2304, 768, 2),
           (4096, 3072, 768, 1), (77, 512, 8, 1)]
@@ -158,7 +182,9 @@ def main():
     args = p.parse_args()
     ctx = cu.context()
     assert ctx.wgmma, "needs a compute capability 9.0 GPU"
-    names = [name(t, c) for t in ("__half", "__nv_bfloat16") for c in CANDIDATES]
+    # the TMA-store candidates fall back to their plain twins where out's rows are not 16-byte multiples
+    twins = [("p",) + c[1:] for c in CANDIDATES if c[0] == "ps"]
+    names = [name(t, c) for t in ("__half", "__nv_bfloat16") for c in CANDIDATES + twins]
     folder = Path(__file__).resolve().parent
     mod = kernels.ArchModule((folder.parent / "common.cuh").read_text() + "\n" + (folder / "gemm_sm90.cu").read_text(),
                              names, "sm_90a")
@@ -167,19 +193,24 @@ def main():
     def launch(cfg, out, x, w, bias, epi):
         m, k = x.shape
         n = w.shape[0]
+        if cfg[0] == "ps" and n * out.itemsize % 16:
+            cfg = ("p",) + cfg[1:]
         k_ = mod.get_function(name(cu._ctype(x), cfg))
         size = smem(x.itemsize, cfg)
         if k_.max_dynamic_shared_size_bytes < size:
             k_.max_dynamic_shared_size_bytes = size
-        cluster = cfg[2] if cfg[0] == "p" else 1
+        cluster = cfg[2] if persistent(cfg) else 1
         maps = [tensor_map(x, GEMM_BK, GEMM_BM), tensor_map(w, GEMM_BK, columns(cfg) // cluster)]
         values = [ctypes.c_void_p(out.data.ptr), ctypes.c_void_p(bias.data.ptr)] + [
             ctypes.c_int32(v) for v in (m, n, k, epi)]
         pointers = [ctypes.addressof(values[0]), ctypes.addressof(values[1]), maps[0][1], maps[1][1]] + [
             ctypes.addressof(v) for v in values[2:]]
+        if persistent(cfg):  # out's tensor map for the TMA stores (unused by the plain kernel)
+            maps.append(tensor_map(out, 64, 64) if cfg[0] == "ps" else maps[0])
+            pointers.append(maps[2][1])
         params = (ctypes.c_void_p * len(pointers))(*pointers)
         tiles = (-(-n // columns(cfg)), -(-m // (GEMM_BM * cluster)), 1)  # persistent: work items
-        grid = (cluster * min(ctx.sm_count // cluster, tiles[0] * tiles[1]), 1, 1) if cfg[0] == "p" else tiles
+        grid = (cluster * min(ctx.sm_count // cluster, tiles[0] * tiles[1]), 1, 1) if persistent(cfg) else tiles
         attributes = (kernels._Attribute * 1)()
         attributes[0].id = kernels.CLUSTER_DIMENSION
         attributes[0].value.dims[:] = (cluster, 1, 1)
