@@ -339,6 +339,8 @@ __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS) gemm_wgmma(
 // 128-byte lines, where store_fragments' 4-byte stores fill half of each 32-byte sector they touch.
 // grid: a multiple of CLUSTER blocks (cluster (CLUSTER, 1, 1)); w_map's box GEMM_BK x 256 / CLUSTER;
 // dynamic shared memory: STAGES stages, then (TMA_STORE) 2 x 64 x 256 elements, + 1024 (alignment).
+// EPILOGUE >= 0 (candidates ("ps", STAGES, CLUSTER, "e")): compiled for that epilogue alone (the
+// argument is ignored), so that the kernel holds one GELU form's unrolled code instead of both.
 __device__ __forceinline__ unsigned cluster_rank() {
     unsigned r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
@@ -368,15 +370,16 @@ __device__ __forceinline__ void cluster_barrier() {
     asm volatile("barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
-template <typename T, int STAGES, int CLUSTER, bool TMA_STORE = false>
+template <typename T, int STAGES, int CLUSTER, bool TMA_STORE = false, int EPILOGUE = -1>
 __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_wgmma_persistent(
         T* __restrict__ out,                   // (M, N)
         const T* __restrict__ bias,            // (N,), read when epilogue > 0
         const __grid_constant__ TmaMap x_map,  // x (M, K): box GEMM_BK x GEMM_BM
         const __grid_constant__ TmaMap w_map,  // w (N, K): box GEMM_BK x 256 / CLUSTER
-        int M, int N, int K, int epilogue,
+        int M, int N, int K, int epilogue_arg,
         const __grid_constant__ TmaMap out_map) {  // TMA_STORE: out (M, N) (rows of 16-byte multiples), box 64 x 64
     wait_for_previous();
+    const int epilogue = EPILOGUE >= 0 ? EPILOGUE : epilogue_arg;  // compiled for one epilogue (EPILOGUE >= 0) or any
     constexpr int BN = 256;
     constexpr unsigned A_BYTES = GEMM_BM * GEMM_BK * sizeof(T), STAGE_BYTES = (GEMM_BM + BN) * GEMM_BK * sizeof(T);
     constexpr unsigned W_PART = BN / CLUSTER * GEMM_BK * sizeof(T);  // one block's share of a w tile
