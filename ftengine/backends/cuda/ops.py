@@ -1120,7 +1120,7 @@ class _Pending:
 def copy_to_host_async(array, slot=None):
     """Queue a copy of a contiguous device array to the host behind the stream's work; returns a
     handle whose wait() gives the host array. slot: a HostSlot whose buffer and event the copy
-    takes (its previous copy waited for first)."""
+    takes over (the caller has waited for the slot's previous copy)."""
     return _Pending(array, slot)
 
 
