@@ -209,6 +209,33 @@ def test_matmul_bias_gelu_many_rows(cu, rng, dtype, m, k, n, form):
     assert_close(cu, out, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("m, k, n", [(4099, 768, 3072), (8200, 384, 1544), (3100, 200, 4200)])
+def test_matmul_bias_gelu_wgmma(cu, rng, dtype, m, k, n):
+    """The erf form's fused wgmma product (gemm_sm90.cu, compute capability 9.0; from
+    WGMMA_GELU_MIN_OUTPUTS outputs on): rows, columns and K that are not multiples of its tiles,
+    against the NumPy twin; captured in a graph (a programmatic dependent launch), the same bits
+    as launched directly."""
+    if not cu.context().wgmma:
+        pytest.skip("the wgmma product runs on compute capability 9.0 only")
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
+    bias, biash = quantize(cu, rng.standard_normal(n), dtype)
+    out, expected = poisoned(cu, (m, n), dtype), np.empty((m, n), np.float32)
+    assert cu._wgmma_fits(out, x, w, bias)
+    cu.matmul_bias_gelu(out, x, w, bias, form="erf")
+    ref.matmul_bias_gelu(expected, xh.astype(np.float64), wh.astype(np.float64), biash, form="erf")
+    assert_close(cu, out, expected, dtype)
+    captured = poisoned(cu, (m, n), dtype)
+    stream = cu.context().stream
+    stream.begin_capture()
+    try:
+        cu.matmul_bias_gelu(captured, x, w, bias, form="erf")
+    finally:
+        graph = stream.end_capture()
+    graph.launch(stream=stream)
+    np.testing.assert_array_equal(cu.to_host(captured), cu.to_host(out))
+
+
 def test_matmul_algorithm_timed_once_per_shape_and_shared_by_threads(cu, rng):
     """A new product shape of TRIAL_MIN_ROWS rows or more gets its cuBLASLt algorithm timed on its
     first call outside a capture; every thread then runs that one algorithm, so two threads'

@@ -1,74 +1,20 @@
 // An experiment (kernels_cu/dev/gemm_tiles.py checks and times it; the package does not use it: it
-// ran slower than cuBLASLt + the bias + GELU pass, figures there).
-// Matrix products on Hopper's warpgroup tensor cores (wgmma, fed by the tensor memory accelerator;
-// sm_90a only), with the epilogue fused:
+// ran slower than cuBLASLt + the bias + GELU pass, figures there), compiled after common.cuh and
+// kernels_cu/gemm_sm90.cu, whose helpers it shares: the non-persistent form of matmul_wgmma.
 // out (M, N) = epilogue(x (M, K) @ w (N, K)^T), epilogue 0: none; 1 + form: + bias (N,), then
 // GELU in gelu()'s form (common.cuh): 1 erf, 2 tanh (as gemv.cu numbers them).
 // Reference: ftengine/backends/numpy_ops.py matmul / matmul_bias_gelu.
 //
 // A block computes a GEMM_BM x 128 NI tile of out, over K in GEMM_BK steps. One producer warp
 // copies each step's x tile (GEMM_BM x GEMM_BK) and w tile (128 NI x GEMM_BK) into shared memory
-// with TMA (128-byte swizzle; the tensor maps are built by ops.py), STAGES steps ahead, each
-// stage's arrival counted on its `full` mbarrier. Two consumer warpgroups, 64 rows of the tile
-// each, run wgmma m64n128k16 on the stage (fp32 accumulators in registers), then mark it `empty`
-// once those products are done, so that the producer may refill it. Rows past M, columns past
-// N and K past the last full step arrive as zeros (TMA's out-of-bounds fill); stores are masked.
-// The epilogue adds the bias and applies GELU to the fp32 accumulators and rounds once to T.
+// with TMA (128-byte swizzle), STAGES steps ahead, each stage's arrival counted on its `full`
+// mbarrier. Two consumer warpgroups, 64 rows of the tile each, run wgmma m64n128k16 on the stage
+// (fp32 accumulators in registers), then mark it `empty` once those products are done, so that the
+// producer may refill it. Rows past M, columns past N and K past the last full step arrive as zeros
+// (TMA's out-of-bounds fill); stores are masked. The epilogue adds the bias and applies GELU to the
+// fp32 accumulators and rounds once to T.
 // grid (ceil(N / (128 NI)), ceil(M / GEMM_BM)), GEMM_THREADS threads: warps 0-7 consume, warp 8
 // produces; dynamic shared memory STAGES (GEMM_BM + 128 NI) GEMM_BK elements + 1024 (alignment).
-
-#define GEMM_BM 128
-#define GEMM_BK 64
-#define GEMM_THREADS 288
-
-// A CUtensorMap (cuda.h): 128 opaque bytes, passed by value as a __grid_constant__ parameter.
-struct alignas(64) TmaMap { unsigned long long v[16]; };
-
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
-}
-// One arrival that also announces `bytes` to come from TMA copies completing on this barrier.
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
-}
-// Until the barrier's phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-
-// The box of `map` at (inner c0, outer c1) into shared memory at `dst`, completing on `bar`.
-__device__ __forceinline__ void tma_load(unsigned dst, const TmaMap* map, int c0, int c1, unsigned bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
-                 : "memory");
-}
-
-// wgmma's shared-memory matrix descriptor of a K-major tile as TMA writes it with the 128-byte
-// swizzle: rows of GEMM_BK 16-bit elements (128 bytes), groups of 8 rows 1024 bytes apart (stride
-// byte offset), the tile 1024-byte aligned; the leading byte offset is unused by this layout.
-// A k16 step within the row is the start address plus 32 bytes.
-__device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32)
-           | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
-// Keeps the compiler from moving accesses of the accumulators across the asynchronous products.
-template <int R>
-__device__ __forceinline__ void fence_registers(float (&d)[R]) {
-    #pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
-}
 
 // d (64 x 128, fp32, the warpgroup's accumulator fragments) += A (64 x 16) B (16 x 128), A and B
 // K-major in shared memory (descriptors). Fragment i of thread t (warp w of the warpgroup, lane l):
@@ -92,89 +38,18 @@ __device__ __forceinline__ void fence_registers(float (&d)[R]) {
                    "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])          \
                  : "l"(a), "l"(b), "r"(1))
 
-
-// d (64 x 256, fp32) += A (64 x 16) B (16 x 256), as WGMMA_M64N128K16 with twice the columns:
-// fragment i of thread t: row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
-#define WGMMA_M64N256K16(TYPE)                                                                                         \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                         \
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"                                     \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                              \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                    \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                    \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                    \
-                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                    \
-                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                    \
-                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "        \
-                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "   \
-                 "%128, %129, p, 1, 1, 0, 0;\n}\n"                                                                     \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),                 \
-                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),             \
-                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),          \
-                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),          \
-                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),          \
-                   "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),          \
-                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),          \
-                   "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),          \
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),          \
-                   "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),          \
-                   "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),          \
-                   "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),          \
-                   "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),          \
-                   "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),          \
-                   "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),     \
-                   "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),   \
-                   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),   \
-                   "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),   \
-                   "+f"(d[126]), "+f"(d[127])                                                                          \
-                 : "l"(a), "l"(b), "r"(1))
-
-// Wgmma<T>::run(d, a, b): the m64n128k16 product for 64 accumulators, m64n256k16 for 128.
-template <typename T> struct Wgmma;
-template <> struct Wgmma<__half> {
+// Wgmma128<T>::run(d, a, b): the m64n128k16 product.
+template <typename T> struct Wgmma128;
+template <> struct Wgmma128<__half> {
     static __device__ __forceinline__ void run(float (&d)[64], unsigned long long a, unsigned long long b) {
         WGMMA_M64N128K16("f16");
     }
-    static __device__ __forceinline__ void run(float (&d)[128], unsigned long long a, unsigned long long b) {
-        WGMMA_M64N256K16("f16");
-    }
 };
-template <> struct Wgmma<__nv_bfloat16> {
+template <> struct Wgmma128<__nv_bfloat16> {
     static __device__ __forceinline__ void run(float (&d)[64], unsigned long long a, unsigned long long b) {
         WGMMA_M64N128K16("bf16");
     }
-    static __device__ __forceinline__ void run(float (&d)[128], unsigned long long a, unsigned long long b) {
-        WGMMA_M64N256K16("bf16");
-    }
 };
-
-// Stage s's barriers: full[s] (the producer's arrival + the copies' bytes) and empty[s] (one
-// arrival per consumer warp of each of the `blocks` blocks whose copies fill the stage); by
-// thread 0, before the block's (or the cluster's) first barrier.
-template <int STAGES>
-__device__ __forceinline__ void init_stage_barriers(unsigned full, unsigned empty, int blocks = 1) {
-    for (int s = 0; s < STAGES; ++s) {
-        mbar_init(full + 8 * s, 1);
-        mbar_init(empty + 8 * s, 8 * blocks);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-// The producer's copies of one tile's k_steps (x rows m0.., w rows n0..) into the ring of STAGES
-// stages, from ring step `it` on (each stage refilled once its consumers marked it empty).
-// Returns the ring step after the tile's last.
-template <int STAGES, unsigned A_BYTES, unsigned STAGE_BYTES>
-__device__ __forceinline__ int produce_tile(int it, int k_steps, int m0, int n0, unsigned tiles, unsigned full,
-                                            unsigned empty, const TmaMap* x_map, const TmaMap* w_map) {
-    for (int kt = 0; kt < k_steps; ++kt, ++it) {
-        const int s = it % STAGES;
-        if (it >= STAGES) mbar_wait(empty + 8 * s, (it / STAGES - 1) & 1);
-        const unsigned a = tiles + s * STAGE_BYTES, bar = full + 8 * s;
-        mbar_expect_tx(bar, STAGE_BYTES);
-        tma_load(a, x_map, kt * GEMM_BK, m0, bar);
-        tma_load(a + A_BYTES, w_map, kt * GEMM_BK, n0, bar);
-    }
-    return it;
-}
 
 // The epilogue of J x 8 columns from col0 of a thread's accumulator fragments (layout as
 // WGMMA_M64N128K16's, J = 16 per 128 columns), rows row0 and row0 + 8: + the tile's bias (sbias:
@@ -201,63 +76,6 @@ __device__ __forceinline__ void store_fragments(T* __restrict__ out, const float
     }
 }
 
-// The epilogue of store_fragments (J x 8 columns, rows row and row + 8 of the warpgroup's 64),
-// written into shared memory instead: `buf` holds the 64 rows as boxes of 64 columns (8 KB each,
-// rows of 128 bytes in TMA's 128-byte swizzle: row r's 16-byte chunk c at c ^ (r % 8)), for
-// tma_store to copy out. A warp's 32-bit writes of one fragment fall in 32 distinct banks.
-template <typename T, int J>
-__device__ __forceinline__ void stage_fragments(unsigned char* __restrict__ buf, const float* sbias, float* acc,
-                                                int row, int epilogue) {
-    // bias + GELU on the accumulators in place first, with no store among them, so that the GELUs
-    // of several fragments overlap; then the stores. (The first loop repeats store_fragments': a
-    // helper shared by both, taking acc and sbias as pointers, had the compiler reload the bias
-    // after each write to acc and grew this kernel's code by 6 KB.)
-    #pragma unroll
-    for (int j = 0; j < J; ++j) {
-        const int c = j * 8 + (threadIdx.x & 3) * 2;
-        const float b0 = sbias[c], b1 = sbias[c + 1];
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float v0 = acc[4 * j + 2 * h] + b0, v1 = acc[4 * j + 2 * h + 1] + b1;
-            if (epilogue) {
-                v0 = gelu(v0, epilogue - 1);
-                v1 = gelu(v1, epilogue - 1);
-            }
-            acc[4 * j + 2 * h] = v0;
-            acc[4 * j + 2 * h + 1] = v1;
-        }
-    }
-    #pragma unroll
-    for (int j = 0; j < J; ++j) {
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = row + 8 * h;
-            unsigned char* dst = buf + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + 4 * (threadIdx.x & 3);
-            *reinterpret_cast<unsigned*>(dst) = pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        }
-    }
-}
-
-// The box of `map` at (inner c0, outer c1) from shared memory at `src` (TMA; rows and columns past
-// the tensor are not written), in this thread's current bulk group.
-__device__ __forceinline__ void tma_store(const TmaMap* map, unsigned src, int c0, int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
-                 :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(src) : "memory");
-}
-
-// sbias[c] = bias[col0 + c] as float for c < count (0 past N or without an epilogue), by the
-// `threads` threads of a warpgroup or two (t: 0 .. threads - 1).
-template <typename T>
-__device__ __forceinline__ void stage_bias(float* sbias, const T* __restrict__ bias, int col0, int count, int N,
-                                           int epilogue, int t, int threads) {
-    for (int c = t; c < count; c += threads) sbias[c] = epilogue && col0 + c < N ? to_float(bias[col0 + c]) : 0.0f;
-}
-
-// A barrier of `threads` consumer threads (named barrier `id` > 0): the producer warp is not in it.
-__device__ __forceinline__ void consumers_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
-}
-
 template <typename T, int NI, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS) gemm_wgmma(
         T* __restrict__ out,                   // (M, N)
@@ -280,7 +98,8 @@ __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS) gemm_wgmma(
     __syncthreads();
 
     if (warp == 8) {  // the producer
-        if (lane == 0) produce_tile<STAGES, A_BYTES, STAGE_BYTES>(0, k_steps, m0, n0, tiles, full, empty, &x_map, &w_map);
+        if (lane == 0)
+            produce_tile<STAGES, A_BYTES, STAGE_BYTES>(0, k_steps, m0, n0, tiles, full, empty, &x_map, &w_map);
         return;
     }
 
@@ -302,7 +121,8 @@ __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS) gemm_wgmma(
         #pragma unroll
         for (int k = 0; k < GEMM_BK / 16; ++k) {
             #pragma unroll
-            for (int ni = 0; ni < NI; ++ni) Wgmma<T>::run(acc[ni], wgmma_desc(a + 32 * k), wgmma_desc(b + ni * 128 * 128 + 32 * k));
+            for (int ni = 0; ni < NI; ++ni)
+                Wgmma128<T>::run(acc[ni], wgmma_desc(a + 32 * k), wgmma_desc(b + ni * 128 * 128 + 32 * k));
         }
         wgmma_commit();
         wgmma_wait<1>();  // the previous step's products are done: its stage may be refilled
@@ -317,154 +137,4 @@ __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS) gemm_wgmma(
     #pragma unroll
     for (int ni = 0; ni < NI; ++ni)
         store_fragments<T, 16>(out, sbias + ni * 128, acc[ni], row0, n0 + ni * 128, M, N, epilogue);
-}
-
-// The persistent form (gemm_tiles.py candidates ("p", STAGES, CLUSTER)): gridDim.x blocks (at most
-// one per SM) take the GEMM_BM x 256 tiles of out in turn, each consumer warpgroup with one
-// m64n256k16 accumulator. With CLUSTER 2, pairs of blocks (a thread-block cluster) take the two
-// row bands of a pair of tiles with the same columns: each block's producer copies its x tile
-// and half of the shared w tile, multicast into both blocks' shared memory, so the L2 serves
-// each w tile once per pair; a stage is refilled once the consumers of both blocks are done with
-// it (every consumer warp arrives on both blocks' empty barriers). Tiles (pairs) go in turn to the
-// blocks (clusters): tile blockIdx.x / CLUSTER, then every gridDim.x / CLUSTER-th, the 256-column
-// tiles of a row band one after another, so that the blocks at work share their x rows and the
-// weights in the L2. The producer runs on through the tiles, STAGES steps ahead across a tile's
-// end, so that while the consumers apply the epilogue to one tile, the next tile's first steps
-// arrive; the epilogue reads the tile's bias from shared memory (stage_bias: each warpgroup its
-// own, double-buffered).
-// TMA_STORE (candidates ("ps", STAGES, CLUSTER); out's rows 16-byte multiples, as TMA needs): each
-// consumer warpgroup writes its 64 x 256 results into a buffer of its own in shared memory
-// (stage_fragments) and one of its threads copies them out with TMA stores, which run on while the
-// warpgroup goes on to its next tile (the buffer is rewritten once they have read it): whole
-// 128-byte lines, where store_fragments' 4-byte stores fill half of each 32-byte sector they touch.
-// grid: a multiple of CLUSTER blocks (cluster (CLUSTER, 1, 1)); w_map's box GEMM_BK x 256 / CLUSTER;
-// dynamic shared memory: STAGES stages, then (TMA_STORE) 2 x 64 x 256 elements, + 1024 (alignment).
-// EPILOGUE >= 0 (candidates ("ps", STAGES, CLUSTER, "e")): compiled for that epilogue alone (the
-// argument is ignored), so that the kernel holds one GELU form's unrolled code instead of both.
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-// One arrival on the barrier at this block's offset `bar` in every block of the cluster (of
-// CLUSTER blocks; 1: this block's alone).
-template <int CLUSTER>
-__device__ __forceinline__ void mbar_arrive_all(unsigned bar) {
-    if constexpr (CLUSTER == 1)
-        mbar_arrive(bar);
-    else
-        for (unsigned q = 0; q < CLUSTER; ++q)
-            asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-                         "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" :: "r"(bar), "r"(q) : "memory");
-}
-// tma_load into the same offset `dst` of every block of the cluster in `mask`, completing on
-// each one's barrier at offset `bar`.
-__device__ __forceinline__ void tma_load_multicast(unsigned dst, const TmaMap* map, int c0, int c1, unsigned bar,
-                                                   unsigned short mask) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-                 " [%0], [%1, {%2, %3}], [%4], %5;\n"
-                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
-                 : "memory");
-}
-__device__ __forceinline__ void cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
-}
-
-template <typename T, int STAGES, int CLUSTER, bool TMA_STORE = false, int EPILOGUE = -1>
-__global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_wgmma_persistent(
-        T* __restrict__ out,                   // (M, N)
-        const T* __restrict__ bias,            // (N,), read when epilogue > 0
-        const __grid_constant__ TmaMap x_map,  // x (M, K): box GEMM_BK x GEMM_BM
-        const __grid_constant__ TmaMap w_map,  // w (N, K): box GEMM_BK x 256 / CLUSTER
-        int M, int N, int K, int epilogue_arg,
-        const __grid_constant__ TmaMap out_map) {  // TMA_STORE: out (M, N) (rows of 16-byte multiples), box 64 x 64
-    wait_for_previous();
-    const int epilogue = EPILOGUE >= 0 ? EPILOGUE : epilogue_arg;  // compiled for one epilogue (EPILOGUE >= 0) or any
-    constexpr int BN = 256;
-    constexpr unsigned A_BYTES = GEMM_BM * GEMM_BK * sizeof(T), STAGE_BYTES = (GEMM_BM + BN) * GEMM_BK * sizeof(T);
-    constexpr unsigned W_PART = BN / CLUSTER * GEMM_BK * sizeof(T);  // one block's share of a w tile
-    static_assert(GEMM_BK * sizeof(T) == 128, "a tile row is one 128-byte swizzle row");
-    static_assert(CLUSTER == 1 || CLUSTER == 2, "pairs at most");
-    __shared__ __align__(8) unsigned long long barriers[2 * STAGES];  // full[STAGES] | empty[STAGES]
-    __shared__ float sbias[2][2][BN];  // per consumer warpgroup, per tile parity
-    extern __shared__ unsigned char smem_raw[];
-    const unsigned tiles = (smem_addr(smem_raw) + 1023u) & ~1023u;  // stage s: x tile | w tile
-    const unsigned full = smem_addr(barriers), empty = full + 8 * STAGES;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const unsigned rank = CLUSTER > 1 ? cluster_rank() : 0u;
-    const int k_steps = (K + GEMM_BK - 1) / GEMM_BK;
-    const int n_tiles = (N + BN - 1) / BN, bands = (M + GEMM_BM * CLUSTER - 1) / (GEMM_BM * CLUSTER);
-    const int work = n_tiles * bands, first = blockIdx.x / CLUSTER, stride = gridDim.x / CLUSTER;
-    if (threadIdx.x == 0) init_stage_barriers<STAGES>(full, empty, CLUSTER);
-    if (CLUSTER > 1) cluster_barrier();  // the peer's barriers are initialised before any copy or arrival
-    else __syncthreads();
-
-    if (warp == 8) {  // the producer
-        if (lane == 0) {
-            int it = 0;
-            for (int w = first; w < work; w += stride) {
-                const int m0 = ((w / n_tiles) * CLUSTER + rank) * GEMM_BM, n0 = w % n_tiles * BN;
-                for (int kt = 0; kt < k_steps; ++kt, ++it) {
-                    const int s = it % STAGES;
-                    if (it >= STAGES) mbar_wait(empty + 8 * s, (it / STAGES - 1) & 1);
-                    const unsigned a = tiles + s * STAGE_BYTES, bar = full + 8 * s;
-                    mbar_expect_tx(bar, STAGE_BYTES);  // the peer's share of w included
-                    tma_load(a, &x_map, kt * GEMM_BK, m0, bar);
-                    if (CLUSTER > 1)
-                        tma_load_multicast(a + A_BYTES + rank * W_PART, &w_map, kt * GEMM_BK, n0 + rank * (BN / CLUSTER),
-                                           bar, (unsigned short)((1u << CLUSTER) - 1));
-                    else
-                        tma_load(a + A_BYTES, &w_map, kt * GEMM_BK, n0, bar);
-                }
-            }
-        }
-        __syncwarp();
-    } else {
-        const int wg = warp >> 2;
-        float acc[128];
-        int it = 0, local = 0;
-        for (int w = first; w < work; w += stride, ++local) {
-            const int m0 = ((w / n_tiles) * CLUSTER + rank) * GEMM_BM, n0 = w % n_tiles * BN;
-            float* bias_tile = sbias[wg][local & 1];
-            stage_bias(bias_tile, bias, n0, BN, N, epilogue, threadIdx.x & 127, 128);
-            #pragma unroll
-            for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-            fence_registers(acc);
-            for (int kt = 0; kt < k_steps; ++kt, ++it) {
-                const int s = it % STAGES;
-                mbar_wait(full + 8 * s, (it / STAGES) & 1);
-                const unsigned a = tiles + s * STAGE_BYTES + wg * 64 * 128, b = tiles + s * STAGE_BYTES + A_BYTES;
-                wgmma_fence();
-                #pragma unroll
-                for (int k = 0; k < GEMM_BK / 16; ++k) Wgmma<T>::run(acc, wgmma_desc(a + 32 * k), wgmma_desc(b + 32 * k));
-                wgmma_commit();
-                wgmma_wait<1>();
-                if (kt > 0 && lane == 0) mbar_arrive_all<CLUSTER>(empty + 8 * ((it - 1) % STAGES));
-            }
-            wgmma_wait<0>();
-            fence_registers(acc);
-            if (lane == 0) mbar_arrive_all<CLUSTER>(empty + 8 * ((it - 1) % STAGES));
-            // the previous tile's stores have read this warpgroup's buffer (its issuing thread's bulk groups)
-            if (TMA_STORE && (threadIdx.x & 127) == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-            consumers_sync(1 + wg, 128);  // this tile's bias is staged; the other buffer's readers are done
-            if constexpr (TMA_STORE) {
-                const unsigned buf = tiles + STAGES * STAGE_BYTES + wg * 4 * 8192;
-                stage_fragments<T, 32>(smem_raw + (buf - smem_addr(smem_raw)), bias_tile, acc,
-                                       (warp & 3) * 16 + (lane >> 2), epilogue);
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, to TMA
-                consumers_sync(1 + wg, 128);
-                if ((threadIdx.x & 127) == 0) {
-                    #pragma unroll
-                    for (int c = 0; c < 4; ++c) tma_store(&out_map, buf + c * 8192, n0 + 64 * c, m0 + 64 * wg);
-                    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-                }
-            } else {
-                store_fragments<T, 32>(out, bias_tile, acc, m0 + wg * 64 + (warp & 3) * 16 + (lane >> 2), n0, M, N,
-                                       epilogue);
-            }
-        }
-        if (TMA_STORE && (threadIdx.x & 127) == 0)
-            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the last stores, before the block ends
-    }
-    if (CLUSTER > 1) cluster_barrier();  // no block leaves while its peer may still arrive on its barriers
 }

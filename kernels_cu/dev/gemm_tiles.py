@@ -1,14 +1,13 @@
-"""An experiment, not used by the package: the wgmma product with the bias + GELU epilogue fused
-(kernels_cu/dev/gemm_sm90.cu, sm_90a: TMA loads by a producer warp, two consumer warpgroups),
-checked and timed against what ftengine runs instead.
+"""The wgmma product with the bias + GELU epilogue fused (sm_90a: TMA loads by a producer warp, two
+consumer warpgroups): the package's kernels_cu/gemm_sm90.cu matmul_wgmma (candidate PRODUCT, which
+ops.matmul_bias_gelu takes for the erf form on large batches) beside the experiments it grew from
+(kernels_cu/dev/gemm_sm90.cu), checked and timed against cuBLASLt.
 
-Every candidate (gemm_wgmma's 128-column wgmma tiles NI, stages, blocks per SM; or "p",
-gemm_wgmma_persistent's stages and cluster size; "ps", the same storing its results by TMA) is
-first checked against NumPy
-(float64) on shapes that are not multiples of its tiles (rows, columns and K tails), plain and with
-bias + GELU in both forms, fp16 and bf16, outputs poisoned; then timed on the encoders' products
-against cuBLASLt (its algorithm timed once per shape, as ops.matmul chooses it), followed by the
-bias + GELU pass for the FFN up-projection.
+Every candidate (gemm_wgmma's 128-column wgmma tiles NI, stages, blocks per SM; PRODUCT) is first
+checked against NumPy (float64) on shapes that are not multiples of its tiles (rows, columns and
+K tails), plain and with bias + GELU in both forms, fp16 and bf16, outputs poisoned; then timed on
+the encoders' products against cuBLASLt (its algorithm timed once per shape, as ops.matmul chooses
+it), followed by the bias + GELU pass for the FFN up-projection.
 
 Measured on the H100 (2026-11-23), the non-persistent kernel: every check passes, but no candidate
 beats cuBLASLt + the pass:
@@ -88,13 +87,12 @@ beats cuBLASLt + the pass from 4,096 rows at BERT-base's widths, us:
     4,096 x 1,536 x 384                          17.2              19.2  (0.89x)       20.3
 
 Plain products, against cuBLASLt: 32,768 x 2,304 x 768 193.0 against 159.4 (0.83x), 32,768 x 768 x
-768 64.9 against 59.0 (0.91x), 32,768 x 768 x 3,072 245.6 against 211.5 (0.86x). What the package
-would need to take it: the kernel in kernels_cu/ (sm_90a, an ArchModule like attention_sm90.cu),
-out's and the operands' tensor maps built by ops.py (fixed workspace addresses, so a captured
-graph keeps them), ops.matmul_bias_gelu routing the erf form there from about 4,096 rows (8,192 for
-a 384-wide model) where every row is a 16-byte multiple, tests of the route at those sizes (the
-model parity tests run smaller batches), and the encoder benchmark rerun: about 0.4 ms of BERT-base
-256 x 128's 13.3 ms, 0.17 of all-MiniLM-L6-v2's 2.5.
+768 64.9 against 59.0 (0.91x), 32,768 x 768 x 3,072 245.6 against 211.5 (0.86x). The package
+takes ("ps", 3, 1, "e") as kernels_cu/gemm_sm90.cu matmul_wgmma (without the cluster, runtime
+epilogue and plain-store paths of the experiment: candidate PRODUCT here), which
+ops.matmul_bias_gelu runs for the erf form from kernels.WGMMA_GELU_MIN_OUTPUTS outputs on (the
+tile count of 4,096 x 3,072): expected about 0.4 ms off BERT-base 256 x 128's 13.3 ms and 0.17 off
+all-MiniLM-L6-v2's 2.5.
 
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--out results.json]
 """
@@ -102,62 +100,34 @@ model parity tests run smaller batches), and the encoder benchmark rerun: about 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 from pathlib import Path
 
 import numpy as np
 
-GEMM_BM, GEMM_BK, GEMM_THREADS = 128, 64, 288
-TMA_DATA_TYPES = {"float16": 6, "uint16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16 (bf16 words)
-TMA_SWIZZLE_128B, TMA_L2_PROMOTION_256B = 3, 3
+PRODUCT = ("tma", 3)  # the package's kernel: kernels_cu/gemm_sm90.cu matmul_wgmma, 3 stages
 
 
-def tensor_map(a, box_cols: int, box_rows: int):
-    """A CUtensorMap (128 bytes, 64-byte aligned) of the row-major 2D device array a (16-bit), for
-    TMA copies of box_cols x box_rows boxes with the 128-byte swizzle: (buffer, its aligned address)."""
-    encode = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-    encode.restype = ctypes.c_int
-    rows, cols = a.shape
-    buffer = ctypes.create_string_buffer(128 + 64)
-    address = -(-ctypes.addressof(buffer) // 64) * 64
-    status = encode(ctypes.c_void_p(address), TMA_DATA_TYPES[a.dtype.name], ctypes.c_uint32(2),
-                    ctypes.c_void_p(a.data.ptr), (ctypes.c_uint64 * 2)(cols, rows), (ctypes.c_uint64 * 1)(a.strides[0]),
-                    (ctypes.c_uint32 * 2)(box_cols, box_rows), (ctypes.c_uint32 * 2)(1, 1), 0, TMA_SWIZZLE_128B,
-                    TMA_L2_PROMOTION_256B, 0)
-    assert status == 0, f"cuTensorMapEncodeTiled: CUresult {status}"
-    return buffer, address
-
-
-def persistent(tiles) -> bool:
-    return tiles[0] in ("p", "ps")
-
-
-def name(ctype, tiles, epilogue=None):
-    """The kernel of a candidate; ("ps", STAGES, CLUSTER, "e"): the one compiled for `epilogue`."""
-    if persistent(tiles):
-        fixed = f", {epilogue}" if len(tiles) > 3 else ""
-        store = "true" if tiles[0] == "ps" else "false"
-        return f"gemm_wgmma_persistent<{ctype}, {tiles[1]}, {tiles[2]}, {store}{fixed}>"
+def name(ctype, tiles, epilogue):
+    """The kernel of a candidate: gemm_wgmma's; or for PRODUCT matmul_wgmma's, compiled per epilogue."""
+    if tiles[0] == "tma":
+        return f"matmul_wgmma<{ctype}, {tiles[1]}, {epilogue}>"
     return f"gemm_wgmma<{ctype}, {tiles[0]}, {tiles[1]}, {tiles[2]}>"
 
 
-def columns(tiles) -> int:
-    """The tile's columns: 128 NI, or 256 for the persistent kernel."""
-    return 256 if persistent(tiles) else 128 * tiles[0]
-
-
 def smem(itemsize, tiles):
-    staged = 2 * 64 * 256 * itemsize if tiles[0] == "ps" else 0  # the TMA stores' buffers
-    return tiles[1] * (GEMM_BM + columns(tiles)) * GEMM_BK * itemsize + staged + 1024
+    from ftengine.backends.cuda.kernels import GEMM_BK, GEMM_BM, wgmma_shared_mem
+    if tiles[0] == "tma":
+        return wgmma_shared_mem(itemsize, tiles[1])
+    return tiles[1] * (GEMM_BM + 128 * tiles[0]) * GEMM_BK * itemsize + 1024
 
-# (NI, STAGES, MIN_BLOCKS) of gemm_wgmma; ("p", STAGES, CLUSTER) of gemm_wgmma_persistent; ("ps",
-# STAGES, CLUSTER): the same with its results stored by TMA from shared memory
-CANDIDATES = [(1, 3, 2), (1, 4, 1), (2, 4, 1), ("p", 4, 1), ("p", 3, 2), ("p", 4, 2), ("ps", 3, 1), ("ps", 3, 2),
-              ("ps", 3, 1, "e"), ("ps", 3, 2, "e")]
+# (NI, STAGES, MIN_BLOCKS) of gemm_wgmma (dev/gemm_sm90.cu), and PRODUCT. The persistent kernels measured
+# above as ("p", ...) and ("ps", ...) are gone but for ("ps", 3, 1, "e"), which became PRODUCT.
+CANDIDATES = [(1, 3, 2), (1, 4, 1), (2, 4, 1), PRODUCT]
 # (M, N, K, epilogue): 0 plain, 1 bias + erf GELU, 2 bias + tanh GELU
-CHECKS = [(1000, 3000, 760, 1), (129, 130, 72, 0), (5000, 3072, 768, 1), (300, 600, 200, 0), (300, 2304, 768, 2),
+# (N a multiple of 8 throughout: matmul_wgmma's TMA stores take rows of 16-byte multiples)
+CHECKS = [(1000, 3000, 760, 1), (129, 136, 72, 0), (5000, 3072, 768, 1), (300, 600, 200, 0), (300, 2304, 768, 2),
           (4096, 3072, 768, 1), (77, 512, 8, 1)]
 TIMED = [(32768, 3072, 768, 1), (4096, 3072, 768, 1), (1024, 3072, 768, 1), (512, 3072, 768, 1),
          (32768, 1536, 384, 1), (4096, 1536, 384, 1), (32768, 2304, 768, 0), (32768, 768, 3072, 0),
@@ -208,43 +178,30 @@ def main():
     args = p.parse_args()
     ctx = cu.context()
     assert ctx.wgmma, "needs a compute capability 9.0 GPU"
-    # the TMA-store candidates fall back to their plain twins where out's rows are not 16-byte multiples
-    twins = [("p",) + c[1:3] for c in CANDIDATES if c[0] == "ps"]
-    names = sorted({name(t, c, e) for t in ("__half", "__nv_bfloat16") for c in CANDIDATES + twins for e in (0, 1, 2)})
-    folder = Path(__file__).resolve().parent
-    mod = kernels.ArchModule((folder.parent / "common.cuh").read_text() + "\n" + (folder / "gemm_sm90.cu").read_text(),
-                             names, "sm_90a")
+    names = sorted({name(t, c, e) for t in ("__half", "__nv_bfloat16") for c in CANDIDATES for e in (0, 1, 2)})
+    root = Path(__file__).resolve().parent.parent
+    code = "\n".join((root / f).read_text() for f in ("common.cuh", "gemm_sm90.cu", "dev/gemm_sm90.cu"))
+    mod = kernels.ArchModule(code, names, "sm_90a")
     rng = np.random.default_rng(0)
 
     def launch(cfg, out, x, w, bias, epi):
-        m, k = x.shape
-        n = w.shape[0]
-        if cfg[0] == "ps" and n * out.itemsize % 16:
-            cfg = ("p",) + cfg[1:3]
+        (m, k), n = x.shape, w.shape[0]
         k_ = mod.get_function(name(cu._ctype(x), cfg, epi))
         size = smem(x.itemsize, cfg)
         if k_.max_dynamic_shared_size_bytes < size:
             k_.max_dynamic_shared_size_bytes = size
-        cluster = cfg[2] if persistent(cfg) else 1
-        maps = [tensor_map(x, GEMM_BK, GEMM_BM), tensor_map(w, GEMM_BK, columns(cfg) // cluster)]
-        values = [ctypes.c_void_p(out.data.ptr), ctypes.c_void_p(bias.data.ptr)] + [
-            ctypes.c_int32(v) for v in (m, n, k, epi)]
-        pointers = [ctypes.addressof(values[0]), ctypes.addressof(values[1]), maps[0][1], maps[1][1]] + [
-            ctypes.addressof(v) for v in values[2:]]
-        if persistent(cfg):  # out's tensor map for the TMA stores (unused by the plain kernel)
-            maps.append(tensor_map(out, 64, 64) if cfg[0] == "ps" else maps[0])
-            pointers.append(maps[2][1])
-        params = (ctypes.c_void_p * len(pointers))(*pointers)
-        tiles = (-(-n // columns(cfg)), -(-m // (GEMM_BM * cluster)), 1)  # persistent: work items
-        grid = (cluster * min(ctx.sm_count // cluster, tiles[0] * tiles[1]), 1, 1) if persistent(cfg) else tiles
-        attributes = (kernels._Attribute * 1)()
-        attributes[0].id = kernels.CLUSTER_DIMENSION
-        attributes[0].value.dims[:] = (cluster, 1, 1)
-        config = kernels._LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(GEMM_THREADS, 1, 1), size,
-                                       ctx.stream.ptr, ctypes.cast(attributes, ctypes.POINTER(kernels._Attribute)),
-                                       int(cluster > 1))
-        status = kernels._launch_kernel_ex()(ctypes.byref(config), k_.kernel.ptr, params, None)
-        assert status == 0, f"cuLaunchKernelEx: CUresult {status}"
+        sizes = (np.int32(m), np.int32(n), np.int32(k))
+        x_map = kernels.TensorMap(x, kernels.GEMM_BK, kernels.GEMM_BM)
+        if cfg[0] == "tma":
+            tiles = -(-m // kernels.GEMM_BM) * -(-n // kernels.GEMM_BN)
+            maps = (x_map, kernels.TensorMap(w, kernels.GEMM_BK, kernels.GEMM_BN), kernels.TensorMap(out, 64, 64))
+            kernels.launch_ex(k_, (min(ctx.sm_count, tiles),), (kernels.GEMM_THREADS,), (bias, *maps, *sizes), size,
+                              ctx.stream.ptr, dependent=False)
+        else:
+            grid = (-(-n // (128 * cfg[0])), -(-m // kernels.GEMM_BM))
+            kernels.launch_ex(k_, grid, (kernels.GEMM_THREADS,),
+                              (out, bias, x_map, kernels.TensorMap(w, kernels.GEMM_BK, 128 * cfg[0]), *sizes,
+                               np.int32(epi)), size, ctx.stream.ptr, dependent=False)
 
     failures = check_candidates(CANDIDATES, CHECKS, launch, rng)
     print(f"{failures} failed checks", flush=True)

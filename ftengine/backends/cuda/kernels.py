@@ -36,6 +36,20 @@ ATTENTION_FLAGS = {"rows_are_tokens": 1, "indirect": 2, "write_kv": 4}  # decode
 ATTENTION_THREADS = 256           # its block (ATTN_THREADS); half that from ATTENTION_MANY_BLOCKS (row, head) blocks
 ATTENTION_MANY_BLOCKS = 256       # on (GPT-2 small, H100: b32 step 572 -> 524 us, beam 4 x 32 1083 -> 945 us)
 GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
+# gemm_sm90.cu matmul_wgmma (sm_90a): its tile (GEMM_BM x GEMM_BN, K steps of GEMM_BK), threads, K
+# stages in shared memory; ops.matmul_bias_gelu takes it for the erf form from WGMMA_GELU_MIN_OUTPUTS
+# outputs (rows x columns) on. H100 fp16, us, against cuBLASLt's product + the bias + GELU pass
+# (kernels_cu/dev/gemm_tiles.py, 2026-11-25): BERT-base's 768 -> 3,072 at 32,768 rows 316.8 against
+# 350.4, 4,096 rows 40.8 against 45.1, 1,024 rows 15.4 against 13.5; all-MiniLM-L6-v2's 384 -> 1,536
+# at 32,768 rows 103.8 against 133.0, 4,096 rows 19.2 against 17.2 (as many tiles as 4,096 x 3,072:
+# the threshold is the tile count; 8,192 rows of 1,536 not measured)
+GEMM_BM, GEMM_BN, GEMM_BK, GEMM_THREADS, WGMMA_STAGES = 128, 256, 64, 288, 3
+WGMMA_GELU_MIN_OUTPUTS = 4096 * 3072
+
+
+def wgmma_shared_mem(itemsize: int, stages: int = WGMMA_STAGES) -> int:
+    """matmul_wgmma's dynamic shared memory: its K stages, its two result buffers, 1024 (alignment)."""
+    return (stages * (GEMM_BM + GEMM_BN) * GEMM_BK + 2 * 64 * GEMM_BN) * itemsize + 1024
 GEMV_ROWS, GEMV_THREADS = 4, 128  # gemv.cu: most rows of x, threads per block
 # gemv.cu: output columns a block, narrow or wide (ops.py: wide where it still gives every SM
 # GEMV_WIDE_BLOCKS_PER_SM blocks; H100, 1-4 rows: 768->2304, 768->3072 and the LM head 0.1-3 us
@@ -165,12 +179,14 @@ FAMILIES = {
     "fp8.cu": lambda t: ([n for k in FP8_KERNELS for n in _row_variants(k, t)] if t == "__half" else []),
     # wgmma (sm_90a: ARCH_SPECIFIC)
     "attention_sm90.cu": lambda t: [] if t == "float" else [f"varlen_attention_wgmma<{t}>"],
+    "gemm_sm90.cu": lambda t: [] if t == "float" else [f"matmul_wgmma<{t}, {WGMMA_STAGES}, 1>"],
 }
 # files of arch-specific instructions (sm_90a: wgmma), which run on that exact architecture only:
 # file -> (NVRTC's target, the compute capability it runs on, the files its source follows). They
 # are compiled by NVRTC for that target (CuPy's RawModule targets the plain sm_XY of the device)
 # and used on GPUs of that compute capability alone.
-ARCH_SPECIFIC = {"attention_sm90.cu": ("sm_90a", (9, 0), ("attention_varlen.cu",))}
+ARCH_SPECIFIC = {"attention_sm90.cu": ("sm_90a", (9, 0), ("attention_varlen.cu",)),
+                 "gemm_sm90.cu": ("sm_90a", (9, 0), ())}
 # file -> kernels every dtype uses (not templated on the element type): one module of their own,
 # so that an fp16 run never compiles the fp32 instantiations (the fp32 varlen attention alone
 # takes 17 s to compile on an H100)
@@ -352,6 +368,38 @@ _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_ui
 
 
 @lru_cache(maxsize=None)
+def _encode_tensor_map():
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class TensorMap:
+    """A CUtensorMap (cuda.h: 128 opaque bytes, 64-byte aligned) of a row-major 2D device array of
+    a 16-bit type, for TMA copies of box_cols x box_rows boxes in the 128-byte swizzle (box rows of
+    128 bytes at most); a kernel takes it by value (launch_ex). Elements past the array read as
+    zeros and are not written. The array's rows must be 16-byte multiples, 16-byte aligned."""
+
+    DATA_TYPES = {"float16": 6, "uint16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16 (bf16 words)
+    SWIZZLE_128B, L2_PROMOTION_256B = 3, 3
+
+    def __init__(self, a, box_cols: int, box_rows: int):
+        rows, cols = a.shape
+        self._buffer = ctypes.create_string_buffer(128 + 64)
+        self.address = -(-ctypes.addressof(self._buffer) // 64) * 64
+        status = _encode_tensor_map()(self.address, self.DATA_TYPES[a.dtype.name], 2, a.data.ptr,
+                                      (ctypes.c_uint64 * 2)(cols, rows), (ctypes.c_uint64 * 1)(a.strides[0]),
+                                      (ctypes.c_uint32 * 2)(box_cols, box_rows), (ctypes.c_uint32 * 2)(1, 1), 0,
+                                      self.SWIZZLE_128B, self.L2_PROMOTION_256B, 0)
+        if status != 0:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for a {rows} x {cols} "
+                               f"{a.dtype.name} array, box {box_cols} x {box_rows}")
+
+
+@lru_cache(maxsize=None)
 def _launch_kernel_ex():
     fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
@@ -373,16 +421,22 @@ def launch_ex(k, grid, block, args, shared_mem: int, stream_ptr: int, *, depende
     - cluster: thread-block cluster dimensions (sm_90+), which must divide the grid;
     - cooperative: every block of the grid resident at once (a kernel with grid-wide barriers;
       the launch fails where the grid cannot be).
-    Arguments as CuPy takes them: device arrays and NumPy scalars."""
-    holders = []
+    Arguments as CuPy takes them: device arrays and NumPy scalars; and TensorMaps (by value)."""
+    holders, addresses = [], []
     for a in args:
+        if isinstance(a, TensorMap):
+            holders.append(a)
+            addresses.append(a.address)
+            continue
         if isinstance(a, np.generic):
             holders.append(_SCALARS[a.dtype](a.item()))
         elif hasattr(a, "data") and hasattr(a.data, "ptr"):
             holders.append(ctypes.c_void_p(a.data.ptr))
         else:
-            raise TypeError(f"kernel argument of type {type(a).__name__}: pass a device array or a NumPy scalar")
-    params = (ctypes.c_void_p * len(holders))(*(ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders))
+            raise TypeError(f"kernel argument of type {type(a).__name__}: pass a device array, a NumPy scalar "
+                            f"or a TensorMap")
+        addresses.append(ctypes.addressof(holders[-1]))
+    params = (ctypes.c_void_p * len(addresses))(*addresses)
     attributes = (_Attribute * 3)()
     count = 0
     if cooperative:

@@ -19,12 +19,14 @@ from ...errors import DeviceError
 from . import cublas as cb
 from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, BLAS_SPLIT_MIN_K,
                       BLAS_SPLIT_MIN_ROWS, BLAS_SPLIT_OUTPUTS, CHOICE_BINS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN,
-                      CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMV_COLS, GEMV_ROWS, GEMV_THREADS,
-                      GEMV_WIDE_BLOCKS_PER_SM, ROW_ITEMS, SAMPLE_CANDIDATES, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS,
-                      SAMPLE_SLICE_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS, SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS,
-                      SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC, SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES,
-                      VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES, VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM,
-                      VARLEN_WG_KN, VECS, ArchKernel, kernel, launch_ex, prepare, skinny_name, varlen_mma_name)
+                      CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMM_BK, GEMM_BM, GEMM_BN,
+                      GEMM_THREADS, GEMV_COLS, GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, ROW_ITEMS,
+                      SAMPLE_CANDIDATES, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX, SAMPLE_THREADS,
+                      SKINNY_MIN_COLUMNS, SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE,
+                      SOFTMAX_VEC, SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS,
+                      VARLEN_TILES, VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM, VARLEN_WG_KN, VECS, WGMMA_GELU_MIN_OUTPUTS,
+                      WGMMA_STAGES, ArchKernel, TensorMap, kernel, launch_ex, prepare, skinny_name, varlen_mma_name,
+                      wgmma_shared_mem)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -47,7 +49,7 @@ class _Context:
         # kernels captured into graphs launch with programmatic dependent launch where the GPU has it
         self.dependent_launch = props["major"] >= 9
         self.clusters = props["major"] >= 9  # thread-block clusters, distributed shared memory
-        # the wgmma kernels (attention_sm90.cu) run on their architecture alone
+        # the wgmma kernels (attention_sm90.cu, gemm_sm90.cu) run on their architecture alone
         self.wgmma = (props["major"], props["minor"]) == ARCH_SPECIFIC["attention_sm90.cu"][1]
         self.shared_mem_optin = int(props.get("sharedMemPerBlockOptin", 48 * 1024))
         # the prefetches' branches of a captured graph, and the ends of their launches, which the
@@ -110,11 +112,14 @@ def context() -> _Context:
 
 def prepare_kernels(files, dtype_name: str, *, head_dim: int):
     """Compile the kernel modules a runner needs for one dtype (and the shared ones), in
-    parallel, before its first launch; with the wgmma attention beside the fused attention where
-    the GPU runs it and the model's head_dim is the one it takes."""
-    if (dtype_name != "fp32" and "attention_varlen.cu" in files and context().wgmma
-            and head_dim == VARLEN_WG_HEAD_DIM):
-        files = (*files, "attention_sm90.cu")
+    parallel, before its first launch; where the GPU runs the wgmma kernels, with the wgmma
+    attention beside the fused attention if the model's head_dim is the one it takes, and with
+    the wgmma product beside the bias + GELU pass (fp16, bf16)."""
+    if dtype_name in ("fp16", "bf16") and context().wgmma:
+        if "attention_varlen.cu" in files and head_dim == VARLEN_WG_HEAD_DIM:
+            files = (*files, "attention_sm90.cu")
+        if "activation.cu" in files:
+            files = (*files, "gemm_sm90.cu")
     prepare(files, (CUDA_TYPES[np.dtype(STORAGE[dtype_name]).name],))
 
 
@@ -541,8 +546,8 @@ def _choose_algo(ctx, key, product):
 def matmul_bias_gelu(out, x, weight, bias, *, form):
     """out (M, N) = GELU(x @ weight^T + bias): fused into the skinny or gemv kernel where matmul
     would run one (see there); else the tanh form in cuBLASLt's GELU_BIAS epilogue (the same
-    formula, on the fp32 accumulator), the erf form (no cuBLASLt epilogue computes it) as a
-    product, then one bias + GELU pass."""
+    formula, on the fp32 accumulator); the erf form (no cuBLASLt epilogue computes it) fused into
+    the wgmma product where _wgmma_fits, else as a product, then one bias + GELU pass."""
     code = _gelu_form(form)
     if _skinny_fits(x, weight):
         _skinny(out, x, weight, bias, 1 + code)
@@ -550,9 +555,35 @@ def matmul_bias_gelu(out, x, weight, bias, *, form):
         _gemv(out, x, weight, bias, 1 + code)
     elif form == "tanh" and _lt_aligned(out, x, weight, bias):
         _lt_matmul(out, x, weight, bias, "gelu_bias")
+    elif form == "erf" and _wgmma_fits(out, x, weight, bias):
+        _matmul_wgmma(out, x, weight, bias, 1 + code)
     else:
         _lt_matmul(out, x, weight)
         add_bias_gelu(out, out, bias, form=form)
+
+
+def _wgmma_fits(out, x, weight, bias) -> bool:
+    """Whether out = epilogue(x @ weight^T + bias) goes to gemm_sm90.cu's matmul_wgmma: a GPU of its
+    architecture, one 16-bit type throughout, WGMMA_GELU_MIN_OUTPUTS outputs or more, contiguous
+    rows of 16-byte multiples from 16-byte aligned starts (what its tensor maps take)."""
+    arrays = (out, x, weight, bias)
+    return (context().wgmma and x.dtype in (np.float16, np.uint16) and all(a.dtype == x.dtype for a in arrays)
+            and x.shape[0] * weight.shape[0] >= WGMMA_GELU_MIN_OUTPUTS
+            and all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in arrays)
+            and all(a.shape[-1] * a.itemsize % 16 == 0 for a in (out, x, weight)))
+
+
+def _matmul_wgmma(out, x, weight, bias, epilogue: int):
+    """gemm_sm90.cu matmul_wgmma (see _wgmma_fits): out (M, N) = x (M, K) @ weight (N, K)^T with
+    epilogue 1 + a GELU form's code (+ bias, then GELU); a persistent grid of at most one block per SM."""
+    (m, k), n = x.shape, weight.shape[0]
+    if _planning():
+        return
+    maps = (TensorMap(x, GEMM_BK, GEMM_BM), TensorMap(weight, GEMM_BK, GEMM_BN), TensorMap(out, 64, 64))
+    tiles = -(-m // GEMM_BM) * -(-n // GEMM_BN)
+    _launch("gemm_sm90.cu", f"matmul_wgmma<{_ctype(x)}, {WGMMA_STAGES}, {epilogue}>",
+            (min(context().sm_count, tiles),), (GEMM_THREADS,), (bias, *maps, np.int32(m), np.int32(n), np.int32(k)),
+            shared_mem=wgmma_shared_mem(x.itemsize))
 
 
 HEAD_ACTIVATIONS = {"identity": 0, "tanh": 1, "relu": 2, "gelu": 3}
