@@ -28,13 +28,16 @@ def quantize(cu, x, dtype):
 
 
 def poisoned(cu, shape, dtype):
+    """A new device array filled with NaN, on the stream the ops launch on (ctx.stream does not wait
+    for CuPy's default stream: a fill there could land during or after the op under test)."""
     import cupy
     storage = np.dtype(cu.storage_dtype(dtype))
     out = cu.empty(shape, storage)
-    if storage == np.uint16:
-        out.view(cupy.uint16).fill(0x7FC0)  # bf16 NaN
-    else:
-        out.fill(np.nan)
+    with cu.context().stream:
+        if storage == np.uint16:
+            out.view(cupy.uint16).fill(0x7FC0)  # bf16 NaN
+        else:
+            out.fill(np.nan)
     return out
 
 
@@ -528,6 +531,18 @@ def test_prepare_kernels_compiles_the_wgmma_attention_for_its_head_dim_only(cu, 
     for dtype, head_dim in [("fp16", 64), ("bf16", 64), ("fp16", 32), ("bf16", 128), ("fp32", 64)]:
         cu.prepare_kernels(("attention_varlen.cu",), dtype, head_dim=head_dim)
     assert compiled == [("attention_varlen.cu", "attention_sm90.cu")] * 2 + [("attention_varlen.cu",)] * 3
+
+
+def test_prepare_kernels_compiles_the_wgmma_product_for_the_erf_form_only(cu, monkeypatch):
+    """gemm_sm90.cu is compiled for fp16/bf16 runners whose matmul_bias_gelu takes the erf form (the
+    only form it serves), not for the tanh form (GPT-2), a runner without that call, or fp32."""
+    if not cu.context().wgmma:
+        pytest.skip("the wgmma product runs on compute capability 9.0 only")
+    compiled = []
+    monkeypatch.setattr(cu, "prepare", lambda files, types: compiled.append(tuple(files)))
+    for dtype, form in [("fp16", "erf"), ("bf16", "erf"), ("fp16", "tanh"), ("bf16", None), ("fp32", "erf")]:
+        cu.prepare_kernels(("activation.cu",), dtype, head_dim=64, gelu_product=form)
+    assert compiled == [("activation.cu", "gemm_sm90.cu")] * 2 + [("activation.cu",)] * 3
 
 
 ARCH_MODULE_RUN = """
