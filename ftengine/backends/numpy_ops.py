@@ -60,7 +60,7 @@ def synchronize():
     pass
 
 
-def prepare_kernels(files, dtype_name: str, *, head_dim: int):
+def prepare_kernels(files, dtype_name: str, *, head_dim: int, gelu_product: str | None = None):
     """Nothing to compile on the CPU."""
 
 

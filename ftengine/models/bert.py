@@ -239,7 +239,8 @@ class BertRunner:
         self.max_seq_len = max_seq_len
         self.modern = config.family == "modernbert"
         ops.prepare_kernels(KERNEL_FILES[layout] + (MODERNBERT_FILES if self.modern else ())
-                            + (FP8_FILES if self.fp8 else ()), dtype, head_dim=config.head_dim)
+                            + (FP8_FILES if self.fp8 else ()), dtype, head_dim=config.head_dim,
+                            gelu_product=None if self.fp8 or self.modern else config.gelu)
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.word_emb = up(weights.word_emb)        # (V, H)
         self.pos_emb = up(weights.pos_emb)          # (P, H)

@@ -44,7 +44,7 @@ class GPT2Runner:
         self.config, self.ops = config, ops
         self.dtype = ops.storage_dtype(dtype)
         self.max_batch, self.max_len = max_batch, max_len
-        ops.prepare_kernels(KERNEL_FILES, dtype, head_dim=config.head_dim)
+        ops.prepare_kernels(KERNEL_FILES, dtype, head_dim=config.head_dim, gelu_product=config.gelu)
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps, keyed by kind, batch and parameters
         # prefills, keyed by their bucketed shape (tokens, prompts, longest): a prompt batch of a shape
         # seen before replays a graph instead of ~110 launches from Python

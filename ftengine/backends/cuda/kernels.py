@@ -39,10 +39,10 @@ GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
 # gemm_sm90.cu matmul_wgmma (sm_90a): its tile (GEMM_BM x GEMM_BN, K steps of GEMM_BK), threads, K
 # stages in shared memory; ops.matmul_bias_gelu takes it for the erf form from WGMMA_GELU_MIN_OUTPUTS
 # outputs (rows x columns) on. H100 fp16, us, against cuBLASLt's product + the bias + GELU pass
-# (kernels_cu/dev/gemm_tiles.py, 2026-11-25): BERT-base's 768 -> 3,072 at 32,768 rows 316.8 against
-# 350.4, 4,096 rows 40.8 against 45.1, 1,024 rows 15.4 against 13.5; all-MiniLM-L6-v2's 384 -> 1,536
-# at 32,768 rows 103.8 against 133.0, 4,096 rows 19.2 against 17.2 (as many tiles as 4,096 x 3,072:
-# the threshold is the tile count; 8,192 rows of 1,536 not measured)
+# (kernels_cu/dev/gemm_tiles.py, 2026-11-25, the package's kernel): BERT-base's 768 -> 3,072 at
+# 32,768 rows 306.9 against 349.5, 8,192 rows 81.4 against 90.6, 4,096 rows 41.8 against 46.5, 1,024
+# rows 15.5 against 13.7; all-MiniLM-L6-v2's 384 -> 1,536 at 32,768 rows 105.4 against 132.8, 8,192
+# rows (4,096 x 3,072 outputs) 28.9 against 30.3, 4,096 rows 19.9 against 17.5
 GEMM_BM, GEMM_BN, GEMM_BK, GEMM_THREADS, WGMMA_STAGES = 128, 256, 64, 288, 3
 WGMMA_GELU_MIN_OUTPUTS = 4096 * 3072
 

@@ -110,15 +110,16 @@ def context() -> _Context:
     return ctx
 
 
-def prepare_kernels(files, dtype_name: str, *, head_dim: int):
+def prepare_kernels(files, dtype_name: str, *, head_dim: int, gelu_product: str | None = None):
     """Compile the kernel modules a runner needs for one dtype (and the shared ones), in
-    parallel, before its first launch; where the GPU runs the wgmma kernels, with the wgmma
-    attention beside the fused attention if the model's head_dim is the one it takes, and with
-    the wgmma product beside the bias + GELU pass (fp16, bf16)."""
+    parallel, before its first launch; where the GPU runs the wgmma kernels (fp16, bf16), with
+    the wgmma attention beside the fused attention if the model's head_dim is the one it takes,
+    and with the wgmma product where the runner's matmul_bias_gelu calls take the erf form
+    (gelu_product: that form, None for a runner that makes no such call)."""
     if dtype_name in ("fp16", "bf16") and context().wgmma:
         if "attention_varlen.cu" in files and head_dim == VARLEN_WG_HEAD_DIM:
             files = (*files, "attention_sm90.cu")
-        if "activation.cu" in files:
+        if gelu_product == "erf":
             files = (*files, "gemm_sm90.cu")
     prepare(files, (CUDA_TYPES[np.dtype(STORAGE[dtype_name]).name],))
 
