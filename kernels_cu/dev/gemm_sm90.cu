@@ -1,6 +1,7 @@
-// An experiment (kernels_cu/dev/gemm_tiles.py checks and times it; the package does not use it: it
-// ran slower than cuBLASLt + the bias + GELU pass, figures there), compiled after common.cuh and
-// kernels_cu/gemm_sm90.cu, whose helpers it shares: the non-persistent form of matmul_wgmma.
+// Experiments (kernels_cu/dev/gemm_tiles.py checks and times them; the package uses neither, figures
+// there), compiled after common.cuh and kernels_cu/gemm_sm90.cu, whose helpers they share: the
+// non-persistent form of matmul_wgmma (slower than cuBLASLt + the bias + GELU pass), and below it a
+// ping-pong form (no faster than matmul_wgmma).
 // out (M, N) = epilogue(x (M, K) @ w (N, K)^T), epilogue 0: none; 1 + form: + bias (N,), then
 // GELU in gelu()'s form (common.cuh): 1 erf, 2 tanh (as gemv.cu numbers them).
 // Reference: ftengine/backends/numpy_ops.py matmul / matmul_bias_gelu.
@@ -137,4 +138,117 @@ __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS) gemm_wgmma(
     #pragma unroll
     for (int ni = 0; ni < NI; ++ni)
         store_fragments<T, 16>(out, sbias + ni * 128, acc[ni], row0, n0 + ni * 128, M, N, epilogue);
+}
+
+// Ping-pong (an experiment: gemm_tiles.py candidates ("pp", STAGES)): the persistent matmul_wgmma
+// with each consumer warpgroup on a GEMM_BM x PP_BN tile of its own (two m64n128k16 accumulators,
+// rows 0-63 and 64-127), so that one warpgroup's epilogue (bias + GELU, its results through shared
+// memory and TMA stores) runs while the other's products keep the tensor cores busy. The block's
+// tiles (blockIdx.x, then every gridDim.x-th) alternate between the warpgroups: local tile j goes to
+// warpgroup j % 2. The producer fills one ring for both in tile order; a warpgroup starts tile j's
+// main loop only once the other has issued tile j - 1's (its `done` mbarrier), so the ring is
+// consumed in order and each full-barrier wait is at most one phase ahead of the barrier.
+// grid (min(SMs, tiles)), GEMM_THREADS threads: warps 0-7 consume, warp 8 produces; dynamic shared
+// memory STAGES (GEMM_BM + PP_BN) GEMM_BK + 2 GEMM_BM PP_BN elements + 1024 (alignment).
+#define PP_BN 128
+
+template <typename T, int STAGES, int EPILOGUE>
+__global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_wgmma_pingpong(
+        const T* __restrict__ bias,              // (N,), read when EPILOGUE > 0
+        const __grid_constant__ TmaMap x_map,    // x (M, K): box GEMM_BK x GEMM_BM
+        const __grid_constant__ TmaMap w_map,    // w (N, K): box GEMM_BK x PP_BN
+        const __grid_constant__ TmaMap out_map,  // out (M, N): box 64 x 64
+        int M, int N, int K) {
+    wait_for_previous();
+    constexpr int BN = PP_BN;
+    constexpr unsigned A_BYTES = GEMM_BM * GEMM_BK * sizeof(T), STAGE_BYTES = (GEMM_BM + BN) * GEMM_BK * sizeof(T);
+    constexpr unsigned HALF_BYTES = 64 * BN * sizeof(T);  // 64 rows of the tile, in smem and in results
+    static_assert(GEMM_BK * sizeof(T) == 128, "a tile row is one 128-byte swizzle row");
+    // full[STAGES] | empty[STAGES] | done[2]: warpgroup w has issued the main loop of its latest tile
+    __shared__ __align__(8) unsigned long long barriers[2 * STAGES + 2];
+    __shared__ float sbias[2][2][BN];  // per consumer warpgroup, per tile parity
+    extern __shared__ unsigned char smem_raw[];
+    const unsigned tiles = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const unsigned full = smem_addr(barriers), empty = full + 8 * STAGES, done = empty + 8 * STAGES;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int k_steps = (K + GEMM_BK - 1) / GEMM_BK;
+    const int n_tiles = (N + BN - 1) / BN, work = n_tiles * ((M + GEMM_BM - 1) / GEMM_BM);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 4);  // each stage is consumed by one warpgroup's 4 warps
+        }
+        mbar_init(done, 4);
+        mbar_init(done + 8, 4);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == 8) {  // the producer
+        if (lane == 0) {
+            int it = 0;
+            for (int w = blockIdx.x; w < work; w += gridDim.x)
+                it = produce_tile<STAGES, A_BYTES, STAGE_BYTES>(it, k_steps, w / n_tiles * GEMM_BM, w % n_tiles * BN,
+                                                                tiles, full, empty, &x_map, &w_map);
+        }
+        __syncwarp();
+        return;
+    }
+    const int wg = warp >> 2;
+    const bool issuer = (threadIdx.x & 127) == 0;  // the thread of the warpgroup that issues its stores
+    const unsigned buf = tiles + STAGES * STAGE_BYTES + wg * 2 * HALF_BYTES;
+    float acc[2][64];
+    int local = 0;
+    for (int j = wg; blockIdx.x + j * gridDim.x < work; j += 2, ++local) {
+        const int w = blockIdx.x + j * gridDim.x;
+        const int m0 = w / n_tiles * GEMM_BM, n0 = w % n_tiles * BN;
+        float* bias_tile = sbias[wg][local & 1];
+        stage_bias(bias_tile, bias, n0, BN, N, EPILOGUE, threadIdx.x & 127, 128);
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            #pragma unroll
+            for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+            fence_registers(acc[h]);
+        }
+        if (j > 0) mbar_wait(done + 8 * (1 - wg), ((j - 1) / 2) & 1);  // tile j - 1's main loop is issued
+        int it = j * k_steps;
+        for (int kt = 0; kt < k_steps; ++kt, ++it) {
+            const int s = it % STAGES;
+            mbar_wait(full + 8 * s, (it / STAGES) & 1);
+            const unsigned a = tiles + s * STAGE_BYTES, b = a + A_BYTES;
+            wgmma_fence();
+            #pragma unroll
+            for (int k = 0; k < GEMM_BK / 16; ++k) {
+                Wgmma128<T>::run(acc[0], wgmma_desc(a + 32 * k), wgmma_desc(b + 32 * k));
+                Wgmma128<T>::run(acc[1], wgmma_desc(a + 64 * 128 + 32 * k), wgmma_desc(b + 32 * k));
+            }
+            wgmma_commit();
+            wgmma_wait<1>();  // the previous step's products are done: its stage may be refilled
+            if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+        }
+        if (lane == 0) mbar_arrive(done + 8 * wg);  // the other warpgroup may start its next main loop
+        wgmma_wait<0>();
+        fence_registers(acc[0]);
+        fence_registers(acc[1]);
+        if (lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+        // the previous tile's stores have read this warpgroup's buffer (the issuer's bulk groups)
+        if (issuer) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        consumers_sync(1 + wg, 128);  // this tile's bias is staged
+        const int row = (warp & 3) * 16 + (lane >> 2);
+        unsigned char* own = smem_raw + (buf - smem_addr(smem_raw));
+        stage_fragments<T, 16>(own, bias_tile, acc[0], row, EPILOGUE);
+        stage_fragments<T, 16>(own + HALF_BYTES, bias_tile, acc[1], row, EPILOGUE);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, to TMA
+        consumers_sync(1 + wg, 128);
+        if (issuer) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                #pragma unroll
+                for (int c = 0; c < BN / 64; ++c)
+                    tma_store(&out_map, buf + h * HALF_BYTES + c * 8192, n0 + 64 * c, m0 + 64 * h);
+            }
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        }
+    }
+    if (issuer) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the last stores, before the block ends
 }

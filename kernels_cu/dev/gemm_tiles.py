@@ -3,11 +3,12 @@ consumer warpgroups): the package's kernels_cu/gemm_sm90.cu matmul_wgmma (candid
 ops.matmul_bias_gelu takes for the erf form on large batches) beside the experiments it grew from
 (kernels_cu/dev/gemm_sm90.cu), checked and timed against cuBLASLt.
 
-Every candidate (gemm_wgmma's 128-column wgmma tiles NI, stages, blocks per SM; PRODUCT) is first
-checked against NumPy (float64) on shapes that are not multiples of its tiles (rows, columns and
-K tails), plain and with bias + GELU in both forms, fp16 and bf16, outputs poisoned; then timed on
-the encoders' products against cuBLASLt (its algorithm timed once per shape, as ops.matmul chooses
-it), followed by the bias + GELU pass for the FFN up-projection.
+Every candidate (gemm_wgmma's 128-column wgmma tiles NI, stages, blocks per SM; PRODUCT; ("pp",
+stages): gemm_wgmma_pingpong) is first checked against NumPy (float64) on shapes that are not
+multiples of its tiles (rows, columns and K tails), plain and with bias + GELU in both forms, fp16
+and bf16, outputs poisoned; then timed on the encoders' products against cuBLASLt (its algorithm
+timed once per shape, as ops.matmul chooses it), followed by the bias + GELU pass for the FFN
+up-projection.
 
 Measured on the H100 (2026-11-23), the non-persistent kernel: every check passes, but no candidate
 beats cuBLASLt + the pass:
@@ -102,6 +103,17 @@ rows 28.9 against 30.3 (1.05x: as many outputs as 4,096 x 3,072, the threshold),
 against 17.5. In bench/bench_encoder.py the same day: BERT-base fp16 256 x 128 13.29 -> 12.77 ms
 end to end, 64 x 512 14.96 -> 14.34; all-MiniLM-L6-v2's 256 x 128 pass on the GPU 2.52 -> 2.28 ms.
 
+Measured on the H100 (2026-11-25, the same day), ping-pong (candidate ("pp", 4):
+dev/gemm_sm90.cu gemm_wgmma_pingpong, each consumer warpgroup on a 128 x 128 tile of its own, two
+m64n128k16 accumulators, so that one's bias + GELU epilogue runs while the other multiplies; the
+warpgroups take the ring's stages in tile order through a `done` mbarrier each): every check
+passes, but it is no faster than PRODUCT, us (PRODUCT, ping-pong, cuBLASLt + pass): bias + erf GELU
+32,768 x 3,072 x 768 304.6, 317.8, 348.0; 8,192 rows 79.0, 77.1, 89.7; 4,096 rows 41.5, 40.7, 45.5;
+MiniLM 32,768 x 1,536 x 384 107.1, 103.9, 132.2; 8,192 rows 28.1, 29.3, 30.5. Plain 32,768 x 2,304 x
+768 184.0, 197.2 (cuBLASLt 157.7). So hiding the epilogue behind the other warpgroup's products
+gains at most 3%, and the 128 x 128 tiles' main loop loses about as much: what separates PRODUCT
+from cuBLASLt is its main loop (cuBLASLt's 192 x 192 tiles, 2 x 1 clusters), not the epilogue.
+
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--out results.json]
 """
 
@@ -117,10 +129,16 @@ import numpy as np
 PRODUCT = ("tma", 3)  # the package's kernel: kernels_cu/gemm_sm90.cu matmul_wgmma, 3 stages
 
 
+PP_BN = 128  # gemm_wgmma_pingpong's tile columns (dev/gemm_sm90.cu)
+
+
 def name(ctype, tiles, epilogue):
-    """The kernel of a candidate: gemm_wgmma's; or for PRODUCT matmul_wgmma's, compiled per epilogue."""
+    """The kernel of a candidate: gemm_wgmma's; for PRODUCT matmul_wgmma's and for ("pp", STAGES)
+    gemm_wgmma_pingpong's, compiled per epilogue."""
     if tiles[0] == "tma":
         return f"matmul_wgmma<{ctype}, {tiles[1]}, {epilogue}>"
+    if tiles[0] == "pp":
+        return f"gemm_wgmma_pingpong<{ctype}, {tiles[1]}, {epilogue}>"
     return f"gemm_wgmma<{ctype}, {tiles[0]}, {tiles[1]}, {tiles[2]}>"
 
 
@@ -128,18 +146,20 @@ def smem(itemsize, tiles):
     from ftengine.backends.cuda.kernels import GEMM_BK, GEMM_BM, wgmma_shared_mem
     if tiles[0] == "tma":
         return wgmma_shared_mem(itemsize, tiles[1])
+    if tiles[0] == "pp":
+        return (tiles[1] * (GEMM_BM + PP_BN) * GEMM_BK + 2 * GEMM_BM * PP_BN) * itemsize + 1024
     return tiles[1] * (GEMM_BM + 128 * tiles[0]) * GEMM_BK * itemsize + 1024
 
 # (NI, STAGES, MIN_BLOCKS) of gemm_wgmma (dev/gemm_sm90.cu), and PRODUCT. The persistent kernels measured
 # above as ("p", ...) and ("ps", ...) are gone but for ("ps", 3, 1, "e"), which became PRODUCT.
-CANDIDATES = [(1, 3, 2), (1, 4, 1), (2, 4, 1), PRODUCT]
+CANDIDATES = [(1, 3, 2), (1, 4, 1), (2, 4, 1), PRODUCT, ("pp", 4)]
 # (M, N, K, epilogue): 0 plain, 1 bias + erf GELU, 2 bias + tanh GELU
 # (N a multiple of 8 throughout: matmul_wgmma's TMA stores take rows of 16-byte multiples)
 CHECKS = [(1000, 3000, 760, 1), (129, 136, 72, 0), (5000, 3072, 768, 1), (300, 600, 200, 0), (300, 2304, 768, 2),
           (4096, 3072, 768, 1), (77, 512, 8, 1)]
 TIMED = [(32768, 3072, 768, 1), (8192, 3072, 768, 1), (4096, 3072, 768, 1), (1024, 3072, 768, 1),
-         (512, 3072, 768, 1), (32768, 1536, 384, 1), (8192, 1536, 384, 1), (4096, 1536, 384, 1), (32768, 2304, 768, 0), (32768, 768, 3072, 0),
-         (32768, 768, 768, 0), (4096, 768, 3072, 0)]
+         (512, 3072, 768, 1), (32768, 1536, 384, 1), (8192, 1536, 384, 1), (4096, 1536, 384, 1),
+         (32768, 2304, 768, 0), (32768, 768, 3072, 0), (32768, 768, 768, 0), (4096, 768, 3072, 0)]
 OPS_TOL = {"fp16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}  # tests/tolerances.py OPS
 
 
@@ -200,9 +220,10 @@ def main():
             k_.max_dynamic_shared_size_bytes = size
         sizes = (np.int32(m), np.int32(n), np.int32(k))
         x_map = kernels.TensorMap(x, kernels.GEMM_BK, kernels.GEMM_BM)
-        if cfg[0] == "tma":
-            tiles = -(-m // kernels.GEMM_BM) * -(-n // kernels.GEMM_BN)
-            maps = (x_map, kernels.TensorMap(w, kernels.GEMM_BK, kernels.GEMM_BN), kernels.TensorMap(out, 64, 64))
+        if cfg[0] in ("tma", "pp"):
+            bn = kernels.GEMM_BN if cfg[0] == "tma" else PP_BN
+            tiles = -(-m // kernels.GEMM_BM) * -(-n // bn)
+            maps = (x_map, kernels.TensorMap(w, kernels.GEMM_BK, bn), kernels.TensorMap(out, 64, 64))
             kernels.launch_ex(k_, (min(ctx.sm_count, tiles),), (kernels.GEMM_THREADS,), (bias, *maps, *sizes), size,
                               ctx.stream.ptr, dependent=False)
         else:
