@@ -9,6 +9,17 @@ Measured on the H100 (2026-11-23): the register-A variant is wrong from the seco
 (up to 0.5 abs at 65+ tokens, with a fresh accumulator too) though 10% faster at 64 x 512; the
 shared-memory one is right and no faster than the shipped S-on-wgmma, P V-on-mma.sync kernel.
 
+Measured on the H100 (2026-11-25), two more variants, both right (max abs err within the shipped
+kernel's), us against shipped (torch SDPA in brackets):
+- 128-key tiles (S as two m64n64k16 products per 16 dims, 75 KB of shared memory: 3 blocks an SM):
+  64 x 512 210.4 against 190.1 (131.9), 256 x 128 141.7 against 106.1 (71.4), 16 x 2048 663.4
+  against 618.6 (438.4); 32 x 128 and shorter unchanged. Slower.
+- 5 blocks an SM (__launch_bounds__(128, 5): 96 registers, 8 bytes spilled, against 123 and 4
+  blocks): 256 x 128 98.4 against 106.6 (71.8), 32 x 128 causal 13.4 against 14.3, but 64 x 512
+  197.2 against 189.4, 16 x 2048 684.2 against 613.4, 1 x 128 4.9 against 4.5, 1 x 512 causal 10.0
+  against 8.4; 32 x 128 unchanged. Occupancy helps many short sequences only (0.1 ms of BERT-base
+  256 x 128's 12.8 ms), too little for a second instantiation and its routing.
+
     PYTHONPATH=. python3 kernels_cu/dev/attention_wgmma.py [--out results.json]
 """
 
@@ -94,13 +105,33 @@ PV_SHARED = """        const unsigned pt = tiles + 4 * TILE_BYTES;  // P (64 x 6
 """
 KERNEL = "template <typename T>\n__global__ void __launch_bounds__(128) varlen_attention_wgmma("
 QS = "T* qs = reinterpret_cast<T*>(smem_raw + (tiles - raw) + 4 * TILE_BYTES);"
+SHIPPED_S = """        WgmmaRS<T>::template run<0>(s_flat, qa[0], swizzled_desc(ks));
+        #pragma unroll
+        for (int kk = 1; kk < D / 16; ++kk) WgmmaRS<T>::template run<1>(s_flat, qa[kk], swizzled_desc(ks + 32 * kk));
+"""
+# S for key tiles of a multiple of 64 keys: an m64n64k16 product per 64 keys (K tile rows of 128 bytes:
+# keys 64 half.. from 8192 half bytes on), into the score fragments of those keys (s[8 half]..)
+S_HALVES = """        #pragma unroll
+        for (int half = 0; half < KN / 64; ++half) {
+            float (&sh)[32] = reinterpret_cast<float (&)[32]>(s[8 * half]);
+            WgmmaRS<T>::template run<0>(sh, qa[0], swizzled_desc(ks + 8192 * half));
+            #pragma unroll
+            for (int kk = 1; kk < D / 16; ++kk)
+                WgmmaRS<T>::template run<1>(sh, qa[kk], swizzled_desc(ks + 8192 * half + 32 * kk));
+        }
+"""
+KN_DEFINE = "#define VARLEN_WG_KN 64"
 VARIANTS = {  # name -> source patches (None: the mma.sync kernel)
     "mma.sync kernel": None,
     "shipped": [],
     "P V register wgmma": [(SHIPPED_PV, PV_REGISTERS), (KERNEL, PV_WGMMA + KERNEL)],
     "P V shared wgmma": [(SHIPPED_PV, PV_SHARED), (KERNEL, PV_WGMMA + KERNEL),
                          (QS, QS.replace("4 * TILE_BYTES", "4 * TILE_BYTES + 8192"))],
+    "128-key tiles": [(KN_DEFINE, KN_DEFINE.replace("64", "128")), (SHIPPED_S, S_HALVES)],
+    # at most 96 registers (123 shipped), so that 5 blocks fit an SM (4 shipped) as their shared memory allows
+    "5 blocks an SM": [(KERNEL, KERNEL.replace("__launch_bounds__(128)", "__launch_bounds__(128, 5)"))],
 }
+EXTRA_SMEM = {"P V shared wgmma": 8192, "128-key tiles": 2 * 2 * 64 * 64 * 2}  # bytes past the shipped kernel's
 
 
 def main():
@@ -112,13 +143,14 @@ def main():
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args()
     ctx = cu.context()
     assert ctx.wgmma, "needs a compute capability 9.0 GPU"
     rng = np.random.default_rng(0)
     shipped_source, shipped_launch = kernels.source, cu._launch
     results = {}
-    for label, patches in VARIANTS.items():
+    for label, patches in ((v, VARIANTS[v]) for v in args.variants):
         def source(file, patches=patches):
             text = shipped_source(file)
             for old, new in patches or ():
@@ -127,7 +159,7 @@ def main():
             return text
 
         def launch(file, name, grid, block, largs, shared_mem=0, cluster=None, label=label):
-            extra = 8192 if label == "P V shared wgmma" and file == "attention_sm90.cu" else 0
+            extra = EXTRA_SMEM.get(label, 0) if file == "attention_sm90.cu" else 0
             return shipped_launch(file, name, grid, block, largs, shared_mem=shared_mem + extra, cluster=cluster)
         kernels.source, cu._launch = source, launch
         kernels._modules.pop(("attention_sm90.cu", "__half"), None)
