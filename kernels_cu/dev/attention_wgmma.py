@@ -19,6 +19,12 @@ kernel's), us against shipped (torch SDPA in brackets):
   197.2 against 189.4, 16 x 2048 684.2 against 613.4, 1 x 128 4.9 against 4.5, 1 x 512 causal 10.0
   against 8.4; 32 x 128 unchanged. Occupancy helps many short sequences only (0.1 ms of BERT-base
   256 x 128's 12.8 ms), too little for a second instantiation and its routing.
+Not run: S of the next key tile issued before this tile's softmax and P V (FA3's overlap within a
+warpgroup; two score register sets, the loop unrolled by two, both K/V buffers filled from the
+start). ptxas (CUDA 13.0) serialised its wgmma ("C7515 ... non wgmma instructions defining
+accumulator registers of a wgmma between start and end of the pipeline stage") whether the next
+product was issued conditionally or always; it needs the loop restructured so that no register copy
+of either score set falls inside a product's stage.
 
     PYTHONPATH=. python3 kernels_cu/dev/attention_wgmma.py [--out results.json]
 """
