@@ -131,12 +131,13 @@ template <> struct Wgmma<__nv_bfloat16> {
 };
 
 // Stage s's barriers: full[s] (the producer's arrival + the copies' bytes) and empty[s] (one
-// arrival per consumer warp); by thread 0, before the block's first barrier.
+// arrival per consumer warp of a stage: `consumers`); by thread 0, after any other barrier of the
+// block is initialised (the fence covers them too) and before the block's first barrier.
 template <int STAGES>
-__device__ __forceinline__ void init_stage_barriers(unsigned full, unsigned empty) {
+__device__ __forceinline__ void init_stage_barriers(unsigned full, unsigned empty, unsigned consumers = 8) {
     for (int s = 0; s < STAGES; ++s) {
         mbar_init(full + 8 * s, 1);
-        mbar_init(empty + 8 * s, 8);
+        mbar_init(empty + 8 * s, consumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
@@ -156,6 +157,18 @@ __device__ __forceinline__ int produce_tile(int it, int k_steps, int m0, int n0,
         tma_load(a + A_BYTES, w_map, kt * GEMM_BK, n0, bar);
     }
     return it;
+}
+
+// The producer of a persistent kernel: produce_tile for each of the block's BM x BN tiles of out
+// (M = rows x BM, N = n_tiles x BN: tile blockIdx.x, then every gridDim.x-th, a row band's tiles one
+// after another), in one ring.
+template <int STAGES, unsigned A_BYTES, unsigned STAGE_BYTES, int BN>
+__device__ __forceinline__ void produce_tiles(int work, int n_tiles, int k_steps, unsigned tiles, unsigned full,
+                                              unsigned empty, const TmaMap* x_map, const TmaMap* w_map) {
+    int it = 0;
+    for (int w = blockIdx.x; w < work; w += gridDim.x)
+        it = produce_tile<STAGES, A_BYTES, STAGE_BYTES>(it, k_steps, w / n_tiles * GEMM_BM, w % n_tiles * BN, tiles,
+                                                        full, empty, x_map, w_map);
 }
 
 // The epilogue of J x 8 columns of a thread's accumulator fragments (layout as WGMMA_M64N256K16's),
@@ -240,12 +253,8 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma(
     __syncthreads();
 
     if (warp == 8) {  // the producer
-        if (lane == 0) {
-            int it = 0;
-            for (int w = blockIdx.x; w < work; w += gridDim.x)
-                it = produce_tile<STAGES, A_BYTES, STAGE_BYTES>(it, k_steps, w / n_tiles * GEMM_BM, w % n_tiles * BN,
-                                                                tiles, full, empty, &x_map, &w_map);
-        }
+        if (lane == 0)
+            produce_tiles<STAGES, A_BYTES, STAGE_BYTES, BN>(work, n_tiles, k_steps, tiles, full, empty, &x_map, &w_map);
         __syncwarp();
         return;
     }

@@ -174,23 +174,15 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_wgmma_pingpong(
     const int k_steps = (K + GEMM_BK - 1) / GEMM_BK;
     const int n_tiles = (N + BN - 1) / BN, work = n_tiles * ((M + GEMM_BM - 1) / GEMM_BM);
     if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 4);  // each stage is consumed by one warpgroup's 4 warps
-        }
         mbar_init(done, 4);
         mbar_init(done + 8, 4);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        init_stage_barriers<STAGES>(full, empty, 4);  // each stage is consumed by one warpgroup's 4 warps
     }
     __syncthreads();
 
     if (warp == 8) {  // the producer
-        if (lane == 0) {
-            int it = 0;
-            for (int w = blockIdx.x; w < work; w += gridDim.x)
-                it = produce_tile<STAGES, A_BYTES, STAGE_BYTES>(it, k_steps, w / n_tiles * GEMM_BM, w % n_tiles * BN,
-                                                                tiles, full, empty, &x_map, &w_map);
-        }
+        if (lane == 0)
+            produce_tiles<STAGES, A_BYTES, STAGE_BYTES, BN>(work, n_tiles, k_steps, tiles, full, empty, &x_map, &w_map);
         __syncwarp();
         return;
     }
