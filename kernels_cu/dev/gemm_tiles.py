@@ -113,6 +113,11 @@ MiniLM 32,768 x 1,536 x 384 107.1, 103.9, 132.2; 8,192 rows 28.1, 29.3, 30.5. Pl
 768 184.0, 197.2 (cuBLASLt 157.7). So hiding the epilogue behind the other warpgroup's products
 gains at most 3%, and the 128 x 128 tiles' main loop loses about as much: what separates PRODUCT
 from cuBLASLt is its main loop (cuBLASLt's 192 x 192 tiles, 2 x 1 clusters), not the epilogue.
+A second run at the final tree (same day, same figures in that order): 32,768 x 3,072 x 768 302.0,
+295.1, 347.1 (ping-pong ahead this time: its figure there moves by 7% between runs); 8,192 rows
+79.5, 77.3, 90.0; MiniLM 32,768 rows 107.3, 103.1, 132.0; 4,096 x 1,536 x 384 19.7, 17.7, 17.5. So
+ping-pong is 2-4% ahead on most shapes, 10% at 4,096 x 1,536, within noise at BERT-base's 32,768
+rows: not enough yet to replace PRODUCT (a second kernel in the package, its tests and routing).
 
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--out results.json]
 """
