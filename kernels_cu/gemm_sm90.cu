@@ -5,27 +5,28 @@
 // Reference: ftengine/backends/numpy_ops.py matmul_bias_gelu. ops.py matmul_bias_gelu takes it for
 // the erf form where it beat cuBLASLt + the bias + GELU pass (figures in kernels_cu/dev/gemm_tiles.py).
 //
-// Persistent: gridDim.x blocks (at most one per SM) take the GEMM_BM x GEMM_BN tiles of out in turn
+// Persistent: gridDim.x blocks (at most one per SM) take the GEMM_BM x BN tiles of out in turn
 // (tile blockIdx.x, then every gridDim.x-th; the tiles of a row band one after another, so that the
-// blocks at work share their x rows and the weights in the L2). One producer warp copies each K
-// step's x tile (GEMM_BM x GEMM_BK) and w tile (GEMM_BN x GEMM_BK) into a ring of STAGES stages in
-// shared memory with TMA (128-byte swizzle), each stage's arrival counted on its `full` mbarrier,
-// running on across tiles' ends. Two consumer warpgroups, 64 rows of the tile each, run wgmma
-// m64n256k16 on the stage (fp32 accumulators in registers) and mark it `empty` once those products
-// are done, so that the producer may refill it. Rows past M, columns past N and K past the last
-// full step arrive as zeros (TMA's out-of-bounds fill). The epilogue (the bias from shared memory,
-// staged per tile by each warpgroup, double-buffered) writes each warpgroup's 64 x 256 results
-// into a buffer of its own in shared memory, which one of its threads copies out with TMA stores
-// (rows and columns past out's are not written); they run on while the warpgroup takes its next
-// tile, which rewrites the buffer once they have read it. EPILOGUE is a template parameter so that
-// the kernel holds one GELU form's unrolled code: with both it outgrew the instruction cache.
+// blocks at work share their x rows and the weights in the L2). BN (64, 128 or 256) is a template
+// parameter: ops.py takes 256 for large products and the narrower tiles where 256 would leave most
+// SMs idle (kernels.WGMMA_TILES). One producer warp copies each K step's x tile (GEMM_BM x GEMM_BK)
+// and w tile (BN x GEMM_BK) into a ring of STAGES stages in shared memory with TMA (128-byte
+// swizzle), each stage's arrival counted on its `full` mbarrier, running on across tiles' ends. Two
+// consumer warpgroups, 64 rows of the tile each, run wgmma m64nBNk16 on the stage (fp32
+// accumulators in registers) and mark it `empty` once those products are done, so that the
+// producer may refill it. Rows past M, columns past N and K past the last full step arrive as zeros
+// (TMA's out-of-bounds fill). The epilogue (the bias from shared memory, staged per tile by each
+// warpgroup, double-buffered) writes each warpgroup's 64 x BN results into a buffer of its own in
+// shared memory, which one of its threads copies out with TMA stores (rows and columns past out's
+// are not written); they run on while the warpgroup takes its next tile, which rewrites the buffer
+// once they have read it. EPILOGUE is a template parameter so that the kernel holds one GELU form's
+// unrolled code: with both it outgrew the instruction cache.
 // grid (min(SMs, tiles)), GEMM_THREADS threads: warps 0-7 consume, warp 8 produces; dynamic shared
-// memory STAGES (GEMM_BM + GEMM_BN) GEMM_BK + 2 x 64 x GEMM_BN elements + 1024 (alignment); x, w and
-// out in rows of 16-byte multiples, 16-byte aligned (TMA's tensor maps, built by ops.py).
+// memory STAGES (GEMM_BM + BN) GEMM_BK + 2 x 64 x BN elements + 1024 (alignment); x, w and out in
+// rows of 16-byte multiples, 16-byte aligned (TMA's tensor maps, built by ops.py).
 
 #define GEMM_BM 128
 #define GEMM_BK 64
-#define GEMM_BN 256
 #define GEMM_THREADS 288
 
 // A CUtensorMap (cuda.h): 128 opaque bytes, passed by value as a __grid_constant__ parameter.
@@ -117,18 +118,55 @@ __device__ __forceinline__ void fence_registers(float (&d)[R]) {
                    "+f"(d[126]), "+f"(d[127])                                                                          \
                  : "l"(a), "l"(b), "r"(1))
 
-// Wgmma<T>::run(d, a, b): the m64n256k16 product.
-template <typename T> struct Wgmma;
-template <> struct Wgmma<__half> {
-    static __device__ __forceinline__ void run(float (&d)[128], unsigned long long a, unsigned long long b) {
-        WGMMA_M64N256K16("f16");
-    }
-};
-template <> struct Wgmma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&d)[128], unsigned long long a, unsigned long long b) {
-        WGMMA_M64N256K16("bf16");
-    }
-};
+// The same with 64 x 128 (below: 64 x 64) accumulators, fragments laid out alike.
+#define WGMMA_M64N128K16(TYPE)                                                                                        \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                        \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                     \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                          \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                  \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                  \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                 \
+                 "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                                     \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),     \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),           \
+                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),         \
+                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),         \
+                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),         \
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),         \
+                   "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),         \
+                   "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),         \
+                   "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])          \
+                 : "l"(a), "l"(b), "r"(1))
+
+#define WGMMA_M64N64K16(TYPE)                                                                                          \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                          \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                                      \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                              \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                   \
+                 "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                                       \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),                 \
+                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),             \
+                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),          \
+                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),          \
+                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                  \
+                 : "l"(a), "l"(b), "r"(1))
+
+// Wgmma<T, BN>::run(d, a, b): the m64nBNk16 product (BN 64, 128 or 256), d's BN / 2 fragments.
+template <typename T, int BN> struct Wgmma;
+#define WGMMA_STRUCT(BN, MACRO)                                                                                        \
+    template <> struct Wgmma<__half, BN> {                                                                             \
+        static __device__ __forceinline__ void run(float (&d)[BN / 2], unsigned long long a, unsigned long long b) { \
+            MACRO("f16");                                                                                              \
+        }                                                                                                              \
+    };                                                                                                                 \
+    template <> struct Wgmma<__nv_bfloat16, BN> {                                                                      \
+        static __device__ __forceinline__ void run(float (&d)[BN / 2], unsigned long long a, unsigned long long b) { \
+            MACRO("bf16");                                                                                             \
+        }                                                                                                              \
+    };
+WGMMA_STRUCT(64, WGMMA_M64N64K16)
+WGMMA_STRUCT(128, WGMMA_M64N128K16)
+WGMMA_STRUCT(256, WGMMA_M64N256K16)
 
 // Stage s's barriers: full[s] (the producer's arrival + the copies' bytes) and empty[s] (one
 // arrival per consumer warp of a stage: `consumers`); by thread 0, after any other barrier of the
@@ -229,15 +267,14 @@ __device__ __forceinline__ void consumers_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
-template <typename T, int STAGES, int EPILOGUE>
+template <typename T, int STAGES, int EPILOGUE, int BN>
 __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma(
         const T* __restrict__ bias,              // (N,), read when EPILOGUE > 0
         const __grid_constant__ TmaMap x_map,    // x (M, K): box GEMM_BK x GEMM_BM
-        const __grid_constant__ TmaMap w_map,    // w (N, K): box GEMM_BK x GEMM_BN
+        const __grid_constant__ TmaMap w_map,    // w (N, K): box GEMM_BK x BN
         const __grid_constant__ TmaMap out_map,  // out (M, N): box 64 x 64
         int M, int N, int K) {
     wait_for_previous();
-    constexpr int BN = GEMM_BN;
     constexpr unsigned A_BYTES = GEMM_BM * GEMM_BK * sizeof(T), STAGE_BYTES = (GEMM_BM + BN) * GEMM_BK * sizeof(T);
     static_assert(GEMM_BK * sizeof(T) == 128, "a tile row is one 128-byte swizzle row");
     __shared__ __align__(8) unsigned long long barriers[2 * STAGES];  // full[STAGES] | empty[STAGES]
@@ -261,14 +298,14 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma(
     const int wg = warp >> 2;
     const bool issuer = (threadIdx.x & 127) == 0;  // the thread of the warpgroup that issues its stores
     const unsigned buf = tiles + STAGES * STAGE_BYTES + wg * (64 * BN * sizeof(T));
-    float acc[128];
+    float acc[BN / 2];
     int it = 0, local = 0;
     for (int w = blockIdx.x; w < work; w += gridDim.x, ++local) {
         const int m0 = w / n_tiles * GEMM_BM, n0 = w % n_tiles * BN;
         float* bias_tile = sbias[wg][local & 1];
         stage_bias(bias_tile, bias, n0, BN, N, EPILOGUE, threadIdx.x & 127, 128);
         #pragma unroll
-        for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
         fence_registers(acc);
         for (int kt = 0; kt < k_steps; ++kt, ++it) {
             const int s = it % STAGES;
@@ -276,7 +313,7 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma(
             const unsigned a = tiles + s * STAGE_BYTES + wg * 64 * 128, b = tiles + s * STAGE_BYTES + A_BYTES;
             wgmma_fence();
             #pragma unroll
-            for (int k = 0; k < GEMM_BK / 16; ++k) Wgmma<T>::run(acc, wgmma_desc(a + 32 * k), wgmma_desc(b + 32 * k));
+            for (int k = 0; k < GEMM_BK / 16; ++k) Wgmma<T, BN>::run(acc, wgmma_desc(a + 32 * k), wgmma_desc(b + 32 * k));
             wgmma_commit();
             wgmma_wait<1>();  // the previous step's products are done: its stage may be refilled
             if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
@@ -287,7 +324,7 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma(
         // the previous tile's stores have read this warpgroup's buffer (the issuer's bulk groups)
         if (issuer) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
         consumers_sync(1 + wg, 128);  // this tile's bias is staged; the other bias buffer's readers are done
-        stage_fragments<T, 32>(smem_raw + (buf - smem_addr(smem_raw)), bias_tile, acc, (warp & 3) * 16 + (lane >> 2),
+        stage_fragments<T, BN / 8>(smem_raw + (buf - smem_addr(smem_raw)), bias_tile, acc, (warp & 3) * 16 + (lane >> 2),
                                EPILOGUE);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, to TMA
         consumers_sync(1 + wg, 128);

@@ -202,8 +202,9 @@ def test_matmul(cu, rng, dtype, m, k, n):
 @pytest.mark.parametrize("m, k, n", GEMMS)
 @pytest.mark.parametrize("form", ["erf", "tanh"])
 def test_matmul_bias_gelu_many_rows(cu, rng, dtype, m, k, n, form):
-    """Past the gemv's rows: the tanh form in cuBLASLt's GELU_BIAS epilogue, the erf form as a
-    product then the bias + GELU kernel; both against the NumPy twin on the same values."""
+    """Past the gemv's rows: the tanh form in cuBLASLt's GELU_BIAS epilogue, the erf form in the
+    wgmma product (compute capability 9.0, 16-bit types) or as a product then the bias + GELU
+    kernel; both against the NumPy twin on the same values."""
     (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
     bias, biash = quantize(cu, rng.standard_normal(n), dtype)
     out, expected = poisoned(cu, (m, n), dtype), np.empty((m, n), np.float32)
@@ -213,18 +214,21 @@ def test_matmul_bias_gelu_many_rows(cu, rng, dtype, m, k, n, form):
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("m, k, n", [(4099, 768, 3072), (8200, 384, 1544), (3100, 200, 4200)])
-def test_matmul_bias_gelu_wgmma(cu, rng, dtype, m, k, n):
-    """The erf form's fused wgmma product (gemm_sm90.cu, compute capability 9.0; from
-    WGMMA_GELU_MIN_OUTPUTS outputs on): rows, columns and K that are not multiples of its tiles,
-    against the NumPy twin; captured in a graph (a programmatic dependent launch), the same bits
-    as launched directly."""
+@pytest.mark.parametrize("m, k, n, tile", [(4099, 768, 3072, 256), (8200, 384, 1544, 256), (3100, 200, 4200, 256),
+                                           (1000, 376, 3000, 128), (129, 384, 1544, 64), (5, 384, 1544, 64),
+                                           (300, 72, 136, 64), (129, 768, 3072, None)])
+def test_matmul_bias_gelu_wgmma(cu, rng, dtype, m, k, n, tile):
+    """The erf form's fused wgmma product (gemm_sm90.cu, compute capability 9.0; 256-column tiles
+    from WGMMA_GELU_MIN_OUTPUTS outputs on, narrower below for K <= WGMMA_NARROW_MAX_K, else cuBLASLt
+    and the pass: tile None): rows, columns and K that are not multiples of its tiles, against the
+    NumPy twin; captured in a graph (a programmatic dependent launch), the same bits as launched
+    directly."""
     if not cu.context().wgmma:
         pytest.skip("the wgmma product runs on compute capability 9.0 only")
     (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
     bias, biash = quantize(cu, rng.standard_normal(n), dtype)
     out, expected = poisoned(cu, (m, n), dtype), np.empty((m, n), np.float32)
-    assert cu._wgmma_fits(out, x, w, bias)
+    assert cu._wgmma_tile(out, x, w, bias) == tile
     cu.matmul_bias_gelu(out, x, w, bias, form="erf")
     ref.matmul_bias_gelu(expected, xh.astype(np.float64), wh.astype(np.float64), biash, form="erf")
     assert_close(cu, out, expected, dtype)

@@ -17,41 +17,6 @@
 // grid (ceil(N / (128 NI)), ceil(M / GEMM_BM)), GEMM_THREADS threads: warps 0-7 consume, warp 8
 // produces; dynamic shared memory STAGES (GEMM_BM + 128 NI) GEMM_BK elements + 1024 (alignment).
 
-// d (64 x 128, fp32, the warpgroup's accumulator fragments) += A (64 x 16) B (16 x 128), A and B
-// K-major in shared memory (descriptors). Fragment i of thread t (warp w of the warpgroup, lane l):
-// row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
-#define WGMMA_M64N128K16(TYPE)                                                                                        \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                        \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                     \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                          \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                  \
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                  \
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                 \
-                 "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                                     \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),     \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),           \
-                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),         \
-                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),         \
-                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),         \
-                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),         \
-                   "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),         \
-                   "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),         \
-                   "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])          \
-                 : "l"(a), "l"(b), "r"(1))
-
-// Wgmma128<T>::run(d, a, b): the m64n128k16 product.
-template <typename T> struct Wgmma128;
-template <> struct Wgmma128<__half> {
-    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long a, unsigned long long b) {
-        WGMMA_M64N128K16("f16");
-    }
-};
-template <> struct Wgmma128<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long a, unsigned long long b) {
-        WGMMA_M64N128K16("bf16");
-    }
-};
-
 // The epilogue of J x 8 columns from col0 of a thread's accumulator fragments (layout as
 // WGMMA_M64N128K16's, J = 16 per 128 columns), rows row0 and row0 + 8: + the tile's bias (sbias:
 // float, in shared memory, from col0) and GELU (epilogue > 0), rounded once to T; rows past M and
@@ -123,7 +88,7 @@ __global__ void __launch_bounds__(GEMM_THREADS, MIN_BLOCKS) gemm_wgmma(
         for (int k = 0; k < GEMM_BK / 16; ++k) {
             #pragma unroll
             for (int ni = 0; ni < NI; ++ni)
-                Wgmma128<T>::run(acc[ni], wgmma_desc(a + 32 * k), wgmma_desc(b + ni * 128 * 128 + 32 * k));
+                Wgmma<T, 128>::run(acc[ni], wgmma_desc(a + 32 * k), wgmma_desc(b + ni * 128 * 128 + 32 * k));
         }
         wgmma_commit();
         wgmma_wait<1>();  // the previous step's products are done: its stage may be refilled
@@ -211,8 +176,8 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_wgmma_pingpong(
             wgmma_fence();
             #pragma unroll
             for (int k = 0; k < GEMM_BK / 16; ++k) {
-                Wgmma128<T>::run(acc[0], wgmma_desc(a + 32 * k), wgmma_desc(b + 32 * k));
-                Wgmma128<T>::run(acc[1], wgmma_desc(a + 64 * 128 + 32 * k), wgmma_desc(b + 32 * k));
+                Wgmma<T, 128>::run(acc[0], wgmma_desc(a + 32 * k), wgmma_desc(b + 32 * k));
+                Wgmma<T, 128>::run(acc[1], wgmma_desc(a + 64 * 128 + 32 * k), wgmma_desc(b + 32 * k));
             }
             wgmma_commit();
             wgmma_wait<1>();  // the previous step's products are done: its stage may be refilled

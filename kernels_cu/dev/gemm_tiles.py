@@ -119,7 +119,34 @@ A second run at the final tree (same day, same figures in that order): 32,768 x 
 ping-pong is 2-4% ahead on most shapes, 10% at 4,096 x 1,536, within noise at BERT-base's 32,768
 rows: not enough yet to replace PRODUCT (a second kernel in the package, its tests and routing).
 
-    PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--out results.json]
+Measured on the H100 (2026-11-25, the same day), the package's kernel with narrower tiles for short
+batches (NARROW: ("tma", STAGES, BN), BN 128 or 64 columns; --small times them on SMALL alone):
+every check passes. Bias + erf GELU, us, cuBLASLt + the pass against (256, 3 stages), (128, 4),
+(64, 4), (128, 5), (64, 8):
+
+    rows x N x K            cuBLASLt + pass   256    128/4   64/4   128/5   64/8
+    16 x 3,072 x 768           5.7            13.5    7.9    6.6     8.5    6.5
+    128 x 3,072 x 768          6.8            14.2    8.2    6.4     8.7    6.4
+    256 x 3,072 x 768          7.0            14.3    8.2    6.6     8.8    6.6
+    512 x 3,072 x 768          8.6            14.6    8.8   11.8     9.3   11.6
+    1,024 x 3,072 x 768       13.4            15.3   15.7   16.9    16.3   16.6
+    2,048 x 3,072 x 768       22.9            27.2   22.8   31.7    23.4   31.1
+    16 x 1,536 x 384           4.8             9.4    5.7    4.6     5.9    4.5
+    128 x 1,536 x 384          5.0            10.1    6.1    4.7     6.3    4.7
+    512 x 1,536 x 384          5.7            10.4    6.3    4.9     6.5    5.0
+    1,024 x 1,536 x 384        7.1            10.7    6.7    8.3     6.9    8.4
+    2,048 x 1,536 x 384       10.6            11.4   10.9   11.6    11.4   11.6
+
+(4,096 x 1,536 x 384 in the full run: 128/4 15.7 against 17.3.) A tile's time hardly depends on
+its rows (16 or 256) or on the ring's depth: it is set by its K steps, about 0.33 us each for a 128
+x 64 tile, and by a fixed 2.5 us or so (launch, the first copies, the epilogue's stores). So at
+BERT-base's K = 768 the narrow tiles do not beat cuBLASLt's product + the pass, and at
+all-MiniLM-L6-v2's K = 384 they do by 5-16% (ops.py takes them there: kernels.WGMMA_NARROW_MAX_K).
+What would be needed at K = 768: fewer bytes a K step per SM (the x tile multicast over a cluster of
+the blocks that share it, or 64-row tiles for short batches) or split K with the epilogue after the
+partial sums.
+
+    PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--small] [--out results.json]
 """
 
 from __future__ import annotations
@@ -131,17 +158,19 @@ from pathlib import Path
 
 import numpy as np
 
-PRODUCT = ("tma", 3)  # the package's kernel: kernels_cu/gemm_sm90.cu matmul_wgmma, 3 stages
+PRODUCT = ("tma", 3, 256)  # the package's kernel: kernels_cu/gemm_sm90.cu matmul_wgmma, 3 stages, 256 columns
+# its narrower tiles (("tma", STAGES, BN)), which ops.matmul_bias_gelu takes below WGMMA_GELU_MIN_OUTPUTS outputs
+NARROW = [("tma", 4, 128), ("tma", 4, 64), ("tma", 5, 128), ("tma", 8, 64)]
 
 
 PP_BN = 128  # gemm_wgmma_pingpong's tile columns (dev/gemm_sm90.cu)
 
 
 def name(ctype, tiles, epilogue):
-    """The kernel of a candidate: gemm_wgmma's; for PRODUCT matmul_wgmma's and for ("pp", STAGES)
-    gemm_wgmma_pingpong's, compiled per epilogue."""
+    """The kernel of a candidate: gemm_wgmma's; for PRODUCT and NARROW matmul_wgmma's and for ("pp",
+    STAGES) gemm_wgmma_pingpong's, compiled per epilogue."""
     if tiles[0] == "tma":
-        return f"matmul_wgmma<{ctype}, {tiles[1]}, {epilogue}>"
+        return f"matmul_wgmma<{ctype}, {tiles[1]}, {epilogue}, {tiles[2]}>"
     if tiles[0] == "pp":
         return f"gemm_wgmma_pingpong<{ctype}, {tiles[1]}, {epilogue}>"
     return f"gemm_wgmma<{ctype}, {tiles[0]}, {tiles[1]}, {tiles[2]}>"
@@ -150,18 +179,20 @@ def name(ctype, tiles, epilogue):
 def smem(itemsize, tiles):
     from ftengine.backends.cuda.kernels import GEMM_BK, GEMM_BM, wgmma_shared_mem
     if tiles[0] == "tma":
-        return wgmma_shared_mem(itemsize, tiles[1])
+        return wgmma_shared_mem(itemsize, tiles[2], tiles[1])
     if tiles[0] == "pp":
         return (tiles[1] * (GEMM_BM + PP_BN) * GEMM_BK + 2 * GEMM_BM * PP_BN) * itemsize + 1024
     return tiles[1] * (GEMM_BM + 128 * tiles[0]) * GEMM_BK * itemsize + 1024
 
 # (NI, STAGES, MIN_BLOCKS) of gemm_wgmma (dev/gemm_sm90.cu), and PRODUCT. The persistent kernels measured
 # above as ("p", ...) and ("ps", ...) are gone but for ("ps", 3, 1, "e"), which became PRODUCT.
-CANDIDATES = [(1, 3, 2), (1, 4, 1), (2, 4, 1), PRODUCT, ("pp", 4)]
+CANDIDATES = [(1, 3, 2), (1, 4, 1), (2, 4, 1), PRODUCT, ("pp", 4), *NARROW]
 # (M, N, K, epilogue): 0 plain, 1 bias + erf GELU, 2 bias + tanh GELU
 # (N a multiple of 8 throughout: matmul_wgmma's TMA stores take rows of 16-byte multiples)
 CHECKS = [(1000, 3000, 760, 1), (129, 136, 72, 0), (5000, 3072, 768, 1), (300, 600, 200, 0), (300, 2304, 768, 2),
-          (4096, 3072, 768, 1), (77, 512, 8, 1)]
+          (4096, 3072, 768, 1), (77, 512, 8, 1), (5, 3072, 768, 1), (200, 1544, 384, 1)]
+# (the rows of short batches: 1 x 128 BERT-base tokens and up; all-MiniLM-L6-v2's 384 -> 1,536)
+SMALL = [(rows, n, k, 1) for n, k in ((3072, 768), (1536, 384)) for rows in (16, 64, 128, 256, 512, 1024, 2048)]
 TIMED = [(32768, 3072, 768, 1), (8192, 3072, 768, 1), (4096, 3072, 768, 1), (1024, 3072, 768, 1),
          (512, 3072, 768, 1), (32768, 1536, 384, 1), (8192, 1536, 384, 1), (4096, 1536, 384, 1),
          (32768, 2304, 768, 0), (32768, 768, 3072, 0), (32768, 768, 768, 0), (4096, 768, 3072, 0)]
@@ -208,10 +239,13 @@ def main():
 
     p = argparse.ArgumentParser()
     p.add_argument("--out")
+    p.add_argument("--small", action="store_true",
+                   help="time the SMALL shapes only, and only matmul_wgmma's tiles (PRODUCT and NARROW)")
     args = p.parse_args()
     ctx = cu.context()
     assert ctx.wgmma, "needs a compute capability 9.0 GPU"
-    names = sorted({name(t, c, e) for t in ("__half", "__nv_bfloat16") for c in CANDIDATES for e in (0, 1, 2)})
+    candidates, timed = ([PRODUCT, *NARROW], SMALL) if args.small else (CANDIDATES, TIMED + SMALL)
+    names = sorted({name(t, c, e) for t in ("__half", "__nv_bfloat16") for c in candidates for e in (0, 1, 2)})
     root = Path(__file__).resolve().parent.parent
     code = "\n".join((root / f).read_text() for f in ("common.cuh", "gemm_sm90.cu", "dev/gemm_sm90.cu"))
     mod = kernels.ArchModule(code, names, "sm_90a")
@@ -226,7 +260,7 @@ def main():
         sizes = (np.int32(m), np.int32(n), np.int32(k))
         x_map = kernels.TensorMap(x, kernels.GEMM_BK, kernels.GEMM_BM)
         if cfg[0] in ("tma", "pp"):
-            bn = kernels.GEMM_BN if cfg[0] == "tma" else PP_BN
+            bn = cfg[2] if cfg[0] == "tma" else PP_BN
             tiles = -(-m // kernels.GEMM_BM) * -(-n // bn)
             maps = (x_map, kernels.TensorMap(w, kernels.GEMM_BK, bn), kernels.TensorMap(out, 64, 64))
             kernels.launch_ex(k_, (min(ctx.sm_count, tiles),), (kernels.GEMM_THREADS,), (bias, *maps, *sizes), size,
@@ -237,11 +271,11 @@ def main():
                               (out, bias, x_map, kernels.TensorMap(w, kernels.GEMM_BK, 128 * cfg[0]), *sizes,
                                np.int32(epi)), size, ctx.stream.ptr, dependent=False)
 
-    failures = check_candidates(CANDIDATES, CHECKS, launch, rng)
+    failures = check_candidates(candidates, CHECKS, launch, rng)
     print(f"{failures} failed checks", flush=True)
 
     rows = []
-    for m, n, k, epi in TIMED:
+    for m, n, k, epi in timed:
         x = cu.to_device(rng.standard_normal((m, k)).astype(np.float32) / np.sqrt(k) ** 0.5, np.float16)
         w = cu.to_device(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k) ** 0.5, np.float16)
         b = cu.to_device(rng.standard_normal(n).astype(np.float32), np.float16)
@@ -256,20 +290,20 @@ def main():
         row = {"m": m, "n": n, "k": k, "epilogue": epi, "cublaslt_ms": graph_ms(baseline)}
         if epi:
             row["cublaslt_product_ms"] = graph_ms(lambda: cu._lt_matmul(out, x, w))
-        for cfg in CANDIDATES:
+        for cfg in candidates:
             row[str(cfg)] = graph_ms(lambda cfg=cfg: launch(cfg, out, x, w, b, epi))
-        best = min(CANDIDATES, key=lambda c: row[str(c)])
+        best = min(candidates, key=lambda c: row[str(c)])
         print(f"{m}x{n}x{k} epi {epi}: cuBLASLt{' + pass' if epi else ''} {row['cublaslt_ms'] * 1e3:.1f} us "
               f"({flop / row['cublaslt_ms'] / 1e9:.0f} TFLOP/s)"
               + (f", product alone {row['cublaslt_product_ms'] * 1e3:.1f}" if epi else "")
-              + "; " + ", ".join(f"{c} {row[str(c)] * 1e3:.1f}" for c in CANDIDATES)
+              + "; " + ", ".join(f"{c} {row[str(c)] * 1e3:.1f}" for c in candidates)
               + f"; best {best} {flop / row[str(best)] / 1e9:.0f} TFLOP/s, {row['cublaslt_ms'] / row[str(best)]:.2f}x",
               flush=True)
         rows.append(row)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": ctx.device_name, "candidates": CANDIDATES, "rows": rows,
-                       "median_ratio": statistics.median(r["cublaslt_ms"] / min(r[str(c)] for c in CANDIDATES)
+            json.dump({"device": ctx.device_name, "candidates": candidates, "rows": rows,
+                       "median_ratio": statistics.median(r["cublaslt_ms"] / min(r[str(c)] for c in candidates)
                                                          for r in rows)}, f, indent=1)
 
 

@@ -36,20 +36,41 @@ ATTENTION_FLAGS = {"rows_are_tokens": 1, "indirect": 2, "write_kv": 4}  # decode
 ATTENTION_THREADS = 256           # its block (ATTN_THREADS); half that from ATTENTION_MANY_BLOCKS (row, head) blocks
 ATTENTION_MANY_BLOCKS = 256       # on (GPT-2 small, H100: b32 step 572 -> 524 us, beam 4 x 32 1083 -> 945 us)
 GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
-# gemm_sm90.cu matmul_wgmma (sm_90a): its tile (GEMM_BM x GEMM_BN, K steps of GEMM_BK), threads, K
-# stages in shared memory; ops.matmul_bias_gelu takes it for the erf form from WGMMA_GELU_MIN_OUTPUTS
-# outputs (rows x columns) on. H100 fp16, us, against cuBLASLt's product + the bias + GELU pass
-# (kernels_cu/dev/gemm_tiles.py, 2026-11-25, the package's kernel): BERT-base's 768 -> 3,072 at
-# 32,768 rows 306.9 against 349.5, 8,192 rows 81.4 against 90.6, 4,096 rows 41.8 against 46.5, 1,024
-# rows 15.5 against 13.7; all-MiniLM-L6-v2's 384 -> 1,536 at 32,768 rows 105.4 against 132.8, 8,192
-# rows (4,096 x 3,072 outputs) 28.9 against 30.3, 4,096 rows 19.9 against 17.5
-GEMM_BM, GEMM_BN, GEMM_BK, GEMM_THREADS, WGMMA_STAGES = 128, 256, 64, 288, 3
+# gemm_sm90.cu matmul_wgmma (sm_90a): its tile rows and K step (GEMM_BM, GEMM_BK), threads, and per
+# tile width BN the K stages in shared memory (WGMMA_TILES); ops.matmul_bias_gelu takes it for the
+# erf form, 256-column tiles from WGMMA_GELU_MIN_OUTPUTS outputs (rows x columns) on. H100 fp16, us,
+# against cuBLASLt's product + the bias + GELU pass (kernels_cu/dev/gemm_tiles.py, 2026-11-25, the
+# package's kernel): BERT-base's 768 -> 3,072 at 32,768 rows 306.9 against 349.5, 8,192 rows 81.4
+# against 90.6, 4,096 rows 41.8 against 46.5, 1,024 rows 15.5 against 13.7; all-MiniLM-L6-v2's 384 ->
+# 1,536 at 32,768 rows 105.4 against 132.8, 8,192 rows (4,096 x 3,072 outputs) 28.9 against 30.3,
+# 4,096 rows 19.9 against 17.5.
+# Below WGMMA_GELU_MIN_OUTPUTS, products of K <= WGMMA_NARROW_MAX_K take the narrow tiles: 128 columns
+# where that makes WGMMA_NARROW_TILES_PER_SM tiles an SM or more, else 64 (H100, 2026-11-25, all-
+# MiniLM-L6-v2's 384 -> 1,536, us against cuBLASLt + the pass: 16-512 rows (64) 4.5-4.9 against
+# 4.8-5.7, 1,024 rows (128) 6.7 against 7.1, 2,048 rows 10.8-10.9 against 10.5-10.6, 4,096 rows 15.7
+# against 17.3; its GPU-only pass at 1 / 4 / 8 / 32 x 128 tokens 0.144 / 0.174 / 0.201 / 0.387 ms
+# against 0.147 / 0.187 / 0.208 / 0.398). At BERT-base's K = 768 they do not win (128-256 rows 6.4-6.6
+# against 6.7-7.0, 16-64 rows 6.4-6.6 against 5.7-6.1, 1,024 rows 15.7 against 13.4): a tile's K steps
+# there take longer than cuBLASLt's whole product, whatever the ring's depth (8 stages of 64 columns:
+# the same figures).
+GEMM_BM, GEMM_BK, GEMM_THREADS = 128, 64, 288
+WGMMA_TILES = {256: 3, 128: 4, 64: 4}
 WGMMA_GELU_MIN_OUTPUTS = 4096 * 3072
+WGMMA_NARROW_MAX_K, WGMMA_NARROW_TILES_PER_SM = 384, 0.5
 
 
-def wgmma_shared_mem(itemsize: int, stages: int = WGMMA_STAGES) -> int:
-    """matmul_wgmma's dynamic shared memory: its K stages, its two result buffers, 1024 (alignment)."""
-    return (stages * (GEMM_BM + GEMM_BN) * GEMM_BK + 2 * 64 * GEMM_BN) * itemsize + 1024
+def wgmma_name(ctype: str, bn: int, epilogue: int) -> str:
+    """matmul_wgmma's instantiation for a tile width (its stages from WGMMA_TILES) and epilogue."""
+    return f"matmul_wgmma<{ctype}, {WGMMA_TILES[bn]}, {epilogue}, {bn}>"
+
+
+def wgmma_shared_mem(itemsize: int, bn: int, stages: int | None = None) -> int:
+    """matmul_wgmma's dynamic shared memory for BN-column tiles: its K stages (WGMMA_TILES' by
+    default), its two result buffers, 1024 (alignment)."""
+    stages = WGMMA_TILES[bn] if stages is None else stages
+    return (stages * (GEMM_BM + bn) * GEMM_BK + 2 * 64 * bn) * itemsize + 1024
+
+
 GEMV_ROWS, GEMV_THREADS = 4, 128  # gemv.cu: most rows of x, threads per block
 # gemv.cu: output columns a block, narrow or wide (ops.py: wide where it still gives every SM
 # GEMV_WIDE_BLOCKS_PER_SM blocks; H100, 1-4 rows: 768->2304, 768->3072 and the LM head 0.1-3 us
@@ -179,7 +200,7 @@ FAMILIES = {
     "fp8.cu": lambda t: ([n for k in FP8_KERNELS for n in _row_variants(k, t)] if t == "__half" else []),
     # wgmma (sm_90a: ARCH_SPECIFIC)
     "attention_sm90.cu": lambda t: [] if t == "float" else [f"varlen_attention_wgmma<{t}>"],
-    "gemm_sm90.cu": lambda t: [] if t == "float" else [f"matmul_wgmma<{t}, {WGMMA_STAGES}, 1>"],
+    "gemm_sm90.cu": lambda t: [] if t == "float" else [wgmma_name(t, bn, 1) for bn in WGMMA_TILES],
 }
 # files of arch-specific instructions (sm_90a: wgmma), which run on that exact architecture only:
 # file -> (NVRTC's target, the compute capability it runs on, the files its source follows). They

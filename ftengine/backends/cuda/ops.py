@@ -19,14 +19,14 @@ from ...errors import DeviceError
 from . import cublas as cb
 from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, BLAS_SPLIT_MIN_K,
                       BLAS_SPLIT_MIN_ROWS, BLAS_SPLIT_OUTPUTS, CHOICE_BINS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN,
-                      CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMM_BK, GEMM_BM, GEMM_BN,
-                      GEMM_THREADS, GEMV_COLS, GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, ROW_ITEMS,
-                      SAMPLE_CANDIDATES, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX, SAMPLE_THREADS,
-                      SKINNY_MIN_COLUMNS, SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE,
-                      SOFTMAX_VEC, SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS,
-                      VARLEN_TILES, VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM, VARLEN_WG_KN, VECS, WGMMA_GELU_MIN_OUTPUTS,
-                      WGMMA_STAGES, ArchKernel, TensorMap, kernel, launch_ex, prepare, skinny_name, varlen_mma_name,
-                      wgmma_shared_mem)
+                      CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMM_BK, GEMM_BM, GEMM_THREADS,
+                      GEMV_COLS, GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, ROW_ITEMS, SAMPLE_CANDIDATES,
+                      SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS,
+                      SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC,
+                      SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES,
+                      VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM, VARLEN_WG_KN, VECS, WGMMA_GELU_MIN_OUTPUTS,
+                      WGMMA_NARROW_MAX_K, WGMMA_NARROW_TILES_PER_SM, ArchKernel, TensorMap, kernel, launch_ex, prepare,
+                      skinny_name, varlen_mma_name, wgmma_name, wgmma_shared_mem)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -548,7 +548,7 @@ def matmul_bias_gelu(out, x, weight, bias, *, form):
     """out (M, N) = GELU(x @ weight^T + bias): fused into the skinny or gemv kernel where matmul
     would run one (see there); else the tanh form in cuBLASLt's GELU_BIAS epilogue (the same
     formula, on the fp32 accumulator); the erf form (no cuBLASLt epilogue computes it) fused into
-    the wgmma product where _wgmma_fits, else as a product, then one bias + GELU pass."""
+    the wgmma product where _wgmma_tile gives it a tile, else as a product, then one bias + GELU pass."""
     code = _gelu_form(form)
     if _skinny_fits(x, weight):
         _skinny(out, x, weight, bias, 1 + code)
@@ -556,35 +556,48 @@ def matmul_bias_gelu(out, x, weight, bias, *, form):
         _gemv(out, x, weight, bias, 1 + code)
     elif form == "tanh" and _lt_aligned(out, x, weight, bias):
         _lt_matmul(out, x, weight, bias, "gelu_bias")
-    elif form == "erf" and _wgmma_fits(out, x, weight, bias):
-        _matmul_wgmma(out, x, weight, bias, 1 + code)
+    elif form == "erf" and (bn := _wgmma_tile(out, x, weight, bias)):
+        _matmul_wgmma(out, x, weight, bias, 1 + code, bn)
     else:
         _lt_matmul(out, x, weight)
         add_bias_gelu(out, out, bias, form=form)
 
 
-def _wgmma_fits(out, x, weight, bias) -> bool:
-    """Whether out = epilogue(x @ weight^T + bias) goes to gemm_sm90.cu's matmul_wgmma: a GPU of its
-    architecture, one 16-bit type throughout, WGMMA_GELU_MIN_OUTPUTS outputs or more, contiguous
-    rows of 16-byte multiples from 16-byte aligned starts (what its tensor maps take)."""
+def _wgmma_tile(out, x, weight, bias) -> int | None:
+    """The tile width (a WGMMA_TILES key) of gemm_sm90.cu's matmul_wgmma for out = epilogue(x @
+    weight^T + bias), or None where it does not run it: on a GPU of its architecture, one 16-bit type
+    throughout, contiguous rows of 16-byte multiples from 16-byte aligned starts (what its tensor maps
+    take); 256 columns from WGMMA_GELU_MIN_OUTPUTS outputs on; below that, for K up to
+    WGMMA_NARROW_MAX_K only, 128 columns where that makes WGMMA_NARROW_TILES_PER_SM tiles an SM, else
+    64 (figures in kernels.py)."""
     arrays = (out, x, weight, bias)
-    return (context().wgmma and x.dtype in (np.float16, np.uint16) and all(a.dtype == x.dtype for a in arrays)
-            and x.shape[0] * weight.shape[0] >= WGMMA_GELU_MIN_OUTPUTS
+    if not (context().wgmma and x.dtype in (np.float16, np.uint16) and all(a.dtype == x.dtype for a in arrays)
             and all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in arrays)
-            and all(a.shape[-1] * a.itemsize % 16 == 0 for a in (out, x, weight)))
+            and all(a.shape[-1] * a.itemsize % 16 == 0 for a in (out, x, weight))):
+        return None
+    (m, k), n = x.shape, weight.shape[0]
+    if m * n >= WGMMA_GELU_MIN_OUTPUTS:
+        return 256
+    if k > WGMMA_NARROW_MAX_K:
+        return None
+    return 128 if _tiles(m, n, 128) >= WGMMA_NARROW_TILES_PER_SM * context().sm_count else 64
 
 
-def _matmul_wgmma(out, x, weight, bias, epilogue: int):
-    """gemm_sm90.cu matmul_wgmma (see _wgmma_fits): out (M, N) = x (M, K) @ weight (N, K)^T with
-    epilogue 1 + a GELU form's code (+ bias, then GELU); a persistent grid of at most one block per SM."""
+def _tiles(m: int, n: int, bn: int) -> int:
+    return -(-m // GEMM_BM) * -(-n // bn)
+
+
+def _matmul_wgmma(out, x, weight, bias, epilogue: int, bn: int):
+    """gemm_sm90.cu matmul_wgmma (see _wgmma_tile): out (M, N) = x (M, K) @ weight (N, K)^T with
+    epilogue 1 + a GELU form's code (+ bias, then GELU), in GEMM_BM x bn tiles; a persistent grid of
+    at most one block per SM."""
     (m, k), n = x.shape, weight.shape[0]
     if _planning():
         return
-    maps = (TensorMap(x, GEMM_BK, GEMM_BM), TensorMap(weight, GEMM_BK, GEMM_BN), TensorMap(out, 64, 64))
-    tiles = -(-m // GEMM_BM) * -(-n // GEMM_BN)
-    _launch("gemm_sm90.cu", f"matmul_wgmma<{_ctype(x)}, {WGMMA_STAGES}, {epilogue}>",
-            (min(context().sm_count, tiles),), (GEMM_THREADS,), (bias, *maps, np.int32(m), np.int32(n), np.int32(k)),
-            shared_mem=wgmma_shared_mem(x.itemsize))
+    maps = (TensorMap(x, GEMM_BK, GEMM_BM), TensorMap(weight, GEMM_BK, bn), TensorMap(out, 64, 64))
+    _launch("gemm_sm90.cu", wgmma_name(_ctype(x), bn, epilogue), (min(context().sm_count, _tiles(m, n, bn)),),
+            (GEMM_THREADS,), (bias, *maps, np.int32(m), np.int32(n), np.int32(k)),
+            shared_mem=wgmma_shared_mem(x.itemsize, bn))
 
 
 HEAD_ACTIVATIONS = {"identity": 0, "tanh": 1, "relu": 2, "gelu": 3}
