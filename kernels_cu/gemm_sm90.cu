@@ -19,8 +19,10 @@
 // warpgroup, double-buffered) writes each warpgroup's 64 x BN results into a buffer of its own in
 // shared memory, which one of its threads copies out with TMA stores (rows and columns past out's
 // are not written); they run on while the warpgroup takes its next tile, which rewrites the buffer
-// once they have read it. EPILOGUE is a template parameter so that the kernel holds one GELU form's
-// unrolled code: with both it outgrew the instruction cache.
+// once they have read it. For at most 64 rows (a short batch) both consumer warpgroups multiply the
+// tile's 64 rows on alternate K steps, and warpgroup 1's sums reach warpgroup 0's through shared
+// memory before its epilogue. EPILOGUE is a template parameter so that the kernel holds one GELU
+// form's unrolled code: with both it outgrew the instruction cache.
 // grid (min(SMs, tiles)), GEMM_THREADS threads: warps 0-7 consume, warp 8 produces; dynamic shared
 // memory STAGES (GEMM_BM + BN) GEMM_BK + 2 x 64 x BN elements + 1024 (alignment); x, w and out in
 // rows of 16-byte multiples, 16-byte aligned (TMA's tensor maps, built by ops.py).
@@ -286,7 +288,10 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int k_steps = (K + GEMM_BK - 1) / GEMM_BK;
     const int n_tiles = (N + BN - 1) / BN, work = n_tiles * ((M + GEMM_BM - 1) / GEMM_BM);
-    if (threadIdx.x == 0) init_stage_barriers<STAGES>(full, empty);
+    // at most 64 rows (a short batch): both consumer warpgroups on them, K steps split between
+    // them (even steps warpgroup 0, odd ones 1), a stage released by its own warpgroup's 4 warps
+    const bool split_k = M <= 64;
+    if (threadIdx.x == 0) init_stage_barriers<STAGES>(full, empty, split_k ? 4 : 8);
     __syncthreads();
 
     if (warp == 8) {  // the producer
@@ -307,23 +312,42 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma(
         #pragma unroll
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
         fence_registers(acc);
+        int last = -1;  // the ring step this warpgroup multiplied last
         for (int kt = 0; kt < k_steps; ++kt, ++it) {
+            if (split_k && (kt & 1) != wg) continue;
             const int s = it % STAGES;
             mbar_wait(full + 8 * s, (it / STAGES) & 1);
-            const unsigned a = tiles + s * STAGE_BYTES + wg * 64 * 128, b = tiles + s * STAGE_BYTES + A_BYTES;
+            const unsigned a = tiles + s * STAGE_BYTES + (split_k ? 0 : wg * 64 * 128);
+            const unsigned b = tiles + s * STAGE_BYTES + A_BYTES;
             wgmma_fence();
             #pragma unroll
             for (int k = 0; k < GEMM_BK / 16; ++k) Wgmma<T, BN>::run(acc, wgmma_desc(a + 32 * k), wgmma_desc(b + 32 * k));
             wgmma_commit();
             wgmma_wait<1>();  // the previous step's products are done: its stage may be refilled
-            if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+            if (last >= 0 && lane == 0) mbar_arrive(empty + 8 * (last % STAGES));
+            last = it;
         }
         wgmma_wait<0>();
         fence_registers(acc);
-        if (lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+        if (last >= 0 && lane == 0) mbar_arrive(empty + 8 * (last % STAGES));
         // the previous tile's stores have read this warpgroup's buffer (the issuer's bulk groups)
         if (issuer) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-        consumers_sync(1 + wg, 128);  // this tile's bias is staged; the other bias buffer's readers are done
+        if (split_k) {  // warpgroup 1's sums, as fp32 in both result buffers (as many bytes), added to 0's
+            float* partial = reinterpret_cast<float*>(smem_raw + (tiles + STAGES * STAGE_BYTES - smem_addr(smem_raw)));
+            const int t = threadIdx.x & 127;
+            consumers_sync(3, 256);
+            if (wg == 1) {
+                #pragma unroll
+                for (int i = 0; i < BN / 2; ++i) partial[i * 128 + t] = acc[i];
+            }
+            consumers_sync(3, 256);
+            if (wg == 1) continue;  // its rows (64 on) lie past M
+            #pragma unroll
+            for (int i = 0; i < BN / 2; ++i) acc[i] += partial[i * 128 + t];
+        }
+        // this tile's bias is staged; the other bias buffer's readers are done (and with split_k, every
+        // read of the partial sums, before stage_fragments overwrites them)
+        consumers_sync(1 + wg, 128);
         stage_fragments<T, BN / 8>(smem_raw + (buf - smem_addr(smem_raw)), bias_tile, acc, (warp & 3) * 16 + (lane >> 2),
                                EPILOGUE);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, to TMA

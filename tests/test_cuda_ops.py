@@ -216,13 +216,15 @@ def test_matmul_bias_gelu_many_rows(cu, rng, dtype, m, k, n, form):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("m, k, n, tile", [(4099, 768, 3072, 256), (8200, 384, 1544, 256), (3100, 200, 4200, 256),
                                            (1000, 376, 3000, 128), (129, 384, 1544, 64), (5, 384, 1544, 64),
-                                           (300, 72, 136, 64), (129, 768, 3072, None)])
+                                           (300, 72, 136, 64), (37, 264, 1000, 64), (64, 64, 520, 64),
+                                           (33, 768, 3072, 64), (129, 768, 3072, None)])
 def test_matmul_bias_gelu_wgmma(cu, rng, dtype, m, k, n, tile):
     """The erf form's fused wgmma product (gemm_sm90.cu, compute capability 9.0; 256-column tiles
-    from WGMMA_GELU_MIN_OUTPUTS outputs on, narrower below for K <= WGMMA_NARROW_MAX_K, else cuBLASLt
-    and the pass: tile None): rows, columns and K that are not multiples of its tiles, against the
-    NumPy twin; captured in a graph (a programmatic dependent launch), the same bits as launched
-    directly."""
+    from WGMMA_GELU_MIN_OUTPUTS outputs on, narrower below for K <= WGMMA_NARROW_MAX_K or at most
+    WGMMA_SPLIT_ROWS rows (K split between its warpgroups: odd and even step counts, one step), else
+    cuBLASLt and the pass: tile None): rows, columns and K that are not multiples of its tiles,
+    against the NumPy twin; captured in a graph (a programmatic dependent launch), the same bits as
+    launched directly."""
     if not cu.context().wgmma:
         pytest.skip("the wgmma product runs on compute capability 9.0 only")
     (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))

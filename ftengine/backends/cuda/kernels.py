@@ -44,19 +44,22 @@ GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
 # against 90.6, 4,096 rows 41.8 against 46.5, 1,024 rows 15.5 against 13.7; all-MiniLM-L6-v2's 384 ->
 # 1,536 at 32,768 rows 105.4 against 132.8, 8,192 rows (4,096 x 3,072 outputs) 28.9 against 30.3,
 # 4,096 rows 19.9 against 17.5.
-# Below WGMMA_GELU_MIN_OUTPUTS, products of K <= WGMMA_NARROW_MAX_K take the narrow tiles: 128 columns
-# where that makes WGMMA_NARROW_TILES_PER_SM tiles an SM or more, else 64 (H100, 2026-11-25, all-
-# MiniLM-L6-v2's 384 -> 1,536, us against cuBLASLt + the pass: 16-512 rows (64) 4.5-4.9 against
-# 4.8-5.7, 1,024 rows (128) 6.7 against 7.1, 2,048 rows 10.8-10.9 against 10.5-10.6, 4,096 rows 15.7
-# against 17.3; its GPU-only pass at 1 / 4 / 8 / 32 x 128 tokens 0.144 / 0.174 / 0.201 / 0.387 ms
-# against 0.147 / 0.187 / 0.208 / 0.398). At BERT-base's K = 768 they do not win (128-256 rows 6.4-6.6
-# against 6.7-7.0, 16-64 rows 6.4-6.6 against 5.7-6.1, 1,024 rows 15.7 against 13.4): a tile's K steps
-# there take longer than cuBLASLt's whole product, whatever the ring's depth (8 stages of 64 columns:
-# the same figures).
+# Below WGMMA_GELU_MIN_OUTPUTS, products of K <= WGMMA_NARROW_MAX_K or of WGMMA_SPLIT_ROWS rows or
+# fewer (where the kernel splits K between its two consumer warpgroups) take the narrow tiles: 128
+# columns where that makes WGMMA_NARROW_TILES_PER_SM tiles an SM or more, else 64 (H100, 2026-11-25,
+# us against cuBLASLt + the pass: all-MiniLM-L6-v2's 384 -> 1,536 at 16-64 rows 3.8-3.9 against 4.8,
+# 128-512 rows 4.7-5.0 against 5.0-5.8, 1,024 rows (128) 6.7-7.4 against 7.1-7.2, 2,048 rows 10.9-11.2
+# against 10.5-10.6, 4,096 rows 15.7 against 17.3; BERT-base's 768 -> 3,072 at 16-64 rows 5.3 against
+# 5.7-6.0). At BERT-base's K = 768 past 64 rows they do not win (128-256 rows 6.4-6.8 against
+# 6.6-7.2, 1,024 rows 15.7-16.4 against 13.4): there a tile's K steps take longer than cuBLASLt's
+# whole product, whatever the ring's depth. GPU-only passes (captured, replayed), cuBLASLt + the pass
+# -> the narrow tiles, ms: all-MiniLM-L6-v2 at 1 x 16 / 1 x 128 / 4 x 128 / 32 x 128 tokens 0.134 /
+# 0.149 / 0.184 / 0.398 -> 0.130 / 0.145 / 0.173 / 0.390; BERT-base at 1 x 16 / 1 x 64 0.336 / 0.348
+# -> 0.325 / 0.339 (1 x 128 and up unchanged: the same route).
 GEMM_BM, GEMM_BK, GEMM_THREADS = 128, 64, 288
-WGMMA_TILES = {256: 3, 128: 4, 64: 4}
+WGMMA_TILES = {256: 3, 128: 4, 64: 8}
 WGMMA_GELU_MIN_OUTPUTS = 4096 * 3072
-WGMMA_NARROW_MAX_K, WGMMA_NARROW_TILES_PER_SM = 384, 0.5
+WGMMA_NARROW_MAX_K, WGMMA_SPLIT_ROWS, WGMMA_NARROW_TILES_PER_SM = 384, 64, 0.5
 
 
 def wgmma_name(ctype: str, bn: int, epilogue: int) -> str:

@@ -25,8 +25,8 @@ from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATT
                       SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC,
                       SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES,
                       VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM, VARLEN_WG_KN, VECS, WGMMA_GELU_MIN_OUTPUTS,
-                      WGMMA_NARROW_MAX_K, WGMMA_NARROW_TILES_PER_SM, ArchKernel, TensorMap, kernel, launch_ex, prepare,
-                      skinny_name, varlen_mma_name, wgmma_name, wgmma_shared_mem)
+                      WGMMA_NARROW_MAX_K, WGMMA_NARROW_TILES_PER_SM, WGMMA_SPLIT_ROWS, ArchKernel, TensorMap, kernel,
+                      launch_ex, prepare, skinny_name, varlen_mma_name, wgmma_name, wgmma_shared_mem)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -568,8 +568,8 @@ def _wgmma_tile(out, x, weight, bias) -> int | None:
     weight^T + bias), or None where it does not run it: on a GPU of its architecture, one 16-bit type
     throughout, contiguous rows of 16-byte multiples from 16-byte aligned starts (what its tensor maps
     take); 256 columns from WGMMA_GELU_MIN_OUTPUTS outputs on; below that, for K up to
-    WGMMA_NARROW_MAX_K only, 128 columns where that makes WGMMA_NARROW_TILES_PER_SM tiles an SM, else
-    64 (figures in kernels.py)."""
+    WGMMA_NARROW_MAX_K or up to WGMMA_SPLIT_ROWS rows only, 128 columns where that makes
+    WGMMA_NARROW_TILES_PER_SM tiles an SM, else 64 (figures in kernels.py)."""
     arrays = (out, x, weight, bias)
     if not (context().wgmma and x.dtype in (np.float16, np.uint16) and all(a.dtype == x.dtype for a in arrays)
             and all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in arrays)
@@ -578,7 +578,7 @@ def _wgmma_tile(out, x, weight, bias) -> int | None:
     (m, k), n = x.shape, weight.shape[0]
     if m * n >= WGMMA_GELU_MIN_OUTPUTS:
         return 256
-    if k > WGMMA_NARROW_MAX_K:
+    if k > WGMMA_NARROW_MAX_K and m > WGMMA_SPLIT_ROWS:
         return None
     return 128 if _tiles(m, n, 128) >= WGMMA_NARROW_TILES_PER_SM * context().sm_count else 64
 
