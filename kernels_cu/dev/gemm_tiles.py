@@ -153,7 +153,11 @@ passes. Us, cuBLASLt + the pass against (64, 4), (64, 8): BERT-base's 16 x 3,072
 6.5, 5.3; 64 rows 6.0 against 6.3, 5.3; all-MiniLM-L6-v2's 16 x 1,536 x 384 4.8 against 4.1, 3.8;
 64 rows 4.8 against 4.1, 3.9. Past 64 rows the figures are those above. So with the split, the
 deeper ring pays (kernels.WGMMA_TILES gives the 64-column tile 8 stages) and 64 rows or fewer take
-the narrow tile at any K.
+the narrow tile at any K. Tried on top and not kept (a scratch A/B in one run, same bits): the
+producer prefetching both tensor maps' descriptors after its wait, and the last stores waited for
+reading only (`cp.async.bulk.wait_group.read`): 5.38 against 5.45 us at 16-64 x 3,072 x 768, 4.93
+against 4.96 at 128 x 1,536 x 384, no change from 1,024 rows on. The fixed cost of a short tile lies
+elsewhere (its first copies' latency and the K loop's).
 
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--small] [--out results.json]
 """
