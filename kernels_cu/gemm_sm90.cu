@@ -183,16 +183,18 @@ __device__ __forceinline__ void init_stage_barriers(unsigned full, unsigned empt
 }
 
 // The producer's copies of one tile's k_steps (x rows m0.., w rows n0..) into the ring of STAGES
-// stages, from ring step `it` on (each stage refilled once its consumers marked it empty).
+// stages, from ring step `it` on (each stage refilled once its consumers marked it empty); a stage's
+// copies bring `bytes` (STAGE_BYTES, less where x's box has fewer rows than the stage holds).
 // Returns the ring step after the tile's last.
 template <int STAGES, unsigned A_BYTES, unsigned STAGE_BYTES>
 __device__ __forceinline__ int produce_tile(int it, int k_steps, int m0, int n0, unsigned tiles, unsigned full,
-                                            unsigned empty, const TmaMap* x_map, const TmaMap* w_map) {
+                                            unsigned empty, const TmaMap* x_map, const TmaMap* w_map,
+                                            unsigned bytes = STAGE_BYTES) {
     for (int kt = 0; kt < k_steps; ++kt, ++it) {
         const int s = it % STAGES;
         if (it >= STAGES) mbar_wait(empty + 8 * s, (it / STAGES - 1) & 1);
         const unsigned a = tiles + s * STAGE_BYTES, bar = full + 8 * s;
-        mbar_expect_tx(bar, STAGE_BYTES);
+        mbar_expect_tx(bar, bytes);
         tma_load(a, x_map, kt * GEMM_BK, m0, bar);
         tma_load(a + A_BYTES, w_map, kt * GEMM_BK, n0, bar);
     }
@@ -204,11 +206,12 @@ __device__ __forceinline__ int produce_tile(int it, int k_steps, int m0, int n0,
 // after another), in one ring.
 template <int STAGES, unsigned A_BYTES, unsigned STAGE_BYTES, int BN>
 __device__ __forceinline__ void produce_tiles(int work, int n_tiles, int k_steps, unsigned tiles, unsigned full,
-                                              unsigned empty, const TmaMap* x_map, const TmaMap* w_map) {
+                                              unsigned empty, const TmaMap* x_map, const TmaMap* w_map,
+                                              unsigned bytes = STAGE_BYTES) {
     int it = 0;
     for (int w = blockIdx.x; w < work; w += gridDim.x)
         it = produce_tile<STAGES, A_BYTES, STAGE_BYTES>(it, k_steps, w / n_tiles * GEMM_BM, w % n_tiles * BN, tiles,
-                                                        full, empty, x_map, w_map);
+                                                        full, empty, x_map, w_map, bytes);
 }
 
 // The epilogue of J x 8 columns of a thread's accumulator fragments (layout as WGMMA_M64N256K16's),
@@ -272,7 +275,7 @@ __device__ __forceinline__ void consumers_sync(int id, int threads) {
 template <typename T, int STAGES, int EPILOGUE, int BN>
 __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma(
         const T* __restrict__ bias,              // (N,), read when EPILOGUE > 0
-        const __grid_constant__ TmaMap x_map,    // x (M, K): box GEMM_BK x GEMM_BM
+        const __grid_constant__ TmaMap x_map,    // x (M, K): box GEMM_BK x GEMM_BM (x 64 where M <= 64)
         const __grid_constant__ TmaMap w_map,    // w (N, K): box GEMM_BK x BN
         const __grid_constant__ TmaMap out_map,  // out (M, N): box 64 x 64
         int M, int N, int K) {
@@ -288,15 +291,17 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int k_steps = (K + GEMM_BK - 1) / GEMM_BK;
     const int n_tiles = (N + BN - 1) / BN, work = n_tiles * ((M + GEMM_BM - 1) / GEMM_BM);
-    // at most 64 rows (a short batch): both consumer warpgroups on them, K steps split between
-    // them (even steps warpgroup 0, odd ones 1), a stage released by its own warpgroup's 4 warps
+    // at most 64 rows (a short batch): x's box holds 64 rows (the stage's first half), both consumer
+    // warpgroups multiply them, K steps split between them (even steps warpgroup 0, odd ones 1), a
+    // stage released by its own warpgroup's 4 warps
     const bool split_k = M <= 64;
     if (threadIdx.x == 0) init_stage_barriers<STAGES>(full, empty, split_k ? 4 : 8);
     __syncthreads();
 
     if (warp == 8) {  // the producer
         if (lane == 0)
-            produce_tiles<STAGES, A_BYTES, STAGE_BYTES, BN>(work, n_tiles, k_steps, tiles, full, empty, &x_map, &w_map);
+            produce_tiles<STAGES, A_BYTES, STAGE_BYTES, BN>(work, n_tiles, k_steps, tiles, full, empty, &x_map, &w_map,
+                                                            split_k ? STAGE_BYTES - A_BYTES / 2 : STAGE_BYTES);
         __syncwarp();
         return;
     }

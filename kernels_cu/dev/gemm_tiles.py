@@ -158,6 +158,11 @@ producer prefetching both tensor maps' descriptors after its wait, and the last 
 reading only (`cp.async.bulk.wait_group.read`): 5.38 against 5.45 us at 16-64 x 3,072 x 768, 4.93
 against 4.96 at 128 x 1,536 x 384, no change from 1,024 rows on. The fixed cost of a short tile lies
 elsewhere (its first copies' latency and the K loop's).
+Then x's box cut to the 64 rows a split tile multiplies (a stage's copies 16 KB instead of 24; a
+scratch A/B in one run, same bits), us, 128-row box against 64: 5 x 3,072 x 768 5.5 against 4.9, 16
+rows 5.7 against 4.8-5.0, 64 rows 5.2 against 5.0; 16 x 1,536 x 384 4.0 against 3.9, 64 rows 4.1
+against 3.9; 40 x 1,000 x 264 4.0 against 3.8. Kept: the package's kernel takes that box at 64 rows
+or fewer (ops.py builds the map to match).
 
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--small] [--out results.json]
 """
@@ -272,7 +277,8 @@ def main():
         if k_.max_dynamic_shared_size_bytes < size:
             k_.max_dynamic_shared_size_bytes = size
         sizes = (np.int32(m), np.int32(n), np.int32(k))
-        x_map = kernels.TensorMap(x, kernels.GEMM_BK, kernels.GEMM_BM)
+        # matmul_wgmma's x box holds 64 rows where M <= 64 (its split K steps)
+        x_map = kernels.TensorMap(x, kernels.GEMM_BK, 64 if cfg[0] == "tma" and m <= 64 else kernels.GEMM_BM)
         if cfg[0] in ("tma", "pp"):
             bn = cfg[2] if cfg[0] == "tma" else PP_BN
             tiles = -(-m // kernels.GEMM_BM) * -(-n // bn)

@@ -49,8 +49,8 @@ GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
 # columns where that makes WGMMA_NARROW_TILES_PER_SM tiles an SM or more, else 64 (H100, 2026-11-25,
 # us against cuBLASLt + the pass: all-MiniLM-L6-v2's 384 -> 1,536 at 16-64 rows 3.8-3.9 against 4.8,
 # 128-512 rows 4.7-5.0 against 5.0-5.8, 1,024 rows (128) 6.7-7.4 against 7.1-7.2, 2,048 rows 10.9-11.2
-# against 10.5-10.6, 4,096 rows 15.7 against 17.3; BERT-base's 768 -> 3,072 at 16-64 rows 5.3 against
-# 5.7-6.0). At BERT-base's K = 768 past 64 rows they do not win (128-256 rows 6.4-6.8 against
+# against 10.5-10.6, 4,096 rows 15.7 against 17.3; BERT-base's 768 -> 3,072 at 16-64 rows 4.8-5.0
+# against 5.7-6.0, x's box then 64 rows). At BERT-base's K = 768 past 64 rows they do not win (128-256 rows 6.4-6.8 against
 # 6.6-7.2, 1,024 rows 15.7-16.4 against 13.4): there a tile's K steps take longer than cuBLASLt's
 # whole product, whatever the ring's depth. GPU-only passes (captured, replayed), cuBLASLt + the pass
 # -> the narrow tiles, ms: all-MiniLM-L6-v2 at 1 x 16 / 1 x 128 / 4 x 128 / 32 x 128 tokens 0.134 /

@@ -594,7 +594,8 @@ def _matmul_wgmma(out, x, weight, bias, epilogue: int, bn: int):
     (m, k), n = x.shape, weight.shape[0]
     if _planning():
         return
-    maps = (TensorMap(x, GEMM_BK, GEMM_BM), TensorMap(weight, GEMM_BK, bn), TensorMap(out, 64, 64))
+    rows = 64 if m <= WGMMA_SPLIT_ROWS else GEMM_BM  # the kernel's x box (its split at 64 rows or fewer)
+    maps = (TensorMap(x, GEMM_BK, rows), TensorMap(weight, GEMM_BK, bn), TensorMap(out, 64, 64))
     _launch("gemm_sm90.cu", wgmma_name(_ctype(x), bn, epilogue), (min(context().sm_count, _tiles(m, n, bn)),),
             (GEMM_THREADS,), (bias, *maps, np.int32(m), np.int32(n), np.int32(k)),
             shared_mem=wgmma_shared_mem(x.itemsize, bn))
