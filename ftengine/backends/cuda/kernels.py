@@ -59,6 +59,7 @@ GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
 GEMM_BM, GEMM_BK, GEMM_THREADS = 128, 64, 288
 WGMMA_TILES = {256: 3, 128: 4, 64: 8}
 WGMMA_GELU_MIN_OUTPUTS = 4096 * 3072
+# (WGMMA_SPLIT_ROWS is gemm_sm90.cu's split_k test, M <= 64, and ops.py's x box then: change them together)
 WGMMA_NARROW_MAX_K, WGMMA_SPLIT_ROWS, WGMMA_NARROW_TILES_PER_SM = 384, 64, 0.5
 
 
