@@ -19,9 +19,9 @@
 // warpgroup, double-buffered) writes each warpgroup's 64 x BN results into a buffer of its own in
 // shared memory, which one of its threads copies out with TMA stores (rows and columns past out's
 // are not written); they run on while the warpgroup takes its next tile, which rewrites the buffer
-// once they have read it. For at most 64 rows (a short batch) both consumer warpgroups multiply the
-// tile's 64 rows on alternate K steps, and warpgroup 1's sums reach warpgroup 0's through shared
-// memory before its epilogue. EPILOGUE is a template parameter so that the kernel holds one GELU
+// once they have read it. For at most 64 rows (a short batch) x's box holds 64 rows, both consumer
+// warpgroups multiply them on alternate K steps, and warpgroup 1's sums reach warpgroup 0's through
+// shared memory before its epilogue. EPILOGUE is a template parameter so that the kernel holds one GELU
 // form's unrolled code: with both it outgrew the instruction cache.
 // grid (min(SMs, tiles)), GEMM_THREADS threads: warps 0-7 consume, warp 8 produces; dynamic shared
 // memory STAGES (GEMM_BM + BN) GEMM_BK + 2 x 64 x BN elements + 1024 (alignment); x, w and out in
