@@ -214,18 +214,12 @@ __device__ __forceinline__ void produce_tiles(int work, int n_tiles, int k_steps
                                                         full, empty, x_map, w_map, bytes);
 }
 
-// The epilogue of J x 8 columns of a thread's accumulator fragments (layout as WGMMA_M64N256K16's),
-// rows row and row + 8 of the warpgroup's 64: + the tile's bias (sbias: float, in shared memory) and
-// GELU (epilogue > 0), rounded once to T, written into shared memory: `buf` holds the 64 rows as
-// boxes of 64 columns (8 KB each, rows of 128 bytes in TMA's 128-byte swizzle: row r's 16-byte
-// chunk c at c ^ (r % 8)), for tma_store to copy out. A warp's 32-bit writes of one fragment fall
-// in 32 distinct banks.
-template <typename T, int J>
-__device__ __forceinline__ void stage_fragments(unsigned char* __restrict__ buf, const float* sbias, float* acc,
-                                                int row, int epilogue) {
-    // bias + GELU on the accumulators in place first, with no store among them, so that the GELUs
-    // of several fragments overlap; then the stores (plain C++ stores: asm volatile ones kept the
-    // compiler from overlapping the fragments' work)
+// acc = GELU(acc + bias) (epilogue > 0; else + bias) on J x 8 columns of a thread's accumulator
+// fragments (layout as WGMMA_M64N256K16's), the tile's bias in shared memory (sbias: float), in place
+// and with no store among them, so that the GELUs of several fragments overlap (a bias load or a
+// branch per fragment serialised them).
+template <int J>
+__device__ __forceinline__ void bias_gelu_fragments(float* acc, const float* sbias, int epilogue) {
     #pragma unroll
     for (int j = 0; j < J; ++j) {
         const int c = j * 8 + (threadIdx.x & 3) * 2;
@@ -241,6 +235,20 @@ __device__ __forceinline__ void stage_fragments(unsigned char* __restrict__ buf,
             acc[4 * j + 2 * h + 1] = v1;
         }
     }
+}
+
+// The epilogue of J x 8 columns of a thread's accumulator fragments (layout as WGMMA_M64N256K16's),
+// rows row and row + 8 of the warpgroup's 64: + the tile's bias (sbias: float, in shared memory) and
+// GELU (epilogue > 0), rounded once to T, written into shared memory: `buf` holds the 64 rows as
+// boxes of 64 columns (8 KB each, rows of 128 bytes in TMA's 128-byte swizzle: row r's 16-byte
+// chunk c at c ^ (r % 8)), for tma_store to copy out. A warp's 32-bit writes of one fragment fall
+// in 32 distinct banks.
+template <typename T, int J>
+__device__ __forceinline__ void stage_fragments(unsigned char* __restrict__ buf, const float* sbias, float* acc,
+                                                int row, int epilogue) {
+    // bias + GELU on the accumulators first, then the stores (plain C++ stores: asm volatile ones
+    // kept the compiler from overlapping the fragments' work)
+    bias_gelu_fragments<J>(acc, sbias, epilogue);
     #pragma unroll
     for (int j = 0; j < J; ++j) {
         #pragma unroll

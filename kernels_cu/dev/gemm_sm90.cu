@@ -19,25 +19,20 @@
 
 // The epilogue of J x 8 columns from col0 of a thread's accumulator fragments (layout as
 // WGMMA_M64N128K16's, J = 16 per 128 columns), rows row0 and row0 + 8: + the tile's bias (sbias:
-// float, in shared memory, from col0) and GELU (epilogue > 0), rounded once to T; rows past M and
-// columns past N are not stored (N is even). Straight-line code but for the stores, so that the
-// GELUs of several fragments overlap (a bias load or a branch per fragment serialised them).
+// float, in shared memory, from col0) and GELU (epilogue > 0) by bias_gelu_fragments, rounded once to
+// T; rows past M and columns past N are not stored (N is even).
 template <typename T, int J>
-__device__ __forceinline__ void store_fragments(T* __restrict__ out, const float* sbias, const float* acc, int row0,
+__device__ __forceinline__ void store_fragments(T* __restrict__ out, const float* sbias, float* acc, int row0,
                                                 int col0, int M, int N, int epilogue) {
+    bias_gelu_fragments<J>(acc, sbias, epilogue);
     #pragma unroll
     for (int j = 0; j < J; ++j) {
-        const int c = j * 8 + (threadIdx.x & 3) * 2, col = col0 + c;
-        const float b0 = sbias[c], b1 = sbias[c + 1];
+        const int col = col0 + j * 8 + (threadIdx.x & 3) * 2;
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float v0 = acc[4 * j + 2 * h] + b0, v1 = acc[4 * j + 2 * h + 1] + b1;
-            if (epilogue) {
-                v0 = gelu(v0, epilogue - 1);
-                v1 = gelu(v1, epilogue - 1);
-            }
             const int row = row0 + 8 * h;
-            if (row < M && col < N) *reinterpret_cast<unsigned*>(out + (long)row * N + col) = pack2<T>(v0, v1);
+            const float* v = acc + 4 * j + 2 * h;
+            if (row < M && col < N) *reinterpret_cast<unsigned*>(out + (long)row * N + col) = pack2<T>(v[0], v[1]);
         }
     }
 }
