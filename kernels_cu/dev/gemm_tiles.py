@@ -278,10 +278,10 @@ def main():
             k_.max_dynamic_shared_size_bytes = size
         sizes = (np.int32(m), np.int32(n), np.int32(k))
         # matmul_wgmma's x box holds 64 rows where M <= 64 (its split K steps)
-        x_map = kernels.TensorMap(x, kernels.GEMM_BK, 64 if cfg[0] == "tma" and m <= 64 else kernels.GEMM_BM)
+        x_map = kernels.TensorMap(x, kernels.GEMM_BK, kernels.wgmma_x_rows(m) if cfg[0] == "tma" else kernels.GEMM_BM)
         if cfg[0] in ("tma", "pp"):
             bn = cfg[2] if cfg[0] == "tma" else PP_BN
-            tiles = -(-m // kernels.GEMM_BM) * -(-n // bn)
+            tiles = kernels.wgmma_tiles(m, n, bn)
             maps = (x_map, kernels.TensorMap(w, kernels.GEMM_BK, bn), kernels.TensorMap(out, 64, 64))
             kernels.launch_ex(k_, (min(ctx.sm_count, tiles),), (kernels.GEMM_THREADS,), (bias, *maps, *sizes), size,
                               ctx.stream.ptr, dependent=False)

@@ -50,12 +50,12 @@ GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
 # us against cuBLASLt + the pass: all-MiniLM-L6-v2's 384 -> 1,536 at 16-64 rows 3.8-3.9 against 4.8,
 # 128-512 rows 4.7-5.0 against 5.0-5.8, 1,024 rows (128) 6.7-7.4 against 7.1-7.2, 2,048 rows 10.9-11.2
 # against 10.5-10.6, 4,096 rows 15.7 against 17.3; BERT-base's 768 -> 3,072 at 16-64 rows 4.8-5.0
-# against 5.7-6.0, x's box then 64 rows). At BERT-base's K = 768 past 64 rows they do not win (128-256 rows 6.4-6.8 against
-# 6.6-7.2, 1,024 rows 15.7-16.4 against 13.4): there a tile's K steps take longer than cuBLASLt's
-# whole product, whatever the ring's depth. GPU-only passes (captured, replayed), cuBLASLt + the pass
-# -> the narrow tiles, ms: all-MiniLM-L6-v2 at 1 x 16 / 1 x 128 / 4 x 128 / 32 x 128 tokens 0.134 /
-# 0.149 / 0.184 / 0.398 -> 0.130 / 0.145 / 0.173 / 0.390; BERT-base at 1 x 16 / 1 x 64 0.336 / 0.348
-# -> 0.325 / 0.339 (1 x 128 and up unchanged: the same route).
+# against 5.7-6.0, x's box then 64 rows). At BERT-base's K = 768 past 64 rows they do not win (128-256
+# rows 6.4-6.8 against 6.6-7.2, 1,024 rows 15.7-16.4 against 13.4): there a tile's K steps take longer
+# than cuBLASLt's whole product, whatever the ring's depth. GPU-only passes (captured, replayed),
+# cuBLASLt + the pass -> the narrow tiles, ms: all-MiniLM-L6-v2 at 1 x 16 / 1 x 128 / 4 x 128 / 32 x
+# 128 tokens 0.134 / 0.149 / 0.184 / 0.398 -> 0.130 / 0.145 / 0.173 / 0.390; BERT-base at 1 x 16 / 1 x
+# 64 0.336 / 0.348 -> 0.325 / 0.339 (1 x 128 and up unchanged: the same route).
 GEMM_BM, GEMM_BK, GEMM_THREADS = 128, 64, 288
 WGMMA_TILES = {256: 3, 128: 4, 64: 8}
 WGMMA_GELU_MIN_OUTPUTS = 4096 * 3072
@@ -66,6 +66,17 @@ WGMMA_NARROW_MAX_K, WGMMA_SPLIT_ROWS, WGMMA_NARROW_TILES_PER_SM = 384, 64, 0.5
 def wgmma_name(ctype: str, bn: int, epilogue: int) -> str:
     """matmul_wgmma's instantiation for a tile width (its stages from WGMMA_TILES) and epilogue."""
     return f"matmul_wgmma<{ctype}, {WGMMA_TILES[bn]}, {epilogue}, {bn}>"
+
+
+def wgmma_tiles(m: int, n: int, bn: int) -> int:
+    """matmul_wgmma's GEMM_BM x bn tiles of an (m, n) product."""
+    return -(-m // GEMM_BM) * -(-n // bn)
+
+
+def wgmma_x_rows(m: int) -> int:
+    """The rows of matmul_wgmma's x box for m rows: 64 where it splits K (WGMMA_SPLIT_ROWS), else
+    GEMM_BM; its stages expect exactly that many bytes."""
+    return 64 if m <= WGMMA_SPLIT_ROWS else GEMM_BM
 
 
 def wgmma_shared_mem(itemsize: int, bn: int, stages: int | None = None) -> int:

@@ -19,14 +19,15 @@ from ...errors import DeviceError
 from . import cublas as cb
 from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, BLAS_SPLIT_MIN_K,
                       BLAS_SPLIT_MIN_ROWS, BLAS_SPLIT_OUTPUTS, CHOICE_BINS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN,
-                      CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMM_BK, GEMM_BM, GEMM_THREADS,
+                      CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMM_BK, GEMM_THREADS,
                       GEMV_COLS, GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, ROW_ITEMS, SAMPLE_CANDIDATES,
                       SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS,
                       SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC,
                       SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES,
                       VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM, VARLEN_WG_KN, VECS, WGMMA_GELU_MIN_OUTPUTS,
                       WGMMA_NARROW_MAX_K, WGMMA_NARROW_TILES_PER_SM, WGMMA_SPLIT_ROWS, ArchKernel, TensorMap, kernel,
-                      launch_ex, prepare, skinny_name, varlen_mma_name, wgmma_name, wgmma_shared_mem)
+                      launch_ex, prepare, skinny_name, varlen_mma_name, wgmma_name, wgmma_shared_mem, wgmma_tiles,
+                      wgmma_x_rows)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -580,11 +581,7 @@ def _wgmma_tile(out, x, weight, bias) -> int | None:
         return 256
     if k > WGMMA_NARROW_MAX_K and m > WGMMA_SPLIT_ROWS:
         return None
-    return 128 if _tiles(m, n, 128) >= WGMMA_NARROW_TILES_PER_SM * context().sm_count else 64
-
-
-def _tiles(m: int, n: int, bn: int) -> int:
-    return -(-m // GEMM_BM) * -(-n // bn)
+    return 128 if wgmma_tiles(m, n, 128) >= WGMMA_NARROW_TILES_PER_SM * context().sm_count else 64
 
 
 def _matmul_wgmma(out, x, weight, bias, epilogue: int, bn: int):
@@ -594,9 +591,8 @@ def _matmul_wgmma(out, x, weight, bias, epilogue: int, bn: int):
     (m, k), n = x.shape, weight.shape[0]
     if _planning():
         return
-    rows = 64 if m <= WGMMA_SPLIT_ROWS else GEMM_BM  # the kernel's x box (its split at 64 rows or fewer)
-    maps = (TensorMap(x, GEMM_BK, rows), TensorMap(weight, GEMM_BK, bn), TensorMap(out, 64, 64))
-    _launch("gemm_sm90.cu", wgmma_name(_ctype(x), bn, epilogue), (min(context().sm_count, _tiles(m, n, bn)),),
+    maps = (TensorMap(x, GEMM_BK, wgmma_x_rows(m)), TensorMap(weight, GEMM_BK, bn), TensorMap(out, 64, 64))
+    _launch("gemm_sm90.cu", wgmma_name(_ctype(x), bn, epilogue), (min(context().sm_count, wgmma_tiles(m, n, bn)),),
             (GEMM_THREADS,), (bias, *maps, np.int32(m), np.int32(n), np.int32(k)),
             shared_mem=wgmma_shared_mem(x.itemsize, bn))
 
