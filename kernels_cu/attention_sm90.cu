@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
     loader.load(tiles, k_head, 0, len, row_stride);
     loader.load(tiles + TILE_BYTES, v_head, 0, len, row_stride);
     cp_async_commit();
-    stage_queries<T, D, LDQ>(qs, base, bias, q0, BLOCK_M, len, row_stride, h);
+    stage_queries<T, D, LDQ, 128, BLOCK_M>(qs, base, bias, q0, len, row_stride, h);
     __syncthreads();
     unsigned qa[D / 16][4];
     query_fragments<T, D, LDQ>(qa, qs, warp * 16, lane);

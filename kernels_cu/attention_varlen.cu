@@ -131,24 +131,31 @@ __device__ __forceinline__ void kv_pipeline_step(const Loader& loader, unsigned 
     }
 }
 
-// Q + bias of queries q0 .. q0 + block_m of the head (rounded to T, as the unfused path stores
-// it; rows past the sequence zeros) into qs, rows LD elements apart, by all threads of the block.
-template <typename T, int D, int LD>
-__device__ __forceinline__ void stage_queries(T* qs, const T* base, const T* __restrict__ bias, int q0, int block_m,
-                                              int len, int row_stride, int h) {
-    for (int i = threadIdx.x; i < block_m * (D / 8); i += blockDim.x) {
-        const int r = i / (D / 8), c = (i - r * (D / 8)) * 8;
-        float v[8], bb[8];
-        if (q0 + r < len) {
-            load_floats<T, 8>(v, base + (long)(q0 + r) * row_stride + h * D + c);
-            load_floats<T, 8>(bb, bias + h * D + c);
-            #pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] += bb[j];
-        } else {
-            #pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = 0.0f;
-        }
-        store_floats<T, 8>(qs + r * LD + c, v);
+// Q + bias of queries q0 .. q0 + BLOCK_M of the head (rounded to T, as the unfused path stores
+// it; rows past the sequence zeros) into qs, rows LD elements apart, by all THREADS threads of the
+// block: each thread loads its 16-byte chunks of Q (column i % (D / 8) of rows i / (D / 8) + k STEP)
+// and of the bias first, all in flight at once, then adds and stores them.
+template <typename T, int D, int LD, int THREADS, int BLOCK_M>
+__device__ __forceinline__ void stage_queries(T* qs, const T* base, const T* __restrict__ bias, int q0, int len,
+                                              int row_stride, int h) {
+    constexpr int PER_ROW = D / 8, STEP = THREADS / PER_ROW, N = BLOCK_M / STEP;
+    static_assert(THREADS % PER_ROW == 0 && BLOCK_M % STEP == 0, "every thread stages as many chunks");
+    const int row = threadIdx.x / PER_ROW, col = (threadIdx.x - row * PER_ROW) * 8;
+    Pack<T, 8> q[N];
+    #pragma unroll
+    for (int k = 0; k < N; ++k) {
+        if (q0 + row + k * STEP < len)
+            q[k] = *reinterpret_cast<const Pack<T, 8>*>(base + (long)(q0 + row + k * STEP) * row_stride + h * D + col);
+    }
+    float b[8];
+    load_floats<T, 8>(b, bias + h * D + col);
+    #pragma unroll
+    for (int k = 0; k < N; ++k) {
+        float v[8];
+        const bool valid = q0 + row + k * STEP < len;
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = valid ? to_float(q[k].v[j]) + b[j] : 0.0f;
+        store_floats<T, 8>(qs + (row + k * STEP) * LD + col, v);
     }
 }
 
@@ -304,7 +311,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) varlen_attention_mma(
     loader.load(smem_base + TILE_BYTES, v_head, tile0 * KN, len, row_stride);
     cp_async_commit();
     T* qs = smem + 2 * TILE;
-    stage_queries<T, D, LD>(qs, base, bias, q0, BLOCK_M, len, row_stride, h);
+    stage_queries<T, D, LD, 32 * WARPS, BLOCK_M>(qs, base, bias, q0, len, row_stride, h);
     __syncthreads();
     unsigned qa[MT][D / 16][4];
     #pragma unroll

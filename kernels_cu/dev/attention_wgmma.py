@@ -1,5 +1,6 @@
 """The wgmma attention (attention_sm90.cu, head dim 64) against the designs it was chosen over, in
-one run on an sm_90 GPU: the mma.sync kernel it replaces there (varlen_attention_mma), and two
+one run on an sm_90 GPU: the mma.sync kernel it replaces there (varlen_attention_mma; also its
+general form, run with a window past every sequence, which the wgmma kernel does not take), and two
 variants of its O += P V step built from its source here, P V as a register-A wgmma (P from the
 score registers) and as a shared-memory wgmma (P stored in the 128-byte swizzle first). Each is
 checked against NumPy (fp16, single sequences of 40 to 300 tokens: one key tile and several; plain
@@ -26,7 +27,38 @@ accumulator registers of a wgmma between start and end of the pipeline stage") w
 product was issued conditionally or always; it needs the loop restructured so that no register copy
 of either score set falls inside a product's stage.
 
-    PYTHONPATH=. python3 kernels_cu/dev/attention_wgmma.py [--out results.json]
+Measured on the H100 (2026-11-25, later), us:
+- --probe, the shipped kernel with parts of it taken out (outputs wrong, timing only; 4 blocks an SM
+  each), at 64 x 512 / 256 x 128 / 16 x 2048: as shipped 192.5 / 106.6 / 615.2; without the exp2
+  (an FMUL instead) 189.3 / 106.4 / 620.5; without S 185.0 / 103.4 / 564.6; without the P V
+  products 185.1 / 104.0 / 585.2; without the V ldmatrix 191.5 / 105.8 / 637.4; without the K/V
+  copies past tile 0 180.1 / 109.5 / 555.2; without the proxy fence 186.4 / 106.8 / 608.6; without
+  the loop's barriers 185.7 / 105.6 / 607.7; without S, P V, exp2 and the V ldmatrix 150.4 / 99.3
+  / 438.0; without all of these, copies and barriers too, 124.7 / 97.2 / 311.4. No part of the
+  loop bounds it alone; and with the whole loop gone, 256 x 128 (two key tiles a block) kept 91% of
+  its time: a block's fixed part (about 5-6 us a block, fitting time = blocks / (4 x 132) x (fixed
+  + tiles x per tile) to the three shapes) was the larger cost there. Its largest piece was the
+  query staging, a 16-byte load, add and store at a time (the compiler kept each load behind the
+  last store): loading all of a thread's query chunks first, then adding and storing them (what
+  attention_varlen.cu stage_queries does now), two runs each, against the kernel before: 64 x 512
+  179.9 / 190.8 against 192.6 / 192.1, 256 x 128 83.5 / 86.2 against 107.4 / 106.7, 32 x 128 13.5 /
+  13.1 against 15.8 / 16.0, 1 x 128 4.1 / 4.0 against 4.9 / 4.9, 4 x 1,024 causal 40.2 / 39.0
+  against 40.3 / 41.2, 16 x 2,048 659.8 / 657.4 against 645.0 / 622.1 (about 3% slower; this
+  shape's spread between runs is 5%). The mma.sync kernels (the same helper): plain 256 x 128 94.7
+  / 97.7 against 114.6 / 120.9, 32 x 128 14.9 / 15.6 against 18.4 / 18.3; general (a window past
+  every sequence, now also asking for 4 blocks an SM, as the plain one does: 128 registers, 16 bytes
+  spilled, against 142 registers and 3 blocks without) 256 x 128 103.7 / 101.5 against 120.3 /
+  124.9, 64 x 512 287.7 / 281.6 against 288.1 / 315.7, 16 x 2,048 1176.9 / 1209.8 against 1187.5 /
+  1191.8. The same staging through cp.async (copies beside tile 0's, the bias added in place once
+  they land) was as fast at 256 x 128 but took 132 registers (3 blocks an SM) or, held to 128,
+  slowed 16 x 2,048 by 5-12%.
+- Two 16-row query tiles a warp (128 queries a block: both tiles' S committed apart, so that the
+  first one's softmax runs while the second computes, each V fragment feeding both P V products;
+  238 registers, 2 blocks an SM), right at every length, slower but at 16 x 2,048: 64 x 512 207.1
+  against 190.8, 256 x 128 106.0 against 86.2, 32 x 128 15.7 against 13.1, 1 x 128 5.7 against
+  4.0, 4 x 1,024 causal 41.6 against 39.0, 16 x 2,048 630.8 against 657.4. Not kept.
+
+    PYTHONPATH=. python3 kernels_cu/dev/attention_wgmma.py [--out results.json] [--probe]
 """
 
 from __future__ import annotations
@@ -36,8 +68,8 @@ import json
 
 import numpy as np
 
-SHAPES = [(64, 512, False), (256, 128, False), (16, 2048, False), (32, 128, False), (1, 128, False),
-          (1, 512, True), (32, 128, True)]
+SHAPES = [(64, 512, False), (256, 128, False), (16, 2048, False), (32, 128, False), (8, 128, False), (1, 128, False),
+          (4, 512, False), (1, 512, True), (32, 128, True), (4, 1024, True)]
 LENGTHS = (40, 64, 65, 128, 129, 300)
 
 SHIPPED_PV = """        #pragma unroll
@@ -127,8 +159,9 @@ S_HALVES = """        #pragma unroll
         }
 """
 KN_DEFINE = "#define VARLEN_WG_KN 64"
-VARIANTS = {  # name -> source patches (None: the mma.sync kernel)
+VARIANTS = {  # name -> source patches (None: the mma.sync kernel; GENERAL: its general form)
     "mma.sync kernel": None,
+    "mma.sync general kernel (a window past every sequence)": None,
     "shipped": [],
     "P V register wgmma": [(SHIPPED_PV, PV_REGISTERS), (KERNEL, PV_WGMMA + KERNEL)],
     "P V shared wgmma": [(SHIPPED_PV, PV_SHARED), (KERNEL, PV_WGMMA + KERNEL),
@@ -138,11 +171,78 @@ VARIANTS = {  # name -> source patches (None: the mma.sync kernel)
     "5 blocks an SM": [(KERNEL, KERNEL.replace("__launch_bounds__(128)", "__launch_bounds__(128, 5)"))],
 }
 EXTRA_SMEM = {"P V shared wgmma": 8192, "128-key tiles": 2 * 2 * 64 * 64 * 2}  # bytes past the shipped kernel's
+GENERAL = "mma.sync general kernel (a window past every sequence)"
+
+
+# --probe: the shipped kernel with parts taken out (timing only: the outputs are wrong), to see what
+# each part costs on the critical path
+PROBE_SHAPES = [(64, 512, False), (256, 128, False), (16, 2048, False)]
+FENCE = 'asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");  // this thread\'s copies, to wgmma'
+PARTS = {  # a part of the kernel -> the patches that take it out
+    "exp2": [('asm("ex2.approx.ftz.f32 %0, %1;\\n" : "=f"(y) : "f"(x));', "y = x * 0.5f;")],  # an FMUL instead
+    "S": [("WgmmaRS<T>::template run<0>(s_flat, qa[0], swizzled_desc(ks));", ""),
+          ("WgmmaRS<T>::template run<1>(s_flat, qa[kk], swizzled_desc(ks + 32 * kk));", "")],
+    "PV": [("MmaOp<T>::run(o[j], pa, vb[0], vb[1]);", "o[j][0] += __uint_as_float(vb[0] ^ pa[0]);"),
+           ("MmaOp<T>::run(o[j + 1], pa, vb[2], vb[3]);", "o[j + 1][0] += __uint_as_float(vb[2] ^ pa[2]);")],
+    "V ldmatrix": [("ldmatrix_x4_trans(vb, row + (((j + (lm >> 1)) ^ lr) << 4));",
+                    "vb[0] = row + j; vb[1] = vb[0] ^ 1u; vb[2] = vb[0] ^ 2u; vb[3] = vb[0] ^ 3u;")],
+    "copies": [("loader.load(next, k_head, next_row, len, row_stride);", ""),  # K/V copies past tile 0
+               ("loader.load(next + tile_bytes, v_head, next_row, len, row_stride);", "")],
+    "proxy fence": [(FENCE, "")],
+    "barriers": [(FENCE + "\n        __syncthreads();", ""),
+                 ("                                                 int row_stride) {\n    __syncthreads();",
+                  "                                                 int row_stride) {")],
+}
+PROBES = [("exp2",), ("S",), ("PV",), ("V ldmatrix",), ("copies",), ("proxy fence",), ("barriers",), ("S", "PV"),
+          ("S", "PV", "exp2"), ("S", "PV", "exp2", "V ldmatrix"), ("copies", "barriers"),
+          ("S", "PV", "exp2", "V ldmatrix", "copies", "barriers")]
+
+
+def time_shape(rng, b, s, causal, window=0):
+    """GPU ms of varlen_attention on b sequences of s tokens, 12 heads of 64 (random fp16 operands)."""
+    from bench.bench_encoder import graph_ms
+    from ftengine.backends.cuda import ops as cu
+    t = b * s
+    qkv = cu.to_device(rng.standard_normal((t, 3 * 768)).astype(np.float32), np.float16)
+    bias = cu.to_device(0.1 * rng.standard_normal(3 * 768).astype(np.float32), np.float16)
+    seqlens = cu.to_device(np.arange(0, t + 1, s, dtype=np.int32))
+    out = cu.empty((t, 768), np.float16)
+    return graph_ms(lambda: cu.varlen_attention(out, qkv, bias, seqlens, heads=12, max_seqlen=s, causal=causal,
+                                                window=window))
+
+
+def probe():
+    """Times the shipped wgmma kernel with each of PROBES' sets of PARTS taken out, each at 4 blocks an
+    SM (8 KB more shared memory a block: a part taken out may free registers for a fifth)."""
+    from ftengine.backends.cuda import kernels
+    from ftengine.backends.cuda import ops as cu
+    rng = np.random.default_rng(0)
+    shipped_source, shipped_launch = kernels.source, cu._launch
+
+    def launch(file, name, grid, block, largs, shared_mem=0, cluster=None):
+        extra = 8192 if file == "attention_sm90.cu" else 0
+        return shipped_launch(file, name, grid, block, largs, shared_mem=shared_mem + extra, cluster=cluster)
+    cu._launch = launch
+    probes = {"as shipped": []}
+    probes.update({"no " + " + ".join(parts): [p for part in parts for p in PARTS[part]] for parts in PROBES})
+    for label, patches in probes.items():
+        def source(file, patches=patches):
+            text = shipped_source(file)
+            if file == "attention_sm90.cu":
+                for old, new in patches:
+                    assert old in text, (label, old)
+                    text = text.replace(old, new)
+            return text
+        kernels.source = source
+        kernels._modules.pop(("attention_sm90.cu", "__half"), None)
+        kernels.kernel.cache_clear()
+        row = {f"{b}x{s}": round(1e3 * time_shape(rng, b, s, causal), 1) for b, s, causal in PROBE_SHAPES}
+        print(f"{label}: " + ", ".join(f"{k} {v} us" for k, v in row.items()), flush=True)
+    kernels.source, cu._launch = shipped_source, shipped_launch
 
 
 def main():
     import torch
-    from bench.bench_encoder import graph_ms
     from ftengine.backends import numpy_ops as ref
     from ftengine.backends.cuda import kernels
     from ftengine.backends.cuda import ops as cu
@@ -150,7 +250,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--probe", action="store_true", help="time the shipped kernel with parts taken out instead")
     args = parser.parse_args()
+    if args.probe:
+        return probe()
     ctx = cu.context()
     assert ctx.wgmma, "needs a compute capability 9.0 GPU"
     rng = np.random.default_rng(0)
@@ -171,6 +274,7 @@ def main():
         kernels._modules.pop(("attention_sm90.cu", "__half"), None)
         kernels.kernel.cache_clear()
         ctx.wgmma = patches is not None
+        window = 1 << 20 if label == GENERAL else 0
         worst = {}
         for length in LENGTHS:
             for causal in (False, True):
@@ -178,20 +282,15 @@ def main():
                 bias = cu.to_device(0.5 * rng.standard_normal(192).astype(np.float32), np.float16)
                 seqlens = np.array([0, length], np.int32)
                 out = cu.empty((length, 64), np.float16)
-                cu.varlen_attention(out, qkv, bias, cu.to_device(seqlens), heads=1, max_seqlen=length, causal=causal)
+                cu.varlen_attention(out, qkv, bias, cu.to_device(seqlens), heads=1, max_seqlen=length, causal=causal,
+                                    window=window)
                 expected = np.empty((length, 64), np.float32)
                 ref.varlen_attention(expected, cu.to_host(qkv), cu.to_host(bias), seqlens, heads=1, max_seqlen=length,
-                                     causal=causal)
+                                     causal=causal, window=window)
                 worst[f"{length}{' causal' if causal else ''}"] = round(float(np.abs(cu.to_host(out) - expected).max()), 4)
         row = {"max_abs_err": worst}
         for b, s, causal in SHAPES:
-            t = b * s
-            qkv = cu.to_device(rng.standard_normal((t, 3 * 768)).astype(np.float32), np.float16)
-            bias = cu.to_device(0.1 * rng.standard_normal(3 * 768).astype(np.float32), np.float16)
-            seqlens = cu.to_device(np.arange(0, t + 1, s, dtype=np.int32))
-            out = cu.empty((t, 768), np.float16)
-            row[f"{b}x{s}{' causal' if causal else ''} ms"] = graph_ms(
-                lambda: cu.varlen_attention(out, qkv, bias, seqlens, heads=12, max_seqlen=s, causal=causal))
+            row[f"{b}x{s}{' causal' if causal else ''} ms"] = time_shape(rng, b, s, causal, window)
         results[label] = row
         print(label, json.dumps(row), flush=True)
     kernels.source, cu._launch, ctx.wgmma = shipped_source, shipped_launch, True

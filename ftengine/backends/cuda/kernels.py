@@ -135,7 +135,8 @@ FP8_KERNELS = ("quantize_rows", "add_bias_residual_layernorm_quantize", "add_bia
 SAMPLE_THREADS, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX = 256, 8, 3 * 2048, 65536
 SAMPLE_CANDIDATES = 2048
 # attention_sm90.cu (wgmma): its head dim, queries per block (one warpgroup: two a block measured
-# slower at every shape, kernels_cu/dev/attention_wgmma.py) and keys per K/V tile
+# slower at every shape, and two 16-row tiles a warp slower but at 16 x 2,048 tokens:
+# kernels_cu/dev/attention_wgmma.py) and keys per K/V tile
 VARLEN_WG_HEAD_DIM, VARLEN_WG_BLOCK_M, VARLEN_WG_KN = 64, 64, 64
 SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample<false>", "choose_sample<true>",
                     "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates", "beam_select"]
@@ -143,9 +144,10 @@ SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sam
 
 def varlen_mma_name(ctype: str, d: int, general: bool, tiles: str) -> str:
     """The tensor-core varlen attention kernel for head dim d and the VARLEN_TILES entry `tiles`;
-    the narrow plain kernels ask the register allocator for 4 blocks per SM (2 at head dim 128)."""
+    the narrow kernels (plain and general) ask the register allocator for 4 blocks per SM (2 at
+    head dim 128)."""
     warps, mt, kn = VARLEN_TILES[tiles]
-    min_blocks = 0 if general or tiles != "narrow" else (4 if d <= 64 else 2)
+    min_blocks = 0 if tiles != "narrow" else (4 if d <= 64 else 2)
     return f"varlen_attention_mma<{ctype}, {d}, {'true' if general else 'false'}, {warps}, {mt}, {kn}, {min_blocks}>"
 
 
