@@ -3,14 +3,16 @@
 // Reference: ftengine/backends/numpy_ops.py varlen_attention.
 //
 // varlen_attention_mma's plain case (head dim 64; the length and causal masks, no window, no
-// relative bias) for a block of one warpgroup (64 query rows), with S = Q K^T on wgmma: Q from
-// registers (the staged query fragments, as varlen_attention_mma holds them), a K tile from shared
-// memory; the score accumulators come back in mma.sync's layout. O += P V stays on mma.sync, its
-// V fragments read from the swizzled tile: as a register-A wgmma it gave wrong outputs from the
-// second key tile on (H100, NVRTC 13.0; with a fresh accumulator too), and as a shared-memory-A
-// wgmma (P stored swizzled) it ran no faster (kernels_cu/dev/attention_wgmma.py). K/V tiles of
-// VARLEN_WG_KN keys are copied asynchronously two stages deep in wgmma's 128-byte swizzled layout.
-// The online softmax, the query staging and the stores are varlen_attention_mma's.
+// relative bias) for a block of one warpgroup (64 query rows), both products on wgmma: S = Q K^T
+// with Q from registers (the staged query fragments, read again for each key tile: held across the
+// loop, ptxas (CUDA 13.0) gave their registers to P, which wrote over them from the second tile on)
+// and a K tile from shared memory; the score accumulators come back in mma.sync's layout, and
+// O += P V takes P from them as a register-A operand, V from its tile in shared memory (MN-major:
+// rows of keys). H100: 1.06-1.18x the speed of the mma.sync P V it replaces on sequences of 512
+// tokens and more, the same at 128; a shared-memory P ran no faster
+// (kernels_cu/dev/attention_wgmma.py). K/V tiles of VARLEN_WG_KN keys are copied asynchronously two
+// stages deep in wgmma's 128-byte swizzled layout. The online softmax, the query staging and the
+// stores are varlen_attention_mma's.
 // grid (ceil(max_seqlen / 64), B * heads), 128 threads; dynamic shared memory:
 // 2 x (K, V) x VARLEN_WG_KN x 64 elements, 64 x 72 (the staged queries), 1024 (alignment).
 
@@ -43,29 +45,29 @@ __device__ __forceinline__ void fence_registers(unsigned (&d)[N][4]) {
 
 // d (64 x 64, fp32: fragment i of a thread is m16n8 block i / 4's element i % 4, as mma.sync lays
 // them out per warp of 16 rows) = (SCALE_D ? d : 0) + A (64 x 16, registers: each warp's 16 rows as
-// an m16n8k16 A fragment) B (16 x 64, K-major in shared memory).
+// an m16n8k16 A fragment) B (16 x 64 in shared memory: K-major, or with TRANS_B MN-major).
 #define WGMMA_RS_M64N64K16(TYPE)                                                                                \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"                                                  \
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                \
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                    \
                  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "          \
-                 "{%32, %33, %34, %35}, %37, p, 1, 1, 0;\n}\n"                                                \
+                 "{%32, %33, %34, %35}, %37, p, 1, 1, %38;\n}\n"                                               \
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),     \
                    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),   \
                    "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),   \
                    "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                        \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(SCALE_D), "l"(b))
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(SCALE_D), "l"(b), "n"(TRANS_B))
 
 template <typename T> struct WgmmaRS;
 template <> struct WgmmaRS<__half> {
-    template <int SCALE_D>
+    template <int SCALE_D, int TRANS_B = 0>
     static __device__ __forceinline__ void run(float (&d)[32], const unsigned (&a)[4], unsigned long long b) {
         WGMMA_RS_M64N64K16("f16");
     }
 };
 template <> struct WgmmaRS<__nv_bfloat16> {
-    template <int SCALE_D>
+    template <int SCALE_D, int TRANS_B = 0>
     static __device__ __forceinline__ void run(float (&d)[32], const unsigned (&a)[4], unsigned long long b) {
         WGMMA_RS_M64N64K16("bf16");
     }
@@ -90,8 +92,7 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
     if (q0 >= len) return;
     const int H = heads * D, row_stride = 3 * H;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int lm = lane >> 3, lr = lane & 7;  // ldmatrix: the matrix this lane addresses, its row
-    const int w0 = q0 + warp * 16;            // this warp's first query row
+    const int w0 = q0 + warp * 16;  // this warp's first query row
     const T* base = qkv + (long)start * row_stride;
     const T* k_head = base + H + h * D;
     const T* v_head = base + 2 * H + h * D;
@@ -106,9 +107,6 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
     cp_async_commit();
     stage_queries<T, D, LDQ, 128, BLOCK_M>(qs, base, bias, q0, len, row_stride, h);
     __syncthreads();
-    unsigned qa[D / 16][4];
-    query_fragments<T, D, LDQ>(qa, qs, warp * 16, lane);
-    fence_registers(qa);
 
     float o[D / 8][4], s[KN / 8][4];
     float m[2] = {-FT_INFINITY, -FT_INFINITY}, l[2] = {0.0f, 0.0f};
@@ -123,7 +121,12 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
         __syncthreads();
         const unsigned ks = tiles + (it & 1) * 2 * TILE_BYTES, vs = ks + TILE_BYTES;
 
-        // S = Q K^T: K-major K tile, a k16 step is 32 bytes along its rows
+        // S = Q K^T: K-major K tile, a k16 step is 32 bytes along its rows. The query fragments are
+        // read again for each tile: held in registers across the loop, ptxas (CUDA 13.0) gave their
+        // registers to P once P V became a register-A wgmma too (kernels_cu/dev/attention_wgmma.py).
+        unsigned qa[D / 16][4];
+        query_fragments<T, D, LDQ>(qa, qs, warp * 16, lane);
+        fence_registers(qa);
         fence_registers(s_flat);
         wgmma_fence();
         WgmmaRS<T>::template run<0>(s_flat, qa[0], swizzled_desc(ks));
@@ -135,21 +138,21 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
 
         const bool masked = n0 + KN > len || (causal && n0 + KN - 1 > w0);  // rows of this warp that miss a key
         softmax_tile<false, KN, D>(s, o, m, l, keys, n0, w0 + (lane >> 2), masked, scale_log2, scale_log2);
-        // O += P V on mma.sync: V fragments by ldmatrix.trans from the swizzled rows (row r's 16-byte
-        // chunk c at c ^ (r % 8); r % 8 is this lane's lr)
+        // O += P V, P from the score registers (register-A wgmma), V an MN-major tile (rows of keys),
+        // a k16 step 16 of its 128-byte rows
+        unsigned pa[KN / 16][4];
         #pragma unroll
-        for (int kk = 0; kk < KN / 16; ++kk) {
-            unsigned pa[4];
-            weight_fragment<T, KN>(pa, s, kk);
-            const unsigned row = vs + (kk * 16 + (lm & 1) * 8 + lr) * 128;
-            #pragma unroll
-            for (int j = 0; j < D / 8; j += 2) {
-                unsigned vb[4];  // b0, b1 of dims j*8.., then of (j+1)*8..
-                ldmatrix_x4_trans(vb, row + (((j + (lm >> 1)) ^ lr) << 4));
-                MmaOp<T>::run(o[j], pa, vb[0], vb[1]);
-                MmaOp<T>::run(o[j + 1], pa, vb[2], vb[3]);
-            }
-        }
+        for (int kk = 0; kk < KN / 16; ++kk) weight_fragment<T, KN>(pa[kk], s, kk);
+        float (&o_flat)[D / 2] = reinterpret_cast<float (&)[D / 2]>(o);
+        fence_registers(o_flat);
+        fence_registers(pa);
+        wgmma_fence();
+        #pragma unroll
+        for (int kk = 0; kk < KN / 16; ++kk)
+            WgmmaRS<T>::template run<1, 1>(o_flat, pa[kk], swizzled_desc(vs + 2048 * kk));
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_registers(o_flat);
     }
     store_context<T, D>(ctx + h * D, o, l, bias + 2 * H + h * D, start, w0 + (lane >> 2), len, H);
 }

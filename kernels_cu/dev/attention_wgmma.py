@@ -1,8 +1,9 @@
 """The wgmma attention (attention_sm90.cu, head dim 64) against the designs it was chosen over, in
 one run on an sm_90 GPU: the mma.sync kernel it replaces there (varlen_attention_mma; also its
-general form, run with a window past every sequence, which the wgmma kernel does not take), and two
-variants of its O += P V step built from its source here, P V as a register-A wgmma (P from the
-score registers) and as a shared-memory wgmma (P stored in the 128-byte swizzle first). Each is
+general form, run with a window past every sequence, which the wgmma kernel does not take), and
+variants built from its source here: its O += P V step on mma.sync (V fragments by ldmatrix.trans:
+the shipped kernel until 2026-11-25, but for the query fragments read each tile) and as a
+shared-memory wgmma (P stored in the 128-byte swizzle first), 128-key tiles, 5 blocks an SM. Each is
 checked against NumPy (fp16, single sequences of 40 to 300 tokens: one key tile and several; plain
 and causal), then timed against torch SDPA on the encoder benchmark's shapes.
 
@@ -28,8 +29,8 @@ product was issued conditionally or always; it needs the loop restructured so th
 of either score set falls inside a product's stage.
 
 Measured on the H100 (2026-11-25, later), us:
-- --probe, the shipped kernel with parts of it taken out (outputs wrong, timing only; 4 blocks an SM
-  each), at 64 x 512 / 256 x 128 / 16 x 2048: as shipped 192.5 / 106.6 / 615.2; without the exp2
+- --probe, the kernel then shipped (P V on mma.sync) with parts of it taken out (outputs wrong,
+  timing only; 4 blocks an SM each), at 64 x 512 / 256 x 128 / 16 x 2048: as shipped 192.5 / 106.6 / 615.2; without the exp2
   (an FMUL instead) 189.3 / 106.4 / 620.5; without S 185.0 / 103.4 / 564.6; without the P V
   products 185.1 / 104.0 / 585.2; without the V ldmatrix 191.5 / 105.8 / 637.4; without the K/V
   copies past tile 0 180.1 / 109.5 / 555.2; without the proxy fence 186.4 / 106.8 / 608.6; without
@@ -58,6 +59,17 @@ Measured on the H100 (2026-11-25, later), us:
   against 190.8, 256 x 128 106.0 against 86.2, 32 x 128 15.7 against 13.1, 1 x 128 5.7 against
   4.0, 4 x 1,024 causal 41.6 against 39.0, 16 x 2,048 630.8 against 657.4. Not kept.
 
+Measured on the H100 (2026-11-25, last): why the register-A P V was wrong. In its SASS, ptxas gave
+P the registers that held the query fragments (the A operands of S's wgmma, loaded once before the
+key loop and read by S in every iteration): the S of the second tile on multiplied P by K. Reading
+the query fragments from shared memory again at each tile (4 ldmatrix a warp) leaves ptxas nothing
+to overwrite: right at every length (max abs err 0.001-0.003 as the mma.sync kernel's; GPU suite
+1073 passed) and now the shipped kernel, 106 registers. us, against the mma.sync P V kernel of the
+run before (torch SDPA of this run in brackets): 64 x 512 164.3 against 176.0 (130.7: 0.80x),
+16 x 2,048 547.5 against 646.6 (449.4: 0.82x), 4 x 1,024 causal 32.3 against 34.5 (28.4: 0.88x),
+4 x 512 13.3 against 14.1, 256 x 128 82.0 against 82.1 (71.4: 0.87x), 32 x 128 12.2 against 12.1,
+1 x 128 3.9 against 3.7.
+
     PYTHONPATH=. python3 kernels_cu/dev/attention_wgmma.py [--out results.json] [--probe]
 """
 
@@ -72,7 +84,23 @@ SHAPES = [(64, 512, False), (256, 128, False), (16, 2048, False), (32, 128, Fals
           (4, 512, False), (1, 512, True), (32, 128, True), (4, 1024, True)]
 LENGTHS = (40, 64, 65, 128, 129, 300)
 
-SHIPPED_PV = """        #pragma unroll
+SHIPPED_PV = """        unsigned pa[KN / 16][4];
+        #pragma unroll
+        for (int kk = 0; kk < KN / 16; ++kk) weight_fragment<T, KN>(pa[kk], s, kk);
+        float (&o_flat)[D / 2] = reinterpret_cast<float (&)[D / 2]>(o);
+        fence_registers(o_flat);
+        fence_registers(pa);
+        wgmma_fence();
+        #pragma unroll
+        for (int kk = 0; kk < KN / 16; ++kk)
+            WgmmaRS<T>::template run<1, 1>(o_flat, pa[kk], swizzled_desc(vs + 2048 * kk));
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_registers(o_flat);
+"""
+# P V on mma.sync, V fragments by ldmatrix.trans from the swizzled rows (the kernel before 2026-11-25)
+PV_MMA = """        const int lm = lane >> 3, lr = lane & 7;
+        #pragma unroll
         for (int kk = 0; kk < KN / 16; ++kk) {
             unsigned pa[4];
             weight_fragment<T, KN>(pa, s, kk);
@@ -86,7 +114,7 @@ SHIPPED_PV = """        #pragma unroll
             }
         }
 """
-# a wgmma of 64 x 16 P (registers or shared memory) by an MN-major 16 x 64 V tile (trans-b)
+# a wgmma of 64 x 16 P from shared memory by an MN-major 16 x 64 V tile (trans-b)
 PV_WGMMA = """
 #define PV_ACC "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \\
     "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -94,29 +122,11 @@ PV_WGMMA = """
     "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \\
     "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \\
     "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-__device__ __forceinline__ void pv_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long b) {
-    asm volatile("{\\n.reg .pred p;\\nsetp.ne.b32 p, %37, 0;\\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " PV_ACC ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\\n}\\n"
-                 : PV_OUT(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-}
 __device__ __forceinline__ void pv_ss(float (&d)[32], unsigned long long a, unsigned long long b) {
     asm volatile("{\\n.reg .pred p;\\nsetp.ne.b32 p, %34, 0;\\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " PV_ACC ", %32, %33, p, 1, 1, 0, 1;\\n}\\n"
                  : PV_OUT(d) : "l"(a), "l"(b), "r"(1));
 }
-"""
-PV_REGISTERS = """        unsigned pa[KN / 16][4];
-        #pragma unroll
-        for (int kk = 0; kk < KN / 16; ++kk) weight_fragment<T, KN>(pa[kk], s, kk);
-        float (&o_flat)[32] = reinterpret_cast<float (&)[32]>(o);
-        fence_registers(o_flat);
-        fence_registers(pa);
-        wgmma_fence();
-        #pragma unroll
-        for (int kk = 0; kk < KN / 16; ++kk) pv_rs(o_flat, pa[kk], swizzled_desc(vs + 2048 * kk));
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_registers(o_flat);
 """
 PV_SHARED = """        const unsigned pt = tiles + 4 * TILE_BYTES;  // P (64 x 64, K-major, 128-byte swizzle)
         #pragma unroll
@@ -163,7 +173,7 @@ VARIANTS = {  # name -> source patches (None: the mma.sync kernel; GENERAL: its 
     "mma.sync kernel": None,
     "mma.sync general kernel (a window past every sequence)": None,
     "shipped": [],
-    "P V register wgmma": [(SHIPPED_PV, PV_REGISTERS), (KERNEL, PV_WGMMA + KERNEL)],
+    "P V on mma.sync": [(SHIPPED_PV, PV_MMA)],
     "P V shared wgmma": [(SHIPPED_PV, PV_SHARED), (KERNEL, PV_WGMMA + KERNEL),
                          (QS, QS.replace("4 * TILE_BYTES", "4 * TILE_BYTES + 8192"))],
     "128-key tiles": [(KN_DEFINE, KN_DEFINE.replace("64", "128")), (SHIPPED_S, S_HALVES)],
@@ -181,11 +191,8 @@ FENCE = 'asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");  // thi
 PARTS = {  # a part of the kernel -> the patches that take it out
     "exp2": [('asm("ex2.approx.ftz.f32 %0, %1;\\n" : "=f"(y) : "f"(x));', "y = x * 0.5f;")],  # an FMUL instead
     "S": [("WgmmaRS<T>::template run<0>(s_flat, qa[0], swizzled_desc(ks));", ""),
-          ("WgmmaRS<T>::template run<1>(s_flat, qa[kk], swizzled_desc(ks + 32 * kk));", "")],
-    "PV": [("MmaOp<T>::run(o[j], pa, vb[0], vb[1]);", "o[j][0] += __uint_as_float(vb[0] ^ pa[0]);"),
-           ("MmaOp<T>::run(o[j + 1], pa, vb[2], vb[3]);", "o[j + 1][0] += __uint_as_float(vb[2] ^ pa[2]);")],
-    "V ldmatrix": [("ldmatrix_x4_trans(vb, row + (((j + (lm >> 1)) ^ lr) << 4));",
-                    "vb[0] = row + j; vb[1] = vb[0] ^ 1u; vb[2] = vb[0] ^ 2u; vb[3] = vb[0] ^ 3u;")],
+          ("WgmmaRS<T>::template run<1>(s_flat, qa[kk], swizzled_desc(ks + 32 * kk));", ";")],
+    "PV": [("WgmmaRS<T>::template run<1, 1>(o_flat, pa[kk], swizzled_desc(vs + 2048 * kk));", ";")],
     "copies": [("loader.load(next, k_head, next_row, len, row_stride);", ""),  # K/V copies past tile 0
                ("loader.load(next + tile_bytes, v_head, next_row, len, row_stride);", "")],
     "proxy fence": [(FENCE, "")],
@@ -193,9 +200,8 @@ PARTS = {  # a part of the kernel -> the patches that take it out
                  ("                                                 int row_stride) {\n    __syncthreads();",
                   "                                                 int row_stride) {")],
 }
-PROBES = [("exp2",), ("S",), ("PV",), ("V ldmatrix",), ("copies",), ("proxy fence",), ("barriers",), ("S", "PV"),
-          ("S", "PV", "exp2"), ("S", "PV", "exp2", "V ldmatrix"), ("copies", "barriers"),
-          ("S", "PV", "exp2", "V ldmatrix", "copies", "barriers")]
+PROBES = [("exp2",), ("S",), ("PV",), ("copies",), ("proxy fence",), ("barriers",), ("S", "PV"), ("S", "PV", "exp2"),
+          ("copies", "barriers"), ("S", "PV", "exp2", "copies", "barriers")]
 
 
 def time_shape(rng, b, s, causal, window=0):
