@@ -4,8 +4,7 @@
 //
 // varlen_attention_mma's plain case (head dim 64; the length and causal masks, no window, no
 // relative bias) for a block of one warpgroup (64 query rows), both products on wgmma: S = Q K^T
-// with Q from registers (the staged query fragments, read again for each key tile: held across the
-// loop, ptxas (CUDA 13.0) gave their registers to P, which wrote over them from the second tile on)
+// with Q from registers (the staged query fragments, read again for each key tile: see the loop)
 // and a K tile from shared memory; the score accumulators come back in mma.sync's layout, and
 // O += P V takes P from them as a register-A operand, V from its tile in shared memory (MN-major:
 // rows of keys). H100: 1.06-1.18x the speed of the mma.sync P V it replaces on sequences of 512

@@ -30,24 +30,24 @@ of either score set falls inside a product's stage.
 
 Measured on the H100 (2026-11-25, later), us:
 - --probe, the kernel then shipped (P V on mma.sync) with parts of it taken out (outputs wrong,
-  timing only; 4 blocks an SM each), at 64 x 512 / 256 x 128 / 16 x 2048: as shipped 192.5 / 106.6 / 615.2; without the exp2
-  (an FMUL instead) 189.3 / 106.4 / 620.5; without S 185.0 / 103.4 / 564.6; without the P V
-  products 185.1 / 104.0 / 585.2; without the V ldmatrix 191.5 / 105.8 / 637.4; without the K/V
-  copies past tile 0 180.1 / 109.5 / 555.2; without the proxy fence 186.4 / 106.8 / 608.6; without
-  the loop's barriers 185.7 / 105.6 / 607.7; without S, P V, exp2 and the V ldmatrix 150.4 / 99.3
-  / 438.0; without all of these, copies and barriers too, 124.7 / 97.2 / 311.4. No part of the
-  loop bounds it alone; and with the whole loop gone, 256 x 128 (two key tiles a block) kept 91% of
-  its time: a block's fixed part (about 5-6 us a block, fitting time = blocks / (4 x 132) x (fixed
-  + tiles x per tile) to the three shapes) was the larger cost there. Its largest piece was the
-  query staging, a 16-byte load, add and store at a time (the compiler kept each load behind the
+  timing only; 4 blocks an SM each), at 64 x 512 / 256 x 128 / 16 x 2048: as shipped 192.5 / 106.6 /
+  615.2; without the exp2 (an FMUL instead) 189.3 / 106.4 / 620.5; without S 185.0 / 103.4 / 564.6;
+  without the P V products 185.1 / 104.0 / 585.2; without the V ldmatrix 191.5 / 105.8 / 637.4;
+  without the K/V copies past tile 0 180.1 / 109.5 / 555.2; without the proxy fence 186.4 / 106.8 /
+  608.6; without the loop's barriers 185.7 / 105.6 / 607.7; without S, P V, exp2 and the V ldmatrix
+  150.4 / 99.3 / 438.0; without all of these, copies and barriers too, 124.7 / 97.2 / 311.4. No part
+  of the loop bounds it alone; and with the whole loop gone, 256 x 128 (two key tiles a block) kept
+  91% of its time: a block's fixed part (about 5-6 us a block, fitting time = blocks / (4 x 132) x
+  (fixed + tiles x per tile) to the three shapes) was the larger cost there. Its largest piece was
+  the query staging, a 16-byte load, add and store at a time (the compiler kept each load behind the
   last store): loading all of a thread's query chunks first, then adding and storing them (what
   attention_varlen.cu stage_queries does now), two runs each, against the kernel before: 64 x 512
   179.9 / 190.8 against 192.6 / 192.1, 256 x 128 83.5 / 86.2 against 107.4 / 106.7, 32 x 128 13.5 /
   13.1 against 15.8 / 16.0, 1 x 128 4.1 / 4.0 against 4.9 / 4.9, 4 x 1,024 causal 40.2 / 39.0
-  against 40.3 / 41.2, 16 x 2,048 659.8 / 657.4 against 645.0 / 622.1 (about 3% slower; this
-  shape's spread between runs is 5%). The mma.sync kernels (the same helper): plain 256 x 128 94.7
-  / 97.7 against 114.6 / 120.9, 32 x 128 14.9 / 15.6 against 18.4 / 18.3; general (a window past
-  every sequence, now also asking for 4 blocks an SM, as the plain one does: 128 registers, 16 bytes
+  against 40.3 / 41.2, 16 x 2,048 659.8 / 657.4 against 645.0 / 622.1 (about 3% slower; this shape's
+  spread between runs is 5%). The mma.sync kernels (the same helper): plain 256 x 128 94.7 / 97.7
+  against 114.6 / 120.9, 32 x 128 14.9 / 15.6 against 18.4 / 18.3; general (a window past every
+  sequence, now also asking for 4 blocks an SM, as the plain one does: 128 registers, 16 bytes
   spilled, against 142 registers and 3 blocks without) 256 x 128 103.7 / 101.5 against 120.3 /
   124.9, 64 x 512 287.7 / 281.6 against 288.1 / 315.7, 16 x 2,048 1176.9 / 1209.8 against 1187.5 /
   1191.8. The same staging through cp.async (copies beside tile 0's, the bias added in place once
@@ -217,40 +217,50 @@ def time_shape(rng, b, s, causal, window=0):
                                                 window=window))
 
 
+def use_patched(patches, extra_smem=0):
+    """From here on, ops builds attention_sm90.cu from its source with `patches` ((old, new) pairs)
+    applied and launches it with `extra_smem` more bytes of shared memory a block; the function it
+    returns puts the shipped source and launch back."""
+    from ftengine.backends.cuda import kernels
+    from ftengine.backends.cuda import ops as cu
+    shipped_source, shipped_launch = kernels.source, cu._launch
+
+    def source(file):
+        text = shipped_source(file)
+        if file == "attention_sm90.cu":
+            for old, new in patches:
+                assert old in text, old[:60]
+                text = text.replace(old, new)
+        return text
+
+    def launch(file, name, grid, block, largs, shared_mem=0, cluster=None):
+        extra = extra_smem if file == "attention_sm90.cu" else 0
+        return shipped_launch(file, name, grid, block, largs, shared_mem=shared_mem + extra, cluster=cluster)
+
+    def install(source, launch):  # and drop the module and kernels built from the other source
+        kernels.source, cu._launch = source, launch
+        kernels._modules.pop(("attention_sm90.cu", "__half"), None)
+        kernels.kernel.cache_clear()
+    install(source, launch)
+    return lambda: install(shipped_source, shipped_launch)
+
+
 def probe():
     """Times the shipped wgmma kernel with each of PROBES' sets of PARTS taken out, each at 4 blocks an
     SM (8 KB more shared memory a block: a part taken out may free registers for a fifth)."""
-    from ftengine.backends.cuda import kernels
-    from ftengine.backends.cuda import ops as cu
     rng = np.random.default_rng(0)
-    shipped_source, shipped_launch = kernels.source, cu._launch
-
-    def launch(file, name, grid, block, largs, shared_mem=0, cluster=None):
-        extra = 8192 if file == "attention_sm90.cu" else 0
-        return shipped_launch(file, name, grid, block, largs, shared_mem=shared_mem + extra, cluster=cluster)
-    cu._launch = launch
     probes = {"as shipped": []}
     probes.update({"no " + " + ".join(parts): [p for part in parts for p in PARTS[part]] for parts in PROBES})
     for label, patches in probes.items():
-        def source(file, patches=patches):
-            text = shipped_source(file)
-            if file == "attention_sm90.cu":
-                for old, new in patches:
-                    assert old in text, (label, old)
-                    text = text.replace(old, new)
-            return text
-        kernels.source = source
-        kernels._modules.pop(("attention_sm90.cu", "__half"), None)
-        kernels.kernel.cache_clear()
+        reset = use_patched(patches, 8192)
         row = {f"{b}x{s}": round(1e3 * time_shape(rng, b, s, causal), 1) for b, s, causal in PROBE_SHAPES}
         print(f"{label}: " + ", ".join(f"{k} {v} us" for k, v in row.items()), flush=True)
-    kernels.source, cu._launch = shipped_source, shipped_launch
+        reset()
 
 
 def main():
     import torch
     from ftengine.backends import numpy_ops as ref
-    from ftengine.backends.cuda import kernels
     from ftengine.backends.cuda import ops as cu
 
     parser = argparse.ArgumentParser()
@@ -263,22 +273,9 @@ def main():
     ctx = cu.context()
     assert ctx.wgmma, "needs a compute capability 9.0 GPU"
     rng = np.random.default_rng(0)
-    shipped_source, shipped_launch = kernels.source, cu._launch
     results = {}
     for label, patches in ((v, VARIANTS[v]) for v in args.variants):
-        def source(file, patches=patches):
-            text = shipped_source(file)
-            for old, new in patches or ():
-                assert old in text, (label, old[:60])
-                text = text.replace(old, new)
-            return text
-
-        def launch(file, name, grid, block, largs, shared_mem=0, cluster=None, label=label):
-            extra = EXTRA_SMEM.get(label, 0) if file == "attention_sm90.cu" else 0
-            return shipped_launch(file, name, grid, block, largs, shared_mem=shared_mem + extra, cluster=cluster)
-        kernels.source, cu._launch = source, launch
-        kernels._modules.pop(("attention_sm90.cu", "__half"), None)
-        kernels.kernel.cache_clear()
+        reset = use_patched(patches or (), EXTRA_SMEM.get(label, 0))
         ctx.wgmma = patches is not None
         window = 1 << 20 if label == GENERAL else 0
         worst = {}
@@ -299,7 +296,8 @@ def main():
             row[f"{b}x{s}{' causal' if causal else ''} ms"] = time_shape(rng, b, s, causal, window)
         results[label] = row
         print(label, json.dumps(row), flush=True)
-    kernels.source, cu._launch, ctx.wgmma = shipped_source, shipped_launch, True
+        reset()
+    ctx.wgmma = True
     sdpa_ms = {}
     for b, s, causal in SHAPES:
         tq, tk, tv = (torch.randn(b, 12, s, 64, device="cuda", dtype=torch.float16) for _ in range(3))
