@@ -128,6 +128,15 @@ def main():
     lines += [f"| {r['product']} | {r['rows']} | {r['route']} | {r['ftengine_ms']:.4f} | "
               f"{r['product_then_pass_ms']:.4f} | {r['product_then_pass_ms'] / r['ftengine_ms']:.2f}x |"
               for r in gelu_rows]
+    lines += ["", f"ftengine times products of {cuda_ops.TRIAL_MIN_ROWS:,} rows or more (`TRIAL_MIN_ROWS`), once "
+              "per process for the first shape of each row bucket (rows up to the next power of two; the bucket's "
+              "other shapes reuse that algorithm where `cublasLtMatmulAlgoCheck` accepts it), so the `ftengine` column "
+              "equals `Lt` below that and about `Lt best` past it. The erf bias + GELU pass is what separates the "
+              "\"product, then the bias + erf GELU kernel\" column from the product. The last table's routes are "
+              "`ops._wgmma_tile`'s (compute capability 9.0): 256-column tiles from 4,096 x 3,072 outputs on, below "
+              "that narrow tiles where K <= 384 or the batch has at most 64 rows (the kernel then splits K between "
+              "its two consumer warpgroups), else cuBLASLt and the pass (figures per tile: "
+              "`kernels_cu/dev/gemm_tiles.py`)."]
     (out / "gemm.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

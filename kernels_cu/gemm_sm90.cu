@@ -325,7 +325,6 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma(
         #pragma unroll
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
         fence_registers(acc);
-        int last = -1;  // the ring step this warpgroup multiplied last
         for (int kt = 0; kt < k_steps; ++kt, ++it) {
             if (split_k && (kt & 1) != wg) continue;
             const int s = it % STAGES;
@@ -336,13 +335,13 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma(
             #pragma unroll
             for (int k = 0; k < GEMM_BK / 16; ++k) Wgmma<T, BN>::run(acc, wgmma_desc(a + 32 * k), wgmma_desc(b + 32 * k));
             wgmma_commit();
-            wgmma_wait<1>();  // the previous step's products are done: its stage may be refilled
-            if (last >= 0 && lane == 0) mbar_arrive(empty + 8 * (last % STAGES));
-            last = it;
+            // this step's products done, its stage is released at once. Keeping them in flight into the
+            // next step (releasing each stage after the next step's issue, so after its copies had
+            // arrived) left the producer one copy fewer in flight: 3-7% slower (H100, 2026-11-25).
+            wgmma_wait<0>();
+            if (lane == 0) mbar_arrive(empty + 8 * s);
         }
-        wgmma_wait<0>();
         fence_registers(acc);
-        if (last >= 0 && lane == 0) mbar_arrive(empty + 8 * (last % STAGES));
         // the previous tile's stores have read this warpgroup's buffer (the issuer's bulk groups)
         if (issuer) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
         if (split_k) {  // warpgroup 1's sums, as fp32 in both result buffers (as many bytes), added to 0's

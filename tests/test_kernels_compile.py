@@ -1,7 +1,8 @@
 """Every kernels_cu/*.cu compiles with nvcc for sm_80 and sm_90 (the arch-specific ones for their
 own target, e.g. sm_90a), every listed template instantiated (CPU only: catches syntax and type
-errors without a GPU)."""
+errors without a GPU); common.cuh's erf GELU coefficients meet the accuracy its comment states."""
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -48,3 +49,12 @@ def test_compiles_for_sm80_and_sm90(tmp_path, file):
          *(a for t in targets for a in ("-gencode", f"arch=compute_{t},code=sm_{t}")), "-Werror", "all-warnings"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_erf_gelu_coefficients_meet_their_bounds():
+    """common.cuh's erf GELU (a fitted 2^q(z) for erfc), evaluated as the kernel does, against the
+    exact GELU (math.erfc): the bounds its comment states (kernels_cu/dev/gelu_fit.py, CPU only)."""
+    spec = importlib.util.spec_from_file_location("gelu_fit", kernel_dir() / "dev" / "gelu_fit.py")
+    gelu_fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gelu_fit)
+    assert gelu_fit.check(gelu_fit.shipped()) == 0

@@ -70,6 +70,27 @@ run before (torch SDPA of this run in brackets): 64 x 512 164.3 against 176.0 (1
 4 x 512 13.3 against 14.1, 256 x 128 82.0 against 82.1 (71.4: 0.87x), 32 x 128 12.2 against 12.1,
 1 x 128 3.9 against 3.7.
 
+Measured on the H100 (2026-11-25, after that), two restructurings of the shipped kernel, both right
+(max abs err 0.0039 against NumPy on single and ragged batches of 1 to 520 tokens, plain and causal,
+as the shipped kernel's), neither kept; scratch A/B builds in one run, us, shipped first:
+- Two warpgroups a block (128 queries sharing each K/V tile, 256 threads, 2 blocks an SM: the same
+  four warpgroups an SM, half the K/V copies): 64 x 512 164.8 against 175.6, 256 x 128 82.7 against
+  88.4, 16 x 2,048 543.6 against 577.0, 1 x 128 3.9 against 5.1, 4 x 1,024 causal 32.4 against 38.2.
+  Slower everywhere, as on the first kernel (2026-11-23): the two warpgroups wait for each other at
+  every tile's barrier, and the K/V copies were not what bounds it.
+- FA3's overlap within a warpgroup: S of tile j and P V of tile j - 1 issued together, tile j's
+  softmax while P V multiplies (the output rescaled once it is done: attention_varlen.cu's softmax
+  split into the weights and the rescale), K j + 1 and V j copied during step j into the halves that
+  steps j - 1 and j - 2 read (two stages still), tile 0's S and the last P V in steps of their own.
+  ptxas (CUDA 13.0) serialised nothing this time (no C7515: no register of a product in flight is
+  written before its wait); 122 registers, 4 blocks an SM. 64 x 512 166.0 / 166.2 against 167.8 /
+  168.5, 256 x 128 82.3 / 82.5 against 93.3 / 93.3, 16 x 2,048 585.3 / 558.5 against 554.7 / 548.3,
+  32 x 128 12.5 / 12.4 against 13.2 / 13.3, 4 x 1,024 causal 32.6 / 32.4 against 32.3 / 32.7 (two
+  rounds). No faster but at 16 x 2,048 (within that shape's spread), slower at two key tiles a block
+  (the extra step). Four independent warpgroups an SM already overlap one's softmax with another's
+  products; what is left is each warpgroup's chain of waits (copies, barrier, S, softmax, P V) with
+  only four of them to hide it.
+
     PYTHONPATH=. python3 kernels_cu/dev/attention_wgmma.py [--out results.json] [--probe]
 """
 

@@ -164,6 +164,39 @@ rows 5.7 against 4.8-5.0, 64 rows 5.2 against 5.0; 16 x 1,536 x 384 4.0 against 
 against 3.9; 40 x 1,000 x 264 4.0 against 3.8. Kept: the package's kernel takes that box at 64 rows
 or fewer (ops.py builds the map to match).
 
+Measured on the H100 (2026-11-25, the same day), changes to the package's kernel by scratch
+A/B builds in one run (fp16, us, three rounds each; cuBLASLt + the pass and cuBLASLt's product
+alone in brackets):
+
+    product (rows x N x K, epilogue)   shipped        stage released  + GELU on one MUFU op  [cuBLASLt + pass, product]
+    32,768 x 3,072 x 768, erf GELU     311-315        296-301         291-292                [349-361, 208-211]
+    8,192 x 3,072 x 768, erf GELU      80-85          77-82           75.5-75.9              [90.5, 56.5]
+    4,096 x 3,072 x 768, erf GELU      41.2-41.5      40.5-40.6       39.6-39.8              [45.9, 32.5]
+    32,768 x 1,536 x 384, erf GELU     107-110        106-107         101.6-101.9            [132.3, 62.0]
+    32,768 x 2,304 x 768, plain        186-201        178-179                                [157-162]
+    32,768 x 768 x 3,072, plain        232-267        219-220                                [220-234]
+    32,768 x 768 x 768, plain          65-67          62.8-63.1                              [58.4]
+    4,096 x 2,304 x 768, plain         31.3-31.8      30.3-30.8                              [23.5]
+
+"Stage released": each consumer warpgroup waits for its K step's products and releases the stage at
+once, where it had kept them in flight into the next step and released a stage only after issuing
+the next step's products, so only once the next stage's copies had arrived: the producer then had
+one copy fewer in flight. Releasing the previous stage early while keeping the products in flight
+(a non-blocking test of the next stage's barrier, the products waited for where it was not full
+yet) was slower than the plain release (301-306 at 32,768 x 3,072 x 768). "GELU on one MUFU op":
+common.cuh's erf GELU as 2^q(z) for erfc (kernels_cu/dev/gelu_fit.py) instead of Abramowitz &
+Stegun 7.1.26's reciprocal and exponential: the epilogue was bound by the MUFU unit (16 results a
+clock an SM). Outputs: the same bits with the stage released; within one fp16 ulp with the new GELU.
+The narrow tiles gained nothing either way (512 x 1,536 x 384 5.2, 64 x 3,072 x 768 4.8-4.9).
+Both kept. Tried and not kept: K split over a cluster of 2-4 blocks (one tile a cluster; blocks
+1.. sent their fp32 sums to block 0 through distributed shared memory and an mbarrier, block 0
+added them in rank order and ran the epilogue), for short batches at K = 768: slower everywhere,
+us, against the 64-column tile (8 stages) and cuBLASLt + the pass: 128 x 3,072 x 768 split 2 7.4,
+split 3 11.4, split 4 12.4 against 6.8 and 6.6; 128 x 768 x 768 (plain) 6.3 / 5.9 / 6.4 against
+5.4 (cuBLASLt 3.3). A short product's time here is a fixed cost of about 5 us (12 blocks of 12 K
+steps take 5.4 us, 36 blocks of 4 K steps 5.9), not its K steps: splitting K only adds blocks and
+the exchange.
+
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--small] [--out results.json]
 """
 

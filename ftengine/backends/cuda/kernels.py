@@ -43,7 +43,9 @@ GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
 # package's kernel): BERT-base's 768 -> 3,072 at 32,768 rows 306.9 against 349.5, 8,192 rows 81.4
 # against 90.6, 4,096 rows 41.8 against 46.5, 1,024 rows 15.5 against 13.7; all-MiniLM-L6-v2's 384 ->
 # 1,536 at 32,768 rows 105.4 against 132.8, 8,192 rows (4,096 x 3,072 outputs) 28.9 against 30.3,
-# 4,096 rows 19.9 against 17.5.
+# 4,096 rows 19.9 against 17.5. Since each stage is released as soon as its products are done and the
+# erf GELU takes one MUFU operation (later the same day): 299.4 against 368.5 at 32,768 rows, 39.4
+# against 42.8 at 4,096; all-MiniLM-L6-v2's 101.5 against 135.1 (bench/results/gemm.md).
 # Below WGMMA_GELU_MIN_OUTPUTS, products of K <= WGMMA_NARROW_MAX_K or of WGMMA_SPLIT_ROWS rows or
 # fewer (where the kernel splits K between its two consumer warpgroups) take the narrow tiles: 128
 # columns where that makes WGMMA_NARROW_TILES_PER_SM tiles an SM or more, else 64 (H100, 2026-11-25,
@@ -135,8 +137,8 @@ FP8_KERNELS = ("quantize_rows", "add_bias_residual_layernorm_quantize", "add_bia
 SAMPLE_THREADS, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX = 256, 8, 3 * 2048, 65536
 SAMPLE_CANDIDATES = 2048
 # attention_sm90.cu (wgmma): its head dim, queries per block (one warpgroup: two a block measured
-# slower at every shape, and two 16-row tiles a warp slower but at 16 x 2,048 tokens:
-# kernels_cu/dev/attention_wgmma.py) and keys per K/V tile
+# slower at every shape, on the first kernel and again on today's, and two 16-row tiles a warp slower
+# but at 16 x 2,048 tokens: kernels_cu/dev/attention_wgmma.py) and keys per K/V tile
 VARLEN_WG_HEAD_DIM, VARLEN_WG_BLOCK_M, VARLEN_WG_KN = 64, 64, 64
 SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample<false>", "choose_sample<true>",
                     "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates", "beam_select"]

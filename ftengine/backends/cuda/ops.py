@@ -75,10 +75,11 @@ _ALGOS = {}
 _BUCKET_ALGOS = {}
 _ALGOS_LOCK = threading.Lock()
 TRIAL_REPEATS = 10  # products per timed graph of each candidate algorithm
-# products of fewer rows run cuBLASLt's heuristic's first algorithm untimed: the best of its candidates
-# gained 0-8% there (bench/results/gemm.md, 128 and 4096 rows), less than the trials cost the many
-# batch shapes of a short run; past it, up to 19%
-TRIAL_MIN_ROWS = 8192
+# products of fewer rows run cuBLASLt's heuristic's first algorithm untimed. The best of its candidates
+# gained up to 19% at 32,768 rows and 3-8% at 4,096 (BERT-base's 32 x 128 tokens: QKV 23.6 -> 22.5 us,
+# attention output 9.5 -> 8.9, bench/results/gemm.md 2026-11-25); at 128 rows 0-10% of 3.4-6.6 us,
+# about the noise of a trial's 10 products there
+TRIAL_MIN_ROWS = 4096
 
 
 @contextmanager
