@@ -513,6 +513,12 @@ def _bucket_algo(ctx, key):
         return _ALGOS.setdefault(key, algo)
 
 
+# Known gap (H100, 2026-11-25, a scratch run): for BERT-base's FFN down-projection at
+# 32,768 rows (768 x 3,072 weights) the trial picks the 8th candidate every time (4 of 4 trials; also
+# 4 of 4 with three timed replays each, in alternating order), which a graph of 20 products replayed
+# alone times at 231.8 us against 212.9 for the 2nd (bench/results/gemm.md: ftengine 0.232 ms against
+# Lt best 0.220). For the other shapes measured (QKV at 4,096 and 32,768 rows, the attention output at
+# 4,096) the pick is the fastest. Why the trial's timing disagrees there is not known.
 def _choose_algo(ctx, key, product):
     """The fastest of the shape's candidate algorithms on this call's operands, recorded for the
     whole process: each candidate's TRIAL_REPEATS products captured in a graph, replayed once to
