@@ -2,9 +2,11 @@
 binding before cuBLASLt), cuBLASLt with its heuristic's first algorithm, the fastest of the
 plan's candidate algorithms each timed here, and ftengine's ops.matmul (its algorithm timed
 once per shape on first use), plus the FFN up-projection with its bias + GELU as a separate
-pass against cuBLASLt's fused GELU_BIAS epilogue, and the bias + erf GELU product as
+pass against cuBLASLt's fused GELU_BIAS epilogue, the bias + erf GELU product as
 ops.matmul_bias_gelu runs it (the wgmma product's tiles on compute capability 9.0: GELU_ROWS x
-GELU_SHAPES) against cuBLASLt's product followed by that pass. fp16, BERT-base / GPT-2 small /
+GELU_SHAPES) against cuBLASLt's product followed by that pass, and the product + bias + residual +
+LayerNorm as ops.matmul_bias_residual_layernorm runs it (LN_ROWS x LN_SHAPES) against the product
+followed by the LayerNorm kernel. fp16, BERT-base / GPT-2 small /
 all-MiniLM-L6-v2 widths, random operands (never zeros). Each figure: the product captured 20 times
 into one graph, replayed between events, median.
 
@@ -34,6 +36,10 @@ SHAPES = {"qkv 768->2304": (2304, 768), "attn out 768->768": (768, 768), "ffn up
 # the erf bias + GELU product's routes: 16 / 64 / 128 tokens of one sequence up to 256 x 128
 GELU_ROWS = (16, 64, 128, 512, 1024, 4096, 32768)
 GELU_SHAPES = {"BERT-base 768->3072": (3072, 768), "all-MiniLM-L6-v2 384->1536": (1536, 384)}
+# the product + bias + residual + LayerNorm's routes (ops.matmul_bias_residual_layernorm)
+LN_ROWS = (4096, 8192, 32768)
+LN_SHAPES = {"all-MiniLM-L6-v2 attn out 384->384": (384, 384), "all-MiniLM-L6-v2 ffn down 1536->384": (384, 1536),
+             "BERT-base attn out 768->768": (768, 768), "BERT-base ffn down 3072->768": (768, 3072)}
 
 
 def operands(rng, m, n, k):
@@ -54,6 +60,31 @@ def erf_gelu_row(rng, m, name, n, k) -> dict:
            "product_then_pass_ms": graph_ms(lambda: (cuda_ops.matmul(out, x, w),
                                                      cuda_ops.add_bias_gelu(out, out, bias, form="erf")))}
     for key in ("ftengine_ms", "product_then_pass_ms"):
+        row[key] = round(row[key], 4)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def residual_layernorm_row(rng, m, name, n, k) -> dict:
+    """One product + bias + residual + LayerNorm: ops.matmul_bias_residual_layernorm (its route)
+    against ops.matmul then the add_bias_residual_layernorm kernel, both timed as captured graphs."""
+    x, w, bias, product = operands(rng, m, n, k)
+    residual, out = (cuda_ops.to_device(rng.standard_normal((m, n)).astype(np.float32), np.float16) for _ in range(2))
+    gamma, beta = (cuda_ops.to_device(rng.standard_normal(n).astype(np.float32), np.float16) for _ in range(2))
+    partials = cuda_ops.empty((max(1, cuda_ops.partials_size(m, n)),), np.float32)
+    cuda_ops.matmul(product, x, w)  # the algorithm choice, outside a capture
+    fused = cuda_ops.wgmma_ln_fits(out, x, w, residual)
+
+    def ftengine():
+        cuda_ops.matmul_bias_residual_layernorm(out, x, w, bias, residual, gamma, beta, eps=1e-12, product=product,
+                                                partials=partials)
+
+    def unfused():
+        cuda_ops.matmul(product, x, w)
+        cuda_ops.add_bias_residual_layernorm(out, product, bias, residual, gamma, beta, eps=1e-12)
+    row = {"product": name, "rows": m, "route": "wgmma, fused" if fused else "cuBLASLt + LayerNorm kernel",
+           "ftengine_ms": graph_ms(ftengine), "product_then_layernorm_ms": graph_ms(unfused)}
+    for key in ("ftengine_ms", "product_then_layernorm_ms"):
         row[key] = round(row[key], 4)
     print(json.dumps(row), flush=True)
     return row
@@ -98,11 +129,12 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
     gelu_rows = [erf_gelu_row(rng, m, name, n, k) for name, (n, k) in GELU_SHAPES.items() for m in GELU_ROWS]
+    ln_rows = [residual_layernorm_row(rng, m, name, n, k) for name, (n, k) in LN_SHAPES.items() for m in LN_ROWS]
     import cupy
     result = {"device": ctx.device_name, "date": date.today().isoformat(),
               "versions": {"python": platform.python_version(), "cupy": cupy.__version__,
                            "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion()},
-              "rows": rows, "erf_gelu": gelu_rows}
+              "rows": rows, "erf_gelu": gelu_rows, "residual_layernorm": ln_rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gemm.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -128,6 +160,13 @@ def main():
     lines += [f"| {r['product']} | {r['rows']} | {r['route']} | {r['ftengine_ms']:.4f} | "
               f"{r['product_then_pass_ms']:.4f} | {r['product_then_pass_ms'] / r['ftengine_ms']:.2f}x |"
               for r in gelu_rows]
+    lines += ["", "Product + bias + residual + LayerNorm as ftengine runs it (ops.matmul_bias_residual_layernorm: "
+              "its route) against cuBLASLt's product (ftengine's algorithm choice) followed by the LayerNorm kernel:",
+              "", "| product | rows | route | ftengine ms | cuBLASLt + LayerNorm ms | speed-up |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {r['product']} | {r['rows']} | {r['route']} | {r['ftengine_ms']:.4f} | "
+              f"{r['product_then_layernorm_ms']:.4f} | {r['product_then_layernorm_ms'] / r['ftengine_ms']:.2f}x |"
+              for r in ln_rows]
     lines += ["", f"ftengine times products of {cuda_ops.TRIAL_MIN_ROWS:,} rows or more (`TRIAL_MIN_ROWS`), once "
               "per process for the first shape of each row bucket (rows up to the next power of two; the bucket's "
               "other shapes reuse that algorithm where `cublasLtMatmulAlgoCheck` accepts it), so the `ftengine` column "
@@ -136,7 +175,9 @@ def main():
               "`ops._wgmma_tile`'s (compute capability 9.0): 256-column tiles from 4,096 x 3,072 outputs on, below "
               "that narrow tiles where K <= 384 or the batch has at most 64 rows (the kernel then splits K between "
               "its two consumer warpgroups), else cuBLASLt and the pass (figures per tile: "
-              "`kernels_cu/dev/gemm_tiles.py`)."]
+              "`kernels_cu/dev/gemm_tiles.py`). The LayerNorm table's fused route is `ops.wgmma_ln_fits`' (compute "
+              "capability 9.0): from 8,192 rows, rows of at most 2 x 192 columns (a cluster of two blocks), where it "
+              "measured faster (figures: `kernels.WGMMA_LN_TILE`); BERT-base's 768 columns keep the two kernels."]
     (out / "gemm.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -174,6 +174,24 @@ def test_large_batch_low_precision_error_at_most_twice_hf(checkpoints, cu, dtype
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_large_minilm_batch_low_precision_error_at_most_twice_hf(checkpoints, cu, dtype):
+    """A batch of all-MiniLM-L6-v2's width (384) large enough for the product + residual LayerNorm
+    kernel on sm_90 (ops.matmul_bias_residual_layernorm's gemm_sm90.cu matmul_wgmma_ln: the
+    attention output and the FFN down-projection, 65 x 128 tokens): our error against HF fp32 at
+    most LOWP_ERROR_FACTOR times HF's own in that dtype, as for small batches."""
+    path = checkpoints("minilm-shaped")
+    rng = np.random.default_rng(14)
+    config = load_bert_config(path)
+    runner = BertRunner(config, load_bert_weights(path, config), cu, dtype=dtype, max_batch_tokens=65 * 128,
+                        max_seq_len=128)
+    batch = _batch(config, rng, [128] * 65)
+    assert 128 * 65 >= cu.WGMMA_LN_MIN_ROWS and config.hidden_size <= cu.LN_CLUSTER_MAX * cu.WGMMA_LN_TILE[0]
+    exact = _hf_hidden(path, batch, "fp32")
+    hf_err = _max_err(_hf_hidden(path, batch, dtype), exact)
+    assert _max_err(runner.hidden_states(batch), exact) <= LOWP_ERROR_FACTOR * hf_err
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_packed_and_padded_agree(checkpoints, cu, dtype):
     """Both layouts compute the same function; they differ by rounding only, which stays
     within the low-precision bound against HF fp32 used above."""

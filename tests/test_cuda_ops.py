@@ -117,6 +117,49 @@ def test_matmul_bias_residual_layernorm(cu, rng, dtype, m, k, n, splits, alias):
                                               partials=partials[:7])
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("m, k, n, fused", [(8200, 1536, 384, True), (8192, 384, 384, True), (9000, 776, 328, True),
+                                            (8300, 200, 200, True), (8191, 384, 384, False), (8200, 768, 768, False)])
+@pytest.mark.parametrize("alias", [False, True])
+def test_matmul_bias_residual_layernorm_wgmma(cu, rng, dtype, m, k, n, fused, alias):
+    """The product + bias + residual + LayerNorm in one kernel (gemm_sm90.cu matmul_wgmma_ln, compute
+    capability 9.0: a cluster of blocks across each row, from WGMMA_LN_MIN_ROWS rows, rows of up to
+    LN_CLUSTER_MAX tiles; else matmul then add_bias_residual_layernorm: fused False): rows, columns
+    and K that are not multiples of its tiles, the output the residual itself or not, against the
+    NumPy twin fed the exact product (operands on a grid of 1/4: every float32 sum of their
+    products is exact), as the fused kernel does not round it first; captured in a graph (a
+    programmatic dependent launch in a cluster), the same bits as launched directly."""
+    if not cu.context().wgmma:
+        pytest.skip("the wgmma product runs on compute capability 9.0 only")
+    (x, xh), (w, wh) = (quantize(cu, rng.integers(-8, 9, s) / 4, dtype) for s in ((m, k), (n, k)))
+    (r, rh), (bias, biash), (g, gh), (b, bh) = (quantize(cu, rng.standard_normal(s), dtype)
+                                                for s in ((m, n), (n,), (n,), (n,)))
+    product, partials = poisoned(cu, (m, n), dtype), cu.empty((max(1, cu.partials_size(m, n)),), np.float32)
+    out = r if alias else poisoned(cu, (m, n), dtype)
+    assert cu.wgmma_ln_fits(out, x, w, r) == fused
+    exact = (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32)
+    expected = np.empty((m, n), np.float32)
+    ref.add_bias_residual_layernorm(expected, exact if fused else quantize(cu, exact, dtype)[1], biash, rh, gh, bh,
+                                    eps=1e-5)
+    residual_copy = cu.to_host(r)
+    cu.matmul_bias_residual_layernorm(out, x, w, bias, r, g, b, eps=1e-5, product=product, partials=partials)
+    assert_close(cu, out, expected, dtype)
+    if alias:
+        r, _ = quantize(cu, residual_copy, dtype)
+        captured = r
+    else:
+        captured = poisoned(cu, (m, n), dtype)
+    stream = cu.context().stream
+    stream.begin_capture()
+    try:
+        cu.matmul_bias_residual_layernorm(captured, x, w, bias, r, g, b, eps=1e-5, product=product,
+                                          partials=partials)
+    finally:
+        graph = stream.end_capture()
+    graph.launch(stream=stream)
+    np.testing.assert_array_equal(cu.to_host(captured), cu.to_host(out))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", ["erf", "tanh"])
 @pytest.mark.parametrize("inter", [1536, 3072, 4096, 803])
@@ -541,14 +584,16 @@ def test_prepare_kernels_compiles_the_wgmma_attention_for_its_head_dim_only(cu, 
 
 def test_prepare_kernels_compiles_the_wgmma_product_for_the_erf_form_only(cu, monkeypatch):
     """gemm_sm90.cu is compiled for fp16/bf16 runners whose matmul_bias_gelu takes the erf form (the
-    only form it serves), not for the tanh form (GPT-2), a runner without that call, or fp32."""
+    only form it serves) or that call matmul_bias_residual_layernorm (ln_product), not for the tanh
+    form (GPT-2), a runner without those calls, or fp32."""
     if not cu.context().wgmma:
         pytest.skip("the wgmma product runs on compute capability 9.0 only")
     compiled = []
     monkeypatch.setattr(cu, "prepare", lambda files, types: compiled.append(tuple(files)))
-    for dtype, form in [("fp16", "erf"), ("bf16", "erf"), ("fp16", "tanh"), ("bf16", None), ("fp32", "erf")]:
-        cu.prepare_kernels(("activation.cu",), dtype, head_dim=64, gelu_product=form)
-    assert compiled == [("activation.cu", "gemm_sm90.cu")] * 2 + [("activation.cu",)] * 3
+    for dtype, form, ln in [("fp16", "erf", False), ("bf16", "erf", False), ("fp16", "tanh", True), ("bf16", None, True),
+                            ("fp16", "tanh", False), ("bf16", None, False), ("fp32", "erf", True)]:
+        cu.prepare_kernels(("activation.cu",), dtype, head_dim=64, gelu_product=form, ln_product=ln)
+    assert compiled == [("activation.cu", "gemm_sm90.cu")] * 4 + [("activation.cu",)] * 3
 
 
 ARCH_MODULE_RUN = """

@@ -60,7 +60,8 @@ def synchronize():
     pass
 
 
-def prepare_kernels(files, dtype_name: str, *, head_dim: int, gelu_product: str | None = None):
+def prepare_kernels(files, dtype_name: str, *, head_dim: int, gelu_product: str | None = None,
+                    ln_product: bool = False):
     """Nothing to compile on the CPU."""
 
 

@@ -240,7 +240,8 @@ class BertRunner:
         self.modern = config.family == "modernbert"
         ops.prepare_kernels(KERNEL_FILES[layout] + (MODERNBERT_FILES if self.modern else ())
                             + (FP8_FILES if self.fp8 else ()), dtype, head_dim=config.head_dim,
-                            gelu_product=None if self.fp8 or self.modern else config.gelu)
+                            gelu_product=None if self.fp8 or self.modern else config.gelu,
+                            ln_product=not (self.fp8 or self.modern))
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.word_emb = up(weights.word_emb)        # (V, H)
         self.pos_emb = up(weights.pos_emb)          # (P, H)
@@ -477,8 +478,13 @@ class BertRunner:
             else:
                 ops.matmul(qkv, hidden, w["qkv_weight"])
             ctx = attention(w, t, b, s)
-            ops.matmul(proj, ctx, w["attn_out_weight"])
-            layernorm(attn_ln, proj, w["attn_out_bias"], hidden, w["attn_ln_gamma"], w["attn_ln_beta"], fp8)
+            if fp8:  # the output projection in fp16, its LayerNorm's output also as e4m3 rows
+                ops.matmul(proj, ctx, w["attn_out_weight"])
+                layernorm(attn_ln, proj, w["attn_out_bias"], hidden, w["attn_ln_gamma"], w["attn_ln_beta"], True)
+            else:
+                ops.matmul_bias_residual_layernorm(attn_ln, ctx, w["attn_out_weight"], w["attn_out_bias"], hidden,
+                                                   w["attn_ln_gamma"], w["attn_ln_beta"], eps=eps, product=proj,
+                                                   partials=partials)
             if fp8:  # the bias + GELU writes e4m3 rows only
                 ops.matmul_fp8(inter, x8, x_scales, *w["ffn_in_weight"])
                 ops.add_bias_gelu_quantize(inter8, inter_scales, inter, w["ffn_in_bias"], form=c.gelu)

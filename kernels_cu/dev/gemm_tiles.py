@@ -197,6 +197,28 @@ split 3 11.4, split 4 12.4 against 6.8 and 6.6; 128 x 768 x 768 (plain) 6.3 / 5.
 steps take 5.4 us, 36 blocks of 4 K steps 5.9), not its K steps: splitting K only adds blocks and
 the exchange.
 
+Measured on the H100 (2026-11-25, a later session), 192-column tiles with four stages (the ring one
+stage deeper in the same shared memory: 40 KB a stage against 48; m64n192k16), each stage released
+as its products finish or one product group kept in flight (wgmma_wait<1>, the stage released after
+the next step's issue), by a scratch A/B build in one run (fp16, us, best of three rounds; every
+check against NumPy passed). No variant leads the shipped kernel on the products it runs:
+
+    product (rows x N x K, epilogue)   256 / 3 stages   192 / 4   192 / 4, wait<1>   256 / 3, wait<1>   [cuBLASLt]
+    32,768 x 3,072 x 768, erf GELU     293.8            319.5     325.8              330.9              [351.8]
+    8,192 x 3,072 x 768, erf GELU      75.5             76.0      76.2               76.2               [90.1]
+    4,096 x 3,072 x 768, erf GELU      39.3             39.8      39.8               39.4               [43.1]
+    32,768 x 1,536 x 384, erf GELU     102.8            109.8     109.1              107.1              [133.7]
+    32,768 x 2,304 x 768, plain        194.9            190.4     190.6              195.8              [157.0]
+    32,768 x 768 x 3,072, plain        241.1            236.2     214.0              241.5              [217.4]
+    32,768 x 768 x 768, plain          62.9             63.1      63.3               64.1               [58.6]
+    4,096 x 2,304 x 768, plain         30.3             22.9      22.7               30.6               [22.0]
+
+(cuBLASLt: + the bias + GELU pass where there is a GELU.) The rounds spread by up to 10% at 32,768
+rows; the 192-column tile's lead at 4,096 x 2,304 is its tile count: 384 tiles fill three rounds of
+132 SMs where 288 leave the third round part empty. So the ring's depth is not what keeps the main
+loop behind cuBLASLt. The 192-column tile is kept for gemm_sm90.cu matmul_wgmma_ln (figures in
+kernels.py at WGMMA_LN_TILE), whose 256-column tile would spill.
+
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--small] [--out results.json]
 """
 

@@ -63,11 +63,31 @@ WGMMA_TILES = {256: 3, 128: 4, 64: 8}
 WGMMA_GELU_MIN_OUTPUTS = 4096 * 3072
 # (WGMMA_SPLIT_ROWS is gemm_sm90.cu's split_k test, M <= 64, and ops.py's x box then: change them together)
 WGMMA_NARROW_MAX_K, WGMMA_SPLIT_ROWS, WGMMA_NARROW_TILES_PER_SM = 384, 64, 0.5
+# gemm_sm90.cu matmul_wgmma_ln (the product + bias + residual + LayerNorm, a cluster of blocks across
+# each row): its tile width and stages (WGMMA_LN_TILE), the widest row it takes (LN_CLUSTER_MAX tiles)
+# and the rows from which ops.matmul_bias_residual_layernorm takes it (WGMMA_LN_MIN_ROWS). H100 fp16,
+# 2026-11-25, us, fused against cuBLASLt + the LayerNorm kernel, K -> N: all-MiniLM-L6-v2's 384 -> 384
+# at 4,096 / 8,192 / 16,384 / 32,768 rows 10.9 / 11.8 / 20.8 / 44.5 against 9.2 / 13.1 / 25.4 / 51.7,
+# 1,536 -> 384 18.7 / 20.8 / 42.9 / 80.6 against 13.5 / 24.4 / 44.3 / 86.9 (three 128-column blocks
+# instead of two 192-column ones: 55.6 and 99.3 at 32,768 rows). BERT-base's rows (768: clusters of
+# 4, of which an H100 runs 30 at once, against 66 of 2) gain nothing: 768 -> 768 at 4,096 / 32,768
+# rows 24.9 / 113.1 against 14.5 / 108.8, 3,072 -> 768 58.6 / 265.8 against 33.7 / 268.7. Clusters
+# of 3 with 256 columns (39 at once) would need more than the 168 registers a thread of a 288-thread
+# block gets (three warps share a quarter of the register file): they spill. A block's tile takes
+# about 12 us at K = 768 (the ring's fill and the epilogue) where cuBLASLt's smaller tiles fill every
+# SM: below 8,192 rows the fused kernel loses at every width.
+WGMMA_LN_TILE, LN_CLUSTER_MAX, WGMMA_LN_MIN_ROWS = (192, 4), 2, 8192
 
 
 def wgmma_name(ctype: str, bn: int, epilogue: int) -> str:
     """matmul_wgmma's instantiation for a tile width (its stages from WGMMA_TILES) and epilogue."""
     return f"matmul_wgmma<{ctype}, {WGMMA_TILES[bn]}, {epilogue}, {bn}>"
+
+
+def wgmma_ln_name(ctype: str) -> str:
+    """matmul_wgmma_ln's instantiation (WGMMA_LN_TILE)."""
+    bn, stages = WGMMA_LN_TILE
+    return f"matmul_wgmma_ln<{ctype}, {stages}, {bn}>"
 
 
 def wgmma_tiles(m: int, n: int, bn: int) -> int:
@@ -219,7 +239,7 @@ FAMILIES = {
     "fp8.cu": lambda t: ([n for k in FP8_KERNELS for n in _row_variants(k, t)] if t == "__half" else []),
     # wgmma (sm_90a: ARCH_SPECIFIC)
     "attention_sm90.cu": lambda t: [] if t == "float" else [f"varlen_attention_wgmma<{t}>"],
-    "gemm_sm90.cu": lambda t: [] if t == "float" else [wgmma_name(t, bn, 1) for bn in WGMMA_TILES],
+    "gemm_sm90.cu": lambda t: [] if t == "float" else [wgmma_name(t, bn, 1) for bn in WGMMA_TILES] + [wgmma_ln_name(t)],
 }
 # files of arch-specific instructions (sm_90a: wgmma), which run on that exact architecture only:
 # file -> (NVRTC's target, the compute capability it runs on, the files its source follows). They
@@ -445,6 +465,31 @@ def _launch_kernel_ex():
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
+
+
+@lru_cache(maxsize=None)
+def _max_active_clusters():
+    fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def max_active_clusters(k, cluster: int, block: int, shared_mem: int) -> int:
+    """How many clusters of `cluster` blocks (of `block` threads and shared_mem bytes of dynamic shared
+    memory, which k must already allow) of kernel k the GPU runs at once (cuOccupancyMaxActiveClusters):
+    a cluster's blocks share one GPC, so past 2 blocks this can leave SMs idle (H100, one block an SM:
+    30 clusters of 4, 39 of 3)."""
+    attributes = (_Attribute * 1)()
+    attributes[0].id = CLUSTER_DIMENSION
+    attributes[0].value.dims[:] = (cluster, 1, 1)
+    config = _LaunchConfig((ctypes.c_uint * 3)(cluster, 1, 1), (ctypes.c_uint * 3)(block, 1, 1), shared_mem, None,
+                           ctypes.cast(attributes, ctypes.POINTER(_Attribute)), 1)
+    count = ctypes.c_int(0)
+    status = _max_active_clusters()(ctypes.byref(count), k.kernel.ptr, ctypes.byref(config))
+    if status != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed with CUresult {status}")
+    return count.value
 
 
 def _dims(d) -> tuple:

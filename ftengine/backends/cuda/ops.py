@@ -19,15 +19,15 @@ from ...errors import DeviceError
 from . import cublas as cb
 from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, BLAS_SPLIT_MIN_K,
                       BLAS_SPLIT_MIN_ROWS, BLAS_SPLIT_OUTPUTS, CHOICE_BINS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN,
-                      CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMM_BK, GEMM_THREADS,
-                      GEMV_COLS, GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, ROW_ITEMS, SAMPLE_CANDIDATES,
+                      CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMM_BK, GEMM_THREADS, GEMV_COLS,
+                      GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, LN_CLUSTER_MAX, ROW_ITEMS, SAMPLE_CANDIDATES,
                       SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS,
                       SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC,
                       SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES,
                       VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM, VARLEN_WG_KN, VECS, WGMMA_GELU_MIN_OUTPUTS,
-                      WGMMA_NARROW_MAX_K, WGMMA_NARROW_TILES_PER_SM, WGMMA_SPLIT_ROWS, ArchKernel, TensorMap, kernel,
-                      launch_ex, prepare, skinny_name, varlen_mma_name, wgmma_name, wgmma_shared_mem, wgmma_tiles,
-                      wgmma_x_rows)
+                      WGMMA_LN_MIN_ROWS, WGMMA_LN_TILE, WGMMA_NARROW_MAX_K, WGMMA_NARROW_TILES_PER_SM, WGMMA_SPLIT_ROWS,
+                      ArchKernel, TensorMap, kernel, launch_ex, max_active_clusters, prepare, skinny_name,
+                      varlen_mma_name, wgmma_ln_name, wgmma_name, wgmma_shared_mem, wgmma_tiles, wgmma_x_rows)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -112,16 +112,18 @@ def context() -> _Context:
     return ctx
 
 
-def prepare_kernels(files, dtype_name: str, *, head_dim: int, gelu_product: str | None = None):
+def prepare_kernels(files, dtype_name: str, *, head_dim: int, gelu_product: str | None = None,
+                    ln_product: bool = False):
     """Compile the kernel modules a runner needs for one dtype (and the shared ones), in
     parallel, before its first launch; where the GPU runs the wgmma kernels (fp16, bf16), with
     the wgmma attention beside the fused attention if the model's head_dim is the one it takes,
-    and with the wgmma product where the runner's matmul_bias_gelu calls take the erf form
-    (gelu_product: that form, None for a runner that makes no such call)."""
+    and with the wgmma products where the runner's matmul_bias_gelu calls take the erf form
+    (gelu_product: that form, None for a runner that makes no such call) or where it calls
+    matmul_bias_residual_layernorm (ln_product)."""
     if dtype_name in ("fp16", "bf16") and context().wgmma:
         if "attention_varlen.cu" in files and head_dim == VARLEN_WG_HEAD_DIM:
             files = (*files, "attention_sm90.cu")
-        if gelu_product == "erf":
+        if gelu_product == "erf" or ln_product:
             files = (*files, "gemm_sm90.cu")
     prepare(files, (CUDA_TYPES[np.dtype(STORAGE[dtype_name]).name],))
 
@@ -919,10 +921,14 @@ def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, e
 # 17.0, 32,768 rows 109.2 -> 121.0 (the product alone 60.7 -> 84.0: reading C costs it more than the
 # LayerNorm saves); K = 3,072 at 32,768 rows 267.9 -> 283.5; 128 rows 5.5 -> 5.8 (2026-11-25).
 def matmul_bias_residual_layernorm(out, x, weight, bias, residual, gamma, beta, *, eps, product, partials):
-    """out = LayerNorm(x @ weight^T + bias + residual), as matmul into `product` (M, N) then
-    add_bias_residual_layernorm; where blas_split_k splits the product, cuBLAS sums each K slice
-    into `partials` (float32, partials_size elements at least) and add_bias_residual_layernorm adds
-    them up. `out` may alias `residual`."""
+    """out = LayerNorm(x @ weight^T + bias + residual): in one kernel where wgmma_ln_fits (gemm_sm90.cu
+    matmul_wgmma_ln: the product's sums not rounded to out's type first); else as matmul into
+    `product` (M, N) then add_bias_residual_layernorm; where blas_split_k splits the product, cuBLAS
+    sums each K slice into `partials` (float32, partials_size elements at least) and
+    add_bias_residual_layernorm adds them up. `out` may alias `residual`."""
+    if wgmma_ln_fits(out, x, weight, residual):
+        _matmul_wgmma_ln(out, x, weight, bias, residual, gamma, beta, eps)
+        return
     (m, k), n = x.shape, weight.shape[0]
     splits = blas_split_k(m, n, k, x.dtype) if weight.dtype == x.dtype else 1
     if splits == 1:
@@ -932,6 +938,45 @@ def matmul_bias_residual_layernorm(out, x, weight, bias, residual, gamma, beta, 
     parts = _split_partials(partials, splits, m, n)
     _split_product(parts, x, weight)
     add_bias_residual_layernorm(out, parts, bias, residual, gamma, beta, eps=eps)
+
+
+def wgmma_ln_fits(out, x, weight, residual) -> bool:
+    """Whether matmul_bias_residual_layernorm runs gemm_sm90.cu matmul_wgmma_ln: on a GPU of its
+    architecture, WGMMA_LN_MIN_ROWS rows or more, rows of at most LN_CLUSTER_MAX tiles
+    (WGMMA_LN_TILE's columns), one 16-bit type throughout, contiguous rows of 16-byte multiples from
+    16-byte aligned starts (its tensor maps)."""
+    arrays = (out, x, weight, residual)
+    return bool(context().wgmma and x.dtype in (np.float16, np.uint16) and x.shape[0] >= WGMMA_LN_MIN_ROWS
+                and weight.shape[0] <= LN_CLUSTER_MAX * WGMMA_LN_TILE[0]
+                and all(a.dtype == x.dtype and a.flags.c_contiguous and a.data.ptr % 16 == 0
+                        and a.shape[-1] * a.itemsize % 16 == 0 for a in arrays))
+
+
+_LN_CLUSTERS = {}  # (kernel name, blocks a cluster) -> the clusters the GPU runs at once
+
+
+def _matmul_wgmma_ln(out, x, weight, bias, residual, gamma, beta, eps):
+    """gemm_sm90.cu matmul_wgmma_ln (see wgmma_ln_fits): a cluster of ceil(N / tile width) blocks
+    across each row band, as many clusters as the GPU runs at once (a persistent grid: a cluster
+    that waited for another's SMs would start its row bands after the others had finished theirs)."""
+    (m, k), n = x.shape, weight.shape[0]
+    if _planning():
+        return
+    bn, stages = WGMMA_LN_TILE
+    ranks, name, shared = -(-n // bn), wgmma_ln_name(_ctype(x)), wgmma_shared_mem(x.itemsize, bn, stages)
+    clusters = _LN_CLUSTERS.get((name, ranks))
+    if clusters is None:
+        k_fn = kernel("gemm_sm90.cu", name)
+        if k_fn.max_dynamic_shared_size_bytes < shared:
+            k_fn.max_dynamic_shared_size_bytes = shared
+        held = max_active_clusters(k_fn, ranks, GEMM_THREADS, shared)
+        clusters = _LN_CLUSTERS.setdefault((name, ranks), max(1, held))
+    grid = min(-(-m // wgmma_x_rows(m)), clusters) * ranks
+    maps = (TensorMap(x, GEMM_BK, wgmma_x_rows(m)), TensorMap(weight, GEMM_BK, bn), TensorMap(out, 64, 64),
+            TensorMap(residual, 64, 64))
+    _launch("gemm_sm90.cu", name, (grid,), (GEMM_THREADS,),
+            (bias, gamma, beta, *maps, np.int32(m), np.int32(n), np.int32(k), np.float32(eps)), shared_mem=shared,
+            cluster=(ranks, 1, 1))
 
 
 def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):
