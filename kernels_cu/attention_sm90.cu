@@ -2,27 +2,30 @@
 // for that target alone after attention_varlen.cu, whose helpers it shares; kernels.py ARCH_SPECIFIC).
 // Reference: ftengine/backends/numpy_ops.py varlen_attention.
 //
-// varlen_attention_mma's plain case (head dim 64; the length and causal masks, no window, no
-// relative bias) for a block of one warpgroup (64 query rows), both products on wgmma: S = Q K^T
+// varlen_attention_mma's plain case (head dim D = 64 or 32; the length and causal masks, no window,
+// no relative bias) for a block of one warpgroup (64 query rows), both products on wgmma: S = Q K^T
 // with Q from registers (the staged query fragments, read again for each key tile: see the loop)
 // and a K tile from shared memory; the score accumulators come back in mma.sync's layout, and
 // O += P V takes P from them as a register-A operand, V from its tile in shared memory (MN-major:
 // rows of keys). H100: 1.06-1.18x the speed of the mma.sync P V it replaces on sequences of 512
 // tokens and more, the same at 128; a shared-memory P ran no faster
 // (kernels_cu/dev/attention_wgmma.py). K/V tiles of VARLEN_WG_KN keys are copied asynchronously two
-// stages deep in wgmma's 128-byte swizzled layout. The online softmax, the query staging and the
-// stores are varlen_attention_mma's.
+// stages deep in wgmma's swizzled layout of their rows' width (128 bytes at D = 64, 64 at 32). The
+// online softmax, the query staging and the stores are varlen_attention_mma's.
 // grid (ceil(max_seqlen / 64), B * heads), 128 threads; dynamic shared memory:
-// 2 x (K, V) x VARLEN_WG_KN x 64 elements, 64 x 72 (the staged queries), 1024 (alignment).
+// 2 x (K, V) x VARLEN_WG_KN x D elements, 64 x (D + 8) (the staged queries), 1024 (alignment).
 
 #define VARLEN_WG_KN 64
 
-// wgmma's shared-memory matrix descriptor of a K-major tile of 128-byte rows (64 16-bit elements)
-// in the 128-byte swizzle, 1024-byte aligned: groups of 8 rows are 1024 bytes apart (the stride
-// byte offset); the leading byte offset is unused by this layout.
+// wgmma's shared-memory matrix descriptor of a tile of ROW_BYTES-byte rows (128: 64 16-bit elements,
+// 64: 32) in the swizzle mode of that width (TileLoader's layout), 1024-byte aligned: groups of 8 rows
+// are 8 rows apart (the stride byte offset); the leading byte offset is unused by these layouts (a
+// row is one swizzle atom wide).
+template <int ROW_BYTES>
 __device__ __forceinline__ unsigned long long swizzled_desc(unsigned addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32)
-           | (1ull << 62);
+    static_assert(ROW_BYTES == 128 || ROW_BYTES == 64, "128- or 64-byte swizzle");
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16)
+           | ((unsigned long long)(8 * ROW_BYTES >> 4) << 32) | (ROW_BYTES == 128 ? 1ull << 62 : 2ull << 62);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -58,21 +61,32 @@ __device__ __forceinline__ void fence_registers(unsigned (&d)[N][4]) {
                    "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                        \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(SCALE_D), "l"(b), "n"(TRANS_B))
 
-template <typename T> struct WgmmaRS;
-template <> struct WgmmaRS<__half> {
-    template <int SCALE_D, int TRANS_B = 0>
-    static __device__ __forceinline__ void run(float (&d)[32], const unsigned (&a)[4], unsigned long long b) {
-        WGMMA_RS_M64N64K16("f16");
-    }
-};
-template <> struct WgmmaRS<__nv_bfloat16> {
-    template <int SCALE_D, int TRANS_B = 0>
-    static __device__ __forceinline__ void run(float (&d)[32], const unsigned (&a)[4], unsigned long long b) {
-        WGMMA_RS_M64N64K16("bf16");
-    }
-};
+// The same with B 16 x 32 (d 64 x 32: 16 fragments, laid out alike).
+#define WGMMA_RS_M64N32K16(TYPE)                                                                                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %20, 0;\n"                                                  \
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                                \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                    \
+                 "{%16, %17, %18, %19}, %21, p, 1, 1, %22;\n}\n"                                               \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),     \
+                   "+f"(d[15])                                                                                  \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(SCALE_D), "l"(b), "n"(TRANS_B))
 
-template <typename T>
+// WgmmaRS<T, N>::run<SCALE_D, TRANS_B>(d, a, b): the m64nNk16 product above (N 64 or 32).
+template <typename T, int N> struct WgmmaRS;
+#define WGMMA_RS_STRUCT(T, N, MACRO, TYPE)                                                                      \
+    template <> struct WgmmaRS<T, N> {                                                                         \
+        template <int SCALE_D, int TRANS_B = 0>                                                                 \
+        static __device__ __forceinline__ void run(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b) { \
+            MACRO(TYPE);                                                                                        \
+        }                                                                                                       \
+    };
+WGMMA_RS_STRUCT(__half, 64, WGMMA_RS_M64N64K16, "f16")
+WGMMA_RS_STRUCT(__nv_bfloat16, 64, WGMMA_RS_M64N64K16, "bf16")
+WGMMA_RS_STRUCT(__half, 32, WGMMA_RS_M64N32K16, "f16")
+WGMMA_RS_STRUCT(__nv_bfloat16, 32, WGMMA_RS_M64N32K16, "bf16")
+
+template <typename T, int D>
 __global__ void __launch_bounds__(128) varlen_attention_wgmma(
         T* __restrict__ ctx,              // (T, H)
         const T* __restrict__ qkv,        // (T, 3H)
@@ -81,7 +95,8 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
         int batch, int heads, int n_tokens, float scale_log2, int causal, int window,
         const float* __restrict__ rel_table, const int* __restrict__ rel_buckets, int rel_max_len) {
     wait_for_previous();
-    constexpr int D = 64, KN = VARLEN_WG_KN, BLOCK_M = 64, LDQ = D + 8;
+    static_assert(D == 64 || D == 32, "head dim 64 or 32");
+    constexpr int KN = VARLEN_WG_KN, BLOCK_M = 64, LDQ = D + 8, ROW_BYTES = D * sizeof(T);
     constexpr unsigned TILE_BYTES = KN * D * sizeof(T);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     zero_padding_rows(ctx, cu_seqlens, batch, n_tokens, heads * D);
@@ -110,7 +125,9 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
     float o[D / 8][4], s[KN / 8][4];
     float m[2] = {-FT_INFINITY, -FT_INFINITY}, l[2] = {0.0f, 0.0f};
     #pragma unroll
-    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < KN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
     float (&s_flat)[KN / 2] = reinterpret_cast<float (&)[KN / 2]>(s);
 
     for (int it = 0; it < n_tiles; ++it) {
@@ -128,9 +145,10 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
         fence_registers(qa);
         fence_registers(s_flat);
         wgmma_fence();
-        WgmmaRS<T>::template run<0>(s_flat, qa[0], swizzled_desc(ks));
+        WgmmaRS<T, KN>::template run<0>(s_flat, qa[0], swizzled_desc<ROW_BYTES>(ks));
         #pragma unroll
-        for (int kk = 1; kk < D / 16; ++kk) WgmmaRS<T>::template run<1>(s_flat, qa[kk], swizzled_desc(ks + 32 * kk));
+        for (int kk = 1; kk < D / 16; ++kk)
+            WgmmaRS<T, KN>::template run<1>(s_flat, qa[kk], swizzled_desc<ROW_BYTES>(ks + 32 * kk));
         wgmma_commit();
         wgmma_wait_all();
         fence_registers(s_flat);
@@ -138,7 +156,7 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
         const bool masked = n0 + KN > len || (causal && n0 + KN - 1 > w0);  // rows of this warp that miss a key
         softmax_tile<false, KN, D>(s, o, m, l, keys, n0, w0 + (lane >> 2), masked, scale_log2, scale_log2);
         // O += P V, P from the score registers (register-A wgmma), V an MN-major tile (rows of keys),
-        // a k16 step 16 of its 128-byte rows
+        // a k16 step 16 of its rows
         unsigned pa[KN / 16][4];
         #pragma unroll
         for (int kk = 0; kk < KN / 16; ++kk) weight_fragment<T, KN>(pa[kk], s, kk);
@@ -148,7 +166,7 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
         wgmma_fence();
         #pragma unroll
         for (int kk = 0; kk < KN / 16; ++kk)
-            WgmmaRS<T>::template run<1, 1>(o_flat, pa[kk], swizzled_desc(vs + 2048 * kk));
+            WgmmaRS<T, D>::template run<1, 1>(o_flat, pa[kk], swizzled_desc<ROW_BYTES>(vs + 16 * ROW_BYTES * kk));
         wgmma_commit();
         wgmma_wait_all();
         fence_registers(o_flat);

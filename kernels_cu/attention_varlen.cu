@@ -84,12 +84,15 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // out: it adds q.b_k to every score of a query row, which the softmax cancels. V's bias is added
 // to the output instead: each row's weights sum to 1.
 // Tile rows are LD elements apart; SWIZZLE: rows of 128 bytes (D = 64 16-bit values) whose 16-byte
-// chunk c sits at c ^ (row % 8), the layout wgmma's 128-byte swizzle mode reads.
+// chunk c sits at c ^ (row % 8), the layout wgmma's 128-byte swizzle mode reads, or of 64 bytes
+// (D = 32) with chunk c at c ^ (row / 2 % 4), its 64-byte mode's (both repeat every 8 rows).
 template <typename T, int D, int LD, int ROWS, int THREADS, bool SWIZZLE = false>
 struct TileLoader {
     static constexpr int PER_ROW = D / 8, STEP = THREADS / PER_ROW, CHUNKS = ROWS / STEP;
+    static constexpr int ROW_BYTES = D * sizeof(T);
     static_assert(THREADS % PER_ROW == 0 && ROWS % STEP == 0, "every thread copies as many chunks");
-    static_assert(!SWIZZLE || (LD == D && D * sizeof(T) == 128 && STEP % 8 == 0), "swizzled rows: 128 bytes");
+    static_assert(!SWIZZLE || (LD == D && (ROW_BYTES == 128 || ROW_BYTES == 64) && STEP % 8 == 0),
+                  "swizzled rows: 128 or 64 bytes");
     int row, src, step;  // the first chunk's row in the tile, its element offset; STEP rows' offset
     unsigned dst;        // the first chunk's byte offset in the tile (the same chunk of row + k STEP)
     __device__ __forceinline__ TileLoader(int row_stride) {
@@ -97,7 +100,8 @@ struct TileLoader {
         const int chunk = threadIdx.x - row * PER_ROW;
         src = row * row_stride + chunk * 8;
         step = STEP * row_stride;
-        dst = SWIZZLE ? row * 128 + ((chunk ^ (row & 7)) << 4) : (row * LD + chunk * 8) * sizeof(T);
+        const int swizzled = ROW_BYTES == 128 ? chunk ^ (row & 7) : chunk ^ ((row >> 1) & 3);
+        dst = SWIZZLE ? row * ROW_BYTES + (swizzled << 4) : (row * LD + chunk * 8) * sizeof(T);
     }
     // rows row0 .. row0 + ROWS of `head` (the head's first column of row 0) into the tile at `tile`
     __device__ __forceinline__ void load(unsigned tile, const T* head, int row0, int len, int row_stride) const {

@@ -309,12 +309,17 @@ __device__ __forceinline__ void consumers_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
+struct NoStepWork {
+    __device__ __forceinline__ void operator()(int) const {}
+};
+
 // A consumer warpgroup's products of one tile: acc = its x rows (the stage's rows 64 wg .., or with
 // split_k all 64 on its own K steps) @ the stage's w rows^T over k_steps K steps of the ring from
-// ring step `it` on; returns the ring step after the tile's last.
-template <typename T, int STAGES, int BN>
+// ring step `it` on; returns the ring step after the tile's last. step_work(kt) runs after each K
+// step's products are issued, while they run.
+template <typename T, int STAGES, int BN, typename StepWork = NoStepWork>
 __device__ __forceinline__ int consume_tile(float (&acc)[BN / 2], int it, int k_steps, unsigned tiles, unsigned full,
-                                            unsigned empty, int wg, bool split_k) {
+                                            unsigned empty, int wg, bool split_k, StepWork step_work = {}) {
     constexpr unsigned A_BYTES = GEMM_BM * GEMM_BK * sizeof(T), STAGE_BYTES = (GEMM_BM + BN) * GEMM_BK * sizeof(T);
     #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
@@ -329,6 +334,7 @@ __device__ __forceinline__ int consume_tile(float (&acc)[BN / 2], int it, int k_
         #pragma unroll
         for (int k = 0; k < GEMM_BK / 16; ++k) Wgmma<T, BN>::run(acc, wgmma_desc(a + 32 * k), wgmma_desc(b + 32 * k));
         wgmma_commit();
+        step_work(kt);
         // this step's products done, its stage is released at once. Keeping them in flight into the
         // next step (releasing each stage after the next step's issue, so after its copies had
         // arrived) left the producer one copy fewer in flight: 3-7% slower (H100, 2026-11-25); with
@@ -538,13 +544,18 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma_ln(
     int it = 0, local = 0;
     for (int w = blockIdx.x; w < work; w += gridDim.x, ++local) {
         const int m0 = w / ranks * GEMM_BM + 64 * wg, parity = local & 1;
-        if (issuer) {  // the residual's box, once the last tile's stores have read the buffer
-            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-            mbar_expect_tx(res_bar + 8 * wg, (BN / 64) * 8192);
-            #pragma unroll
-            for (int c = 0; c < BN / 64; ++c) tma_load(buf_addr + c * 8192, &res_map, col0 + 64 * c, m0, res_bar + 8 * wg);
-        }
-        it = consume_tile<T, STAGES, BN>(acc, it, k_steps, tiles, full, empty, wg, false);
+        // the residual's box, once the last tile's stores have read the buffer: copied from the second K
+        // step on (waiting for those reads at the tile's start held the warpgroup's first products back)
+        const int load_step = min(1, k_steps - 1);
+        it = consume_tile<T, STAGES, BN>(acc, it, k_steps, tiles, full, empty, wg, false, [&](int kt) {
+            if (issuer && kt == load_step) {
+                asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+                mbar_expect_tx(res_bar + 8 * wg, (BN / 64) * 8192);
+                #pragma unroll
+                for (int c = 0; c < BN / 64; ++c)
+                    tma_load(buf_addr + c * 8192, &res_map, col0 + 64 * c, m0, res_bar + 8 * wg);
+            }
+        });
         mbar_wait(res_bar + 8 * wg, parity);
         float mean[2] = {0.0f, 0.0f}, m2[2] = {0.0f, 0.0f};
         #pragma unroll

@@ -505,8 +505,8 @@ def attention_path(request, cu, monkeypatch):
 @pytest.mark.parametrize("case", range(len(VARLEN)))
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_attention(cu, rng, dtype, d, case, causal, attention_path):
-    if attention_path == "mma" and (d != 64 or dtype == "fp32"):
-        pytest.skip("the wgmma kernel takes head dim 64 in 16-bit types only")
+    if attention_path == "mma" and (d not in cu.VARLEN_WG_HEAD_DIMS or dtype == "fp32"):
+        pytest.skip("the wgmma kernel takes head dims 64 and 32 in 16-bit types only")
     lengths, heads = VARLEN[case]
     lengths = lengths(rng) if callable(lengths) else lengths
     h = heads * d
@@ -549,9 +549,9 @@ def test_varlen_attention_zeroes_many_padding_rows(cu, rng, dtype, misaligned, a
     assert_close(cu, out, expected, dtype)
 
 
-def test_varlen_attention_routes_head_dim_64_to_wgmma_on_sm90(cu, rng, monkeypatch):
-    """On sm_90 the plain fp16/bf16 attention at head dim 64 runs the wgmma kernel; other head dims,
-    windows, relative biases and fp32 keep the mma.sync / SIMT kernels."""
+def test_varlen_attention_routes_head_dims_64_and_32_to_wgmma_on_sm90(cu, rng, monkeypatch):
+    """On sm_90 the plain fp16/bf16 attention at head dims 64 and 32 runs the wgmma kernel; head dim
+    128, windows, relative biases and fp32 keep the mma.sync / SIMT kernels."""
     if not cu.context().wgmma:
         pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
     launches = []
@@ -559,27 +559,29 @@ def test_varlen_attention_routes_head_dim_64_to_wgmma_on_sm90(cu, rng, monkeypat
     monkeypatch.setattr(cu, "_launch", lambda file, name, *a, **k: launches.append(name) or launch(file, name, *a, **k))
     cu_seqlens = ints(cu, [0, 70, 75])
     for dtype, d, window, max_seqlen in [("fp16", 64, 0, 70), ("bf16", 64, 0, 64), ("fp16", 32, 0, 70),
-                                         ("fp16", 64, 8, 70), ("fp32", 64, 0, 70)]:
+                                         ("bf16", 32, 0, 70), ("fp16", 128, 0, 70), ("fp16", 64, 8, 70),
+                                         ("fp32", 64, 0, 70)]:
         qkv, _ = quantize(cu, rng.standard_normal((75, 3 * 2 * d)), dtype)
         bias, _ = quantize(cu, rng.standard_normal(3 * 2 * d), dtype)
         out = poisoned(cu, (75, 2 * d), dtype)
         cu.varlen_attention(out, qkv, bias, cu_seqlens, heads=2, max_seqlen=max_seqlen, window=window)
-    assert launches[:2] == ["varlen_attention_wgmma<__half>", "varlen_attention_wgmma<__nv_bfloat16>"]
-    assert launches[2].startswith("varlen_attention_mma<__half, 32, false,")
-    assert launches[3].startswith("varlen_attention_mma<__half, 64, true,")
-    assert launches[4:] == ["varlen_attention_simt<64>"]
+    assert launches[:4] == ["varlen_attention_wgmma<__half, 64>", "varlen_attention_wgmma<__nv_bfloat16, 64>",
+                            "varlen_attention_wgmma<__half, 32>", "varlen_attention_wgmma<__nv_bfloat16, 32>"]
+    assert launches[4].startswith("varlen_attention_mma<__half, 128, false,")
+    assert launches[5].startswith("varlen_attention_mma<__half, 64, true,")
+    assert launches[6:] == ["varlen_attention_simt<64>"]
 
 
-def test_prepare_kernels_compiles_the_wgmma_attention_for_its_head_dim_only(cu, monkeypatch):
+def test_prepare_kernels_compiles_the_wgmma_attention_for_its_head_dims_only(cu, monkeypatch):
     """A runner's warm-up compiles attention_sm90.cu where the GPU runs it, for fp16/bf16 models of
-    head dim 64 only (the one it takes: a model of another head dim never launches it)."""
+    head dims 64 and 32 only (the ones it takes: a model of another head dim never launches it)."""
     if not cu.context().wgmma:
         pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
     compiled = []
     monkeypatch.setattr(cu, "prepare", lambda files, types: compiled.append(tuple(files)))
     for dtype, head_dim in [("fp16", 64), ("bf16", 64), ("fp16", 32), ("bf16", 128), ("fp32", 64)]:
         cu.prepare_kernels(("attention_varlen.cu",), dtype, head_dim=head_dim)
-    assert compiled == [("attention_varlen.cu", "attention_sm90.cu")] * 2 + [("attention_varlen.cu",)] * 3
+    assert compiled == [("attention_varlen.cu", "attention_sm90.cu")] * 3 + [("attention_varlen.cu",)] * 2
 
 
 def test_prepare_kernels_compiles_the_wgmma_product_for_the_erf_form_only(cu, monkeypatch):

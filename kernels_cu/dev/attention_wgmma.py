@@ -114,7 +114,7 @@ SHIPPED_PV = """        unsigned pa[KN / 16][4];
         wgmma_fence();
         #pragma unroll
         for (int kk = 0; kk < KN / 16; ++kk)
-            WgmmaRS<T>::template run<1, 1>(o_flat, pa[kk], swizzled_desc(vs + 2048 * kk));
+            WgmmaRS<T, D>::template run<1, 1>(o_flat, pa[kk], swizzled_desc<ROW_BYTES>(vs + 16 * ROW_BYTES * kk));
         wgmma_commit();
         wgmma_wait_all();
         fence_registers(o_flat);
@@ -167,26 +167,28 @@ PV_SHARED = """        const unsigned pt = tiles + 4 * TILE_BYTES;  // P (64 x 6
         fence_registers(o_flat);
         wgmma_fence();
         #pragma unroll
-        for (int kk = 0; kk < KN / 16; ++kk) pv_ss(o_flat, swizzled_desc(pt + 32 * kk), swizzled_desc(vs + 2048 * kk));
+        for (int kk = 0; kk < KN / 16; ++kk)
+            pv_ss(o_flat, swizzled_desc<128>(pt + 32 * kk), swizzled_desc<128>(vs + 2048 * kk));
         wgmma_commit();
         wgmma_wait_all();
         fence_registers(o_flat);
 """
-KERNEL = "template <typename T>\n__global__ void __launch_bounds__(128) varlen_attention_wgmma("
+KERNEL = "template <typename T, int D>\n__global__ void __launch_bounds__(128) varlen_attention_wgmma("
 QS = "T* qs = reinterpret_cast<T*>(smem_raw + (tiles - raw) + 4 * TILE_BYTES);"
-SHIPPED_S = """        WgmmaRS<T>::template run<0>(s_flat, qa[0], swizzled_desc(ks));
+SHIPPED_S = """        WgmmaRS<T, KN>::template run<0>(s_flat, qa[0], swizzled_desc<ROW_BYTES>(ks));
         #pragma unroll
-        for (int kk = 1; kk < D / 16; ++kk) WgmmaRS<T>::template run<1>(s_flat, qa[kk], swizzled_desc(ks + 32 * kk));
+        for (int kk = 1; kk < D / 16; ++kk)
+            WgmmaRS<T, KN>::template run<1>(s_flat, qa[kk], swizzled_desc<ROW_BYTES>(ks + 32 * kk));
 """
 # S for key tiles of a multiple of 64 keys: an m64n64k16 product per 64 keys (K tile rows of 128 bytes:
 # keys 64 half.. from 8192 half bytes on), into the score fragments of those keys (s[8 half]..)
 S_HALVES = """        #pragma unroll
         for (int half = 0; half < KN / 64; ++half) {
             float (&sh)[32] = reinterpret_cast<float (&)[32]>(s[8 * half]);
-            WgmmaRS<T>::template run<0>(sh, qa[0], swizzled_desc(ks + 8192 * half));
+            WgmmaRS<T, 64>::template run<0>(sh, qa[0], swizzled_desc<ROW_BYTES>(ks + 8192 * half));
             #pragma unroll
             for (int kk = 1; kk < D / 16; ++kk)
-                WgmmaRS<T>::template run<1>(sh, qa[kk], swizzled_desc(ks + 8192 * half + 32 * kk));
+                WgmmaRS<T, 64>::template run<1>(sh, qa[kk], swizzled_desc<ROW_BYTES>(ks + 8192 * half + 32 * kk));
         }
 """
 KN_DEFINE = "#define VARLEN_WG_KN 64"
@@ -211,9 +213,10 @@ PROBE_SHAPES = [(64, 512, False), (256, 128, False), (16, 2048, False)]
 FENCE = 'asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");  // this thread\'s copies, to wgmma'
 PARTS = {  # a part of the kernel -> the patches that take it out
     "exp2": [('asm("ex2.approx.ftz.f32 %0, %1;\\n" : "=f"(y) : "f"(x));', "y = x * 0.5f;")],  # an FMUL instead
-    "S": [("WgmmaRS<T>::template run<0>(s_flat, qa[0], swizzled_desc(ks));", ""),
-          ("WgmmaRS<T>::template run<1>(s_flat, qa[kk], swizzled_desc(ks + 32 * kk));", ";")],
-    "PV": [("WgmmaRS<T>::template run<1, 1>(o_flat, pa[kk], swizzled_desc(vs + 2048 * kk));", ";")],
+    "S": [("WgmmaRS<T, KN>::template run<0>(s_flat, qa[0], swizzled_desc<ROW_BYTES>(ks));", ""),
+          ("WgmmaRS<T, KN>::template run<1>(s_flat, qa[kk], swizzled_desc<ROW_BYTES>(ks + 32 * kk));", ";")],
+    "PV": [("WgmmaRS<T, D>::template run<1, 1>(o_flat, pa[kk], swizzled_desc<ROW_BYTES>(vs + 16 * ROW_BYTES * kk));",
+            ";")],
     "copies": [("loader.load(next, k_head, next_row, len, row_stride);", ""),  # K/V copies past tile 0
                ("loader.load(next + tile_bytes, v_head, next_row, len, row_stride);", "")],
     "proxy fence": [(FENCE, "")],
@@ -258,12 +261,19 @@ def use_patched(patches, extra_smem=0):
         extra = extra_smem if file == "attention_sm90.cu" else 0
         return shipped_launch(file, name, grid, block, largs, shared_mem=shared_mem + extra, cluster=cluster)
 
-    def install(source, launch):  # and drop the module and kernels built from the other source
+    # the patches are written for head dim 64: the patched module holds that instantiation alone
+    shipped_family = kernels.FAMILIES["attention_sm90.cu"]
+
+    def patched_family(ctype):
+        return [name for name in shipped_family(ctype) if name.endswith(", 64>")]
+
+    def install(source, launch, family):  # and drop the module and kernels built from the other source
         kernels.source, cu._launch = source, launch
+        kernels.FAMILIES["attention_sm90.cu"] = family
         kernels._modules.pop(("attention_sm90.cu", "__half"), None)
         kernels.kernel.cache_clear()
-    install(source, launch)
-    return lambda: install(shipped_source, shipped_launch)
+    install(source, launch, patched_family)
+    return lambda: install(shipped_source, shipped_launch, shipped_family)
 
 
 def probe():

@@ -156,10 +156,10 @@ FP8_KERNELS = ("quantize_rows", "add_bias_residual_layernorm_quantize", "add_bia
 # select's candidates past its first digit
 SAMPLE_THREADS, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX = 256, 8, 3 * 2048, 65536
 SAMPLE_CANDIDATES = 2048
-# attention_sm90.cu (wgmma): its head dim, queries per block (one warpgroup: two a block measured
+# attention_sm90.cu (wgmma): its head dims, queries per block (one warpgroup: two a block measured
 # slower at every shape, on the first kernel and again on today's, and two 16-row tiles a warp slower
 # but at 16 x 2,048 tokens: kernels_cu/dev/attention_wgmma.py) and keys per K/V tile
-VARLEN_WG_HEAD_DIM, VARLEN_WG_BLOCK_M, VARLEN_WG_KN = 64, 64, 64
+VARLEN_WG_HEAD_DIMS, VARLEN_WG_BLOCK_M, VARLEN_WG_KN = (64, 32), 64, 64
 SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample<false>", "choose_sample<true>",
                     "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates", "beam_select"]
 
@@ -238,7 +238,8 @@ FAMILIES = {
     # dtype fp8: fp16 activations, e4m3 product operands (sm_89+)
     "fp8.cu": lambda t: ([n for k in FP8_KERNELS for n in _row_variants(k, t)] if t == "__half" else []),
     # wgmma (sm_90a: ARCH_SPECIFIC)
-    "attention_sm90.cu": lambda t: [] if t == "float" else [f"varlen_attention_wgmma<{t}>"],
+    "attention_sm90.cu": lambda t: [] if t == "float" else [f"varlen_attention_wgmma<{t}, {d}>"
+                                                            for d in VARLEN_WG_HEAD_DIMS],
     "gemm_sm90.cu": lambda t: [] if t == "float" else [wgmma_name(t, bn, 1) for bn in WGMMA_TILES] + [wgmma_ln_name(t)],
 }
 # files of arch-specific instructions (sm_90a: wgmma), which run on that exact architecture only:

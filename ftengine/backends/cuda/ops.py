@@ -24,7 +24,7 @@ from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATT
                       SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS,
                       SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC,
                       SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES,
-                      VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIM, VARLEN_WG_KN, VECS, WGMMA_GELU_MIN_OUTPUTS,
+                      VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIMS, VARLEN_WG_KN, VECS, WGMMA_GELU_MIN_OUTPUTS,
                       WGMMA_LN_MIN_ROWS, WGMMA_LN_TILE, WGMMA_NARROW_MAX_K, WGMMA_NARROW_TILES_PER_SM, WGMMA_SPLIT_ROWS,
                       ArchKernel, TensorMap, kernel, launch_ex, max_active_clusters, prepare, skinny_name,
                       varlen_mma_name, wgmma_ln_name, wgmma_name, wgmma_shared_mem, wgmma_tiles, wgmma_x_rows)
@@ -121,7 +121,7 @@ def prepare_kernels(files, dtype_name: str, *, head_dim: int, gelu_product: str 
     (gelu_product: that form, None for a runner that makes no such call) or where it calls
     matmul_bias_residual_layernorm (ln_product)."""
     if dtype_name in ("fp16", "bf16") and context().wgmma:
-        if "attention_varlen.cu" in files and head_dim == VARLEN_WG_HEAD_DIM:
+        if "attention_varlen.cu" in files and head_dim in VARLEN_WG_HEAD_DIMS:
             files = (*files, "attention_sm90.cu")
         if gelu_product == "erf" or ln_product:
             files = (*files, "gemm_sm90.cu")
@@ -673,7 +673,7 @@ def masked_softmax(probs, scores, lengths, *, heads, window=0):
 
 def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=False, window=0, rel_bias=None):
     """Fused attention over the padding-free layout: tensor cores for fp16/bf16 (on sm_90, wgmma at
-    head dim 64 without window or bias: attention_sm90.cu), SIMT for fp32.
+    head dims 64 and 32 without window or bias: attention_sm90.cu), SIMT for fp32.
     causal: query i of a sequence sees its keys 0..i only (a decoder's prefill); window > 0: keys
     within that distance only; rel_bias = (table, buckets, max_len): MPNet's relative position
     bias, looked up per score inside the kernel."""
@@ -687,11 +687,11 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
     general = bool(window or rel_bias is not None)
     if ct == "float":
         name, smem = f"varlen_attention_simt<{d}>", 0
-    elif d == VARLEN_WG_HEAD_DIM and not general and context().wgmma:
+    elif d in VARLEN_WG_HEAD_DIMS and not general and context().wgmma:
         # wgmma: two stages of swizzled K and V tiles, the staged queries (rows of D + 8), 1024 bytes
         # of alignment
         threads, block_m, file = 128, VARLEN_WG_BLOCK_M, "attention_sm90.cu"
-        name, smem = f"varlen_attention_wgmma<{ct}>", (2 * 2 * VARLEN_WG_KN * d + block_m * (d + 8)) * 2 + 1024
+        name, smem = f"varlen_attention_wgmma<{ct}, {d}>", (2 * 2 * VARLEN_WG_KN * d + block_m * (d + 8)) * 2 + 1024
     else:  # two stages of K and V tiles of KN rows of D + 8 elements; the general variant for windows
         # and biases; the wide tiles for long sequences (VARLEN_TILES)
         warps, mt, kn = VARLEN_TILES["wide"]
