@@ -219,6 +219,14 @@ rows; the 192-column tile's lead at 4,096 x 2,304 is its tile count: 384 tiles f
 loop behind cuBLASLt. The 192-column tile is kept for gemm_sm90.cu matmul_wgmma_ln (figures in
 kernels.py at WGMMA_LN_TILE), whose 256-column tile would spill.
 
+The same session, two blocks an SM (__launch_bounds__(288, 2): 128-column tiles with 2 stages, 96
+registers, or 64-column tiles with 2-3 stages, 80; one block's epilogue could run beside the other's
+products), bias + erf GELU, us, against (256, 3 stages), (128, 4) one block an SM, and cuBLASLt + the
+pass; all the same bits: 4,096 x 3,072 x 768 128/2 42.6, 64/3 56.2 against 39.1, 42.8 and 42.4;
+2,048 rows 27.3 / 28.6 against 25.9 / 22.4 / 22.8; 32,768 rows 356.7 / 485.2 against 313.2 / 361.3 /
+352.9; all-MiniLM-L6-v2's 4,096 x 1,536 x 384 18.9 / 18.6 against 18.5 / 15.7 / 18.4, 32,768 rows
+112.8 / 135.8 against 102.2 / 115.9 / 133.8. Not kept.
+
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--small] [--out results.json]
 """
 
