@@ -926,7 +926,7 @@ def matmul_bias_residual_layernorm(out, x, weight, bias, residual, gamma, beta, 
     `product` (M, N) then add_bias_residual_layernorm; where blas_split_k splits the product, cuBLAS
     sums each K slice into `partials` (float32, partials_size elements at least) and
     add_bias_residual_layernorm adds them up. `out` may alias `residual`."""
-    if wgmma_ln_fits(out, x, weight, residual):
+    if wgmma_ln_fits(out, x, weight, residual, bias, gamma, beta):
         _matmul_wgmma_ln(out, x, weight, bias, residual, gamma, beta, eps)
         return
     (m, k), n = x.shape, weight.shape[0]
@@ -940,19 +940,36 @@ def matmul_bias_residual_layernorm(out, x, weight, bias, residual, gamma, beta, 
     add_bias_residual_layernorm(out, parts, bias, residual, gamma, beta, eps=eps)
 
 
-def wgmma_ln_fits(out, x, weight, residual) -> bool:
+def wgmma_ln_fits(out, x, weight, residual, *vectors) -> bool:
     """Whether matmul_bias_residual_layernorm runs gemm_sm90.cu matmul_wgmma_ln: on a GPU of its
-    architecture, WGMMA_LN_MIN_ROWS rows or more, rows of at most LN_CLUSTER_MAX tiles
-    (WGMMA_LN_TILE's columns), one 16-bit type throughout, contiguous rows of 16-byte multiples from
-    16-byte aligned starts (its tensor maps)."""
+    architecture that runs its clusters, WGMMA_LN_MIN_ROWS rows or more, rows of at most
+    LN_CLUSTER_MAX tiles (WGMMA_LN_TILE's columns), one 16-bit type throughout (`vectors`: the bias,
+    gamma and beta, where given), contiguous rows of 16-byte multiples from 16-byte aligned starts
+    (its tensor maps)."""
     arrays = (out, x, weight, residual)
     return bool(context().wgmma and x.dtype in (np.float16, np.uint16) and x.shape[0] >= WGMMA_LN_MIN_ROWS
                 and weight.shape[0] <= LN_CLUSTER_MAX * WGMMA_LN_TILE[0]
+                and all(a.dtype == x.dtype for a in vectors)
                 and all(a.dtype == x.dtype and a.flags.c_contiguous and a.data.ptr % 16 == 0
-                        and a.shape[-1] * a.itemsize % 16 == 0 for a in arrays))
+                        and a.shape[-1] * a.itemsize % 16 == 0 for a in arrays)
+                and _ln_clusters(_ctype(x), -(-weight.shape[0] // WGMMA_LN_TILE[0])) > 0)
 
 
-_LN_CLUSTERS = {}  # (kernel name, blocks a cluster) -> the clusters the GPU runs at once
+_LN_CLUSTERS = {}  # (element type, blocks a cluster) -> the clusters of matmul_wgmma_ln the GPU runs at once
+
+
+def _ln_clusters(ctype: str, ranks: int) -> int:
+    """How many clusters of `ranks` blocks of matmul_wgmma_ln the GPU runs at once (0: none, e.g. where
+    a partition of the GPU has too few SMs a GPC)."""
+    clusters = _LN_CLUSTERS.get((ctype, ranks))
+    if clusters is None:
+        bn, stages = WGMMA_LN_TILE
+        shared = wgmma_shared_mem(2, bn, stages)
+        k_fn = kernel("gemm_sm90.cu", wgmma_ln_name(ctype))
+        if k_fn.max_dynamic_shared_size_bytes < shared:
+            k_fn.max_dynamic_shared_size_bytes = shared
+        clusters = _LN_CLUSTERS.setdefault((ctype, ranks), max_active_clusters(k_fn, ranks, GEMM_THREADS, shared))
+    return clusters
 
 
 def _matmul_wgmma_ln(out, x, weight, bias, residual, gamma, beta, eps):
@@ -964,14 +981,7 @@ def _matmul_wgmma_ln(out, x, weight, bias, residual, gamma, beta, eps):
         return
     bn, stages = WGMMA_LN_TILE
     ranks, name, shared = -(-n // bn), wgmma_ln_name(_ctype(x)), wgmma_shared_mem(x.itemsize, bn, stages)
-    clusters = _LN_CLUSTERS.get((name, ranks))
-    if clusters is None:
-        k_fn = kernel("gemm_sm90.cu", name)
-        if k_fn.max_dynamic_shared_size_bytes < shared:
-            k_fn.max_dynamic_shared_size_bytes = shared
-        held = max_active_clusters(k_fn, ranks, GEMM_THREADS, shared)
-        clusters = _LN_CLUSTERS.setdefault((name, ranks), max(1, held))
-    grid = min(-(-m // wgmma_x_rows(m)), clusters) * ranks
+    grid = min(-(-m // wgmma_x_rows(m)), _ln_clusters(_ctype(x), ranks)) * ranks
     maps = (TensorMap(x, GEMM_BK, wgmma_x_rows(m)), TensorMap(weight, GEMM_BK, bn), TensorMap(out, 64, 64),
             TensorMap(residual, 64, 64))
     _launch("gemm_sm90.cu", name, (grid,), (GEMM_THREADS,),
