@@ -90,16 +90,22 @@ as the shipped kernel's), neither kept; scratch A/B builds in one run, us, shipp
   (the extra step). Four independent warpgroups an SM already overlap one's softmax with another's
   products; what is left is each warpgroup's chain of waits (copies, barrier, S, softmax, P V) with
   only four of them to hide it.
-- (2026-11-25, a later session; compiled, not run.) A producer warp copying each K/V tile with TMA
-  into a ring of mbarrier stages for two consumer warpgroups of 64 queries (128 queries sharing each
-  tile: half the L2 reads, no block-wide barrier; the --probe above puts the copies and barriers of
-  the loop at about SDPA's whole time at 64 x 512). At two blocks an SM, what four 128-thread blocks
-  hold now, a 288-thread block gets about 85 registers a thread (three of its warps share a quarter
-  of the register file with three of the other block's), and ptxas (CUDA 13.0) spilled 48 bytes and
-  serialised the wgmmas (C7512); at one block an SM it compiles clean (no spills) but leaves eight
-  consumer warps an SM where there are sixteen. What it would take: a producer warpgroup and
-  setmaxnreg (384 threads, registers moved to the consumers), or three to four consumer warpgroups
-  a block.
+- (2026-11-25, a later session.) A producer warp copying each K/V tile with TMA into a ring of
+  mbarrier stages for two consumer warpgroups of 64 queries (128 queries sharing each tile: half the
+  L2 reads, no block-wide barrier; the --probe above puts the loop's copies and barriers at about
+  SDPA's whole time at 64 x 512). Two such 288-thread blocks an SM (the sixteen consumer warps an SM
+  of today's four blocks) get about 85 registers a thread (three of a block's warps share a quarter
+  of the register file with three of the other's): ptxas (CUDA 13.0) spilled 48 bytes and
+  serialised the wgmmas (C7512). A producer warpgroup with setmaxnreg (384 threads, 24 registers
+  for it) does not fit either: the consumers need 112, which two blocks an SM cannot pool (the
+  kernel hung at its first setmaxnreg.inc; at 104 ptxas spilled and serialised again). At one block
+  an SM (clean build) it matched NumPy (0 failed checks, ragged and causal) but with eight consumer
+  warps an SM it ran slower, us, against the shipped kernel (torch SDPA): 64 x 512 216.0 against
+  164.0 (131.7), 256 x 128 121.5 against 82.7 (71.3), 16 x 2,048 625.5 against 546.2 (431.6), 32 x
+  128 15.3 against 12.4, 1 x 128 5.3 against 4.0, 4 x 1,024 causal 37.4 against 32.6 (two or three
+  stages alike). What it would take: more consumer warpgroups a block (three or four, 192-256
+  queries sharing each K/V tile, which short sequences would leave idle) or clusters of blocks
+  sharing tiles by TMA multicast.
 - The kernel at head dim 32 (D = 32: 64-byte rows, wgmma's 64-byte swizzle, P V as m64n32k16), same
   session: 256 x 128 tokens, 12 heads, 51.8 us against 59.9 for the mma.sync kernel (torch SDPA
   52.5); 64 x 512, 24 heads, 215.9 against 271.5 (SDPA 250.2); 16 x 2,048 739.6 against 875.7 (SDPA
