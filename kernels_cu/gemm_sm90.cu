@@ -46,13 +46,21 @@ __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
 }
-// Until the barrier's phase of parity `parity` has completed.
+// Until the barrier's phase of parity `parity` has completed; CLUSTER: also seeing the writes that
+// other blocks of the cluster completed on it (acquire at cluster scope).
+template <bool CLUSTER = false>
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     unsigned done;
     do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        if constexpr (CLUSTER) {
+            asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                         "selp.u32 %0, 1, 0, p;\n}\n"
+                         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        } else {
+            asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                         "selp.u32 %0, 1, 0, p;\n}\n"
+                         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        }
     } while (!done);
 }
 
@@ -266,12 +274,17 @@ __device__ __forceinline__ void bias_gelu_fragments(float* acc, const float* sbi
     }
 }
 
+// Where a thread's pair of T of fragment j in row r (of the warpgroup's 64) sits in a result buffer:
+// the 64 rows as boxes of 64 columns (8 KB each, rows of 128 bytes in TMA's 128-byte swizzle: row
+// r's 16-byte chunk c at c ^ (r % 8)), as tma_store copies them out and tma_load brings them in.
+__device__ __forceinline__ unsigned char* fragment_at(unsigned char* buf, int j, int r) {
+    return buf + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + 4 * (threadIdx.x & 3);
+}
+
 // The epilogue of J x 8 columns of a thread's accumulator fragments (layout as WGMMA_M64N256K16's),
 // rows row and row + 8 of the warpgroup's 64: + the tile's bias (sbias: float, in shared memory) and
-// GELU (epilogue > 0), rounded once to T, written into shared memory: `buf` holds the 64 rows as
-// boxes of 64 columns (8 KB each, rows of 128 bytes in TMA's 128-byte swizzle: row r's 16-byte
-// chunk c at c ^ (r % 8)), for tma_store to copy out. A warp's 32-bit writes of one fragment fall
-// in 32 distinct banks.
+// GELU (epilogue > 0), rounded once to T, written into the result buffer `buf` (fragment_at) for
+// tma_store to copy out. A warp's 32-bit writes of one fragment fall in 32 distinct banks.
 template <typename T, int J>
 __device__ __forceinline__ void stage_fragments(unsigned char* __restrict__ buf, const float* sbias, float* acc,
                                                 int row, int epilogue) {
@@ -282,9 +295,8 @@ __device__ __forceinline__ void stage_fragments(unsigned char* __restrict__ buf,
     for (int j = 0; j < J; ++j) {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = row + 8 * h;
-            unsigned char* dst = buf + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + 4 * (threadIdx.x & 3);
-            *reinterpret_cast<unsigned*>(dst) = pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            *reinterpret_cast<unsigned*>(fragment_at(buf, j, row + 8 * h)) =
+                pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
         }
     }
 }
@@ -449,21 +461,8 @@ __device__ __forceinline__ void store_remote(unsigned dst, float a, float b, uns
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n"
                  :: "r"(dst), "f"(a), "f"(b), "r"(bar) : "memory");
 }
-// mbar_wait, seeing the writes that other blocks of the cluster completed on the barrier.
-__device__ __forceinline__ void mbar_wait_cluster(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
 
-// The float pair of T at a thread's fragment (j, h) in a warpgroup's result buffer laid out as
-// stage_fragments writes it (rows `row` and row + 8).
-__device__ __forceinline__ unsigned char* fragment_at(unsigned char* buf, int j, int r) {
-    return buf + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + 4 * (threadIdx.x & 3);
-}
+// pack2's inverse (common.cuh): the two T of a 32-bit register as floats, lo from the low half.
 template <typename T>
 __device__ __forceinline__ void unpack2(unsigned v, float& lo, float& hi) {
     const T* p = reinterpret_cast<const T*>(&v);
@@ -596,7 +595,7 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1) matmul_wgmma_ln(
             }
         }
         if (issuer) mbar_expect_tx(bar, ranks * 64 * 8);
-        mbar_wait_cluster(bar, (local >> 1) & 1);
+        mbar_wait<true>(bar, (local >> 1) & 1);
         float rstd[2];
         #pragma unroll
         for (int h = 0; h < 2; ++h) {  // the cluster's pairs, in rank order

@@ -573,6 +573,13 @@ def matmul_bias_gelu(out, x, weight, bias, *, form):
         add_bias_gelu(out, out, bias, form=form)
 
 
+def _tma_operands(x, *others) -> bool:
+    """Whether x and the others can be gemm_sm90.cu's tensor maps: x's type throughout, contiguous
+    rows of 16-byte multiples from 16-byte aligned starts."""
+    return all(a.dtype == x.dtype and a.flags.c_contiguous and a.data.ptr % 16 == 0
+               and a.shape[-1] * a.itemsize % 16 == 0 for a in (x, *others))
+
+
 def _wgmma_tile(out, x, weight, bias) -> int | None:
     """The tile width (a WGMMA_TILES key) of gemm_sm90.cu's matmul_wgmma for out = epilogue(x @
     weight^T + bias), or None where it does not run it: on a GPU of its architecture, one 16-bit type
@@ -580,10 +587,8 @@ def _wgmma_tile(out, x, weight, bias) -> int | None:
     take); 256 columns from WGMMA_GELU_MIN_OUTPUTS outputs on; below that, for K up to
     WGMMA_NARROW_MAX_K or up to WGMMA_SPLIT_ROWS rows only, 128 columns where that makes
     WGMMA_NARROW_TILES_PER_SM tiles an SM, else 64 (figures in kernels.py)."""
-    arrays = (out, x, weight, bias)
-    if not (context().wgmma and x.dtype in (np.float16, np.uint16) and all(a.dtype == x.dtype for a in arrays)
-            and all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in arrays)
-            and all(a.shape[-1] * a.itemsize % 16 == 0 for a in (out, x, weight))):
+    if not (context().wgmma and x.dtype in (np.float16, np.uint16) and bias.dtype == x.dtype
+            and bias.flags.c_contiguous and bias.data.ptr % 16 == 0 and _tma_operands(x, out, weight)):
         return None
     (m, k), n = x.shape, weight.shape[0]
     if m * n >= WGMMA_GELU_MIN_OUTPUTS:
@@ -946,12 +951,9 @@ def wgmma_ln_fits(out, x, weight, residual, *vectors) -> bool:
     LN_CLUSTER_MAX tiles (WGMMA_LN_TILE's columns), one 16-bit type throughout (`vectors`: the bias,
     gamma and beta, where given), contiguous rows of 16-byte multiples from 16-byte aligned starts
     (its tensor maps)."""
-    arrays = (out, x, weight, residual)
     return bool(context().wgmma and x.dtype in (np.float16, np.uint16) and x.shape[0] >= WGMMA_LN_MIN_ROWS
                 and weight.shape[0] <= LN_CLUSTER_MAX * WGMMA_LN_TILE[0]
-                and all(a.dtype == x.dtype for a in vectors)
-                and all(a.dtype == x.dtype and a.flags.c_contiguous and a.data.ptr % 16 == 0
-                        and a.shape[-1] * a.itemsize % 16 == 0 for a in arrays)
+                and all(a.dtype == x.dtype for a in vectors) and _tma_operands(x, out, weight, residual)
                 and _ln_clusters(_ctype(x), -(-weight.shape[0] // WGMMA_LN_TILE[0])) > 0)
 
 
