@@ -227,6 +227,22 @@ pass; all the same bits: 4,096 x 3,072 x 768 128/2 42.6, 64/3 56.2 against 39.1,
 352.9; all-MiniLM-L6-v2's 4,096 x 1,536 x 384 18.9 / 18.6 against 18.5 / 15.7 / 18.4, 32,768 rows
 112.8 / 135.8 against 102.2 / 115.9 / 133.8. Not kept.
 
+Measured on the H100 (2026-11-26), the GELU of each tile deferred into the next tile's K steps, so
+that it runs while the tensor cores multiply: a tile's sums + bias rounded to T into the
+warpgroup's result buffer (stage_fragments without the GELU), then, as a consume_tile step_work
+after each K step's products were issued, half a 64-column box of the tile before a step (16 values
+a thread, in place), each box stored by TMA once done, spread over all but the tile's last K step;
+the block's last tile as before. Right (within the op tolerances, two roundings as cuBLASLt + the
+pass), but slower, us, fp16, against the shipped kernel and the plain product (the same kernel
+without the GELU): 32,768 x 3,072 x 768 303.2 against 293.4 and 238.3, 8,192 rows 76.7 against 75.5
+and 61.6, 4,096 rows 38.8 against 39.2 and 31.6, all-MiniLM-L6-v2's 32,768 x 1,536 x 384 106.2
+against 101.6 and 72.3, 1,000 x 3,000 x 376 (128-column tiles) 15.0 against 14.7. The GELU cost as
+much beside the products as after them, though at one half-box a K step it asked for well under
+the step's tensor-core time: the products slowed beside the warps' float32 work (why was not
+measured further; a ping-pong of the two consumer warpgroups, one's epilogue beside the other's
+products, would put the same work beside the same products). What made the epilogue cheaper
+instead: fewer instructions a value in common.cuh's gelu (figures there).
+
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--small] [--out results.json]
 """
 
