@@ -169,15 +169,33 @@ __device__ __forceinline__ void store_floats(T* dst, const float* src) {
     *reinterpret_cast<Pack<T, VEC>*>(dst) = p;
 }
 
+// The threads that hold a row in the row kernels: RowThreads<0>, a whole block (row blockIdx.x);
+// RowThreads<WARPS>, one warp of a block of WARPS warps (row blockIdx.x * WARPS + its warp): no
+// block-wide barrier, more rows in flight for short rows. lane(): the thread's index among the row's
+// lanes() threads; sum(): a float summed over them (scratch: 32 floats of shared memory, for a block).
+template <int WARPS> struct RowThreads {
+    static __device__ __forceinline__ int row() { return blockIdx.x * WARPS + (threadIdx.x >> 5); }
+    static __device__ __forceinline__ int lane() { return threadIdx.x & 31; }
+    static __device__ __forceinline__ int lanes() { return 32; }
+    static __device__ __forceinline__ float sum(float v, float*) { return warp_sum(v); }
+};
+template <> struct RowThreads<0> {
+    static __device__ __forceinline__ int row() { return blockIdx.x; }
+    static __device__ __forceinline__ int lane() { return threadIdx.x; }
+    static __device__ __forceinline__ int lanes() { return blockDim.x; }
+    static __device__ __forceinline__ float sum(float v, float* scratch) { return block_sum(v, scratch); }
+};
+using BlockRow = RowThreads<0>;
+
 // A row into registers, laid out as layernorm_row_store expects: thread vector k is columns
-// (threadIdx.x + k * blockDim.x) * VEC ..., holding the elementwise sum of the N terms (row
+// (R::lane() + k * R::lanes()) * VEC ..., holding the elementwise sum of the N terms (row
 // pointers) there; valid[k] says whether it is inside the row of H columns.
-template <typename T, int VEC, int ITEMS, int N>
+template <typename T, int VEC, int ITEMS, int N, typename R = BlockRow>
 __device__ __forceinline__ void load_row_sum(float (&v)[ITEMS][VEC], bool (&valid)[ITEMS], const T* const (&terms)[N],
                                              int H) {
     #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-        const int col = (threadIdx.x + k * blockDim.x) * VEC;
+        const int col = (R::lane() + k * R::lanes()) * VEC;
         valid[k] = col < H;
         if (valid[k]) {
             load_floats<T, VEC>(v[k], terms[0] + col);
@@ -193,9 +211,9 @@ __device__ __forceinline__ void load_row_sum(float (&v)[ITEMS][VEC], bool (&vali
 }
 
 // LayerNorm of one row held in registers, in place: each thread owns up to ITEMS vectors of VEC
-// values (vector k of the thread is columns (threadIdx.x + k * blockDim.x) * VEC ...). Two-pass
+// values (vector k of the thread is columns (R::lane() + k * R::lanes()) * VEC ...). Two-pass
 // mean / variance in float; `valid[k]` says whether the thread's vector k is inside the row.
-template <typename T, int VEC, int ITEMS>
+template <typename T, int VEC, int ITEMS, typename R = BlockRow>
 __device__ __forceinline__ void layernorm_row(float (&v)[ITEMS][VEC], const bool (&valid)[ITEMS],
                                               const T* __restrict__ gamma, const T* __restrict__ beta,
                                               int H, float eps, float* scratch) {
@@ -206,7 +224,7 @@ __device__ __forceinline__ void layernorm_row(float (&v)[ITEMS][VEC], const bool
             #pragma unroll
             for (int j = 0; j < VEC; ++j) sum += v[k][j];
         }
-    const float mean = block_sum(sum, scratch) / H;
+    const float mean = R::sum(sum, scratch) / H;
     float sq = 0.0f;
     #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
@@ -214,11 +232,11 @@ __device__ __forceinline__ void layernorm_row(float (&v)[ITEMS][VEC], const bool
             #pragma unroll
             for (int j = 0; j < VEC; ++j) { const float d = v[k][j] - mean; sq += d * d; }
         }
-    const float rstd = rsqrtf(block_sum(sq, scratch) / H + eps);
+    const float rstd = rsqrtf(R::sum(sq, scratch) / H + eps);
     #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
         if (valid[k]) {
-            const int col = (threadIdx.x + k * blockDim.x) * VEC;
+            const int col = (R::lane() + k * R::lanes()) * VEC;
             float g[VEC], b[VEC];
             load_floats<T, VEC>(g, gamma + col);
             load_floats<T, VEC>(b, beta + col);
@@ -250,46 +268,47 @@ __device__ __forceinline__ void round_row(float (&v)[ITEMS][VEC], const bool (&v
         }
 }
 
-// Row blockIdx.x of a product into registers (layout as load_row_sum's): x (gridDim.x, H) of T, or
-// (X float) a product split over K, its SPLITS partial sums (SPLITS, gridDim.x, H) added up in slice
-// order and rounded to T, as the product would have stored their sum.
-template <typename T, typename X, int SPLITS, int VEC, int ITEMS>
-__device__ __forceinline__ void load_product_row(float (&v)[ITEMS][VEC], bool (&valid)[ITEMS], const X* x, int H) {
-    const long base = (long)blockIdx.x * H;
+// Row `row` of a product into registers (layout as load_row_sum's): x (rows, H) of T, or (X float) a
+// product split over K, its SPLITS partial sums (SPLITS, rows, H) added up in slice order and
+// rounded to T, as the product would have stored their sum.
+template <typename T, typename X, int SPLITS, int VEC, int ITEMS, typename R = BlockRow>
+__device__ __forceinline__ void load_product_row(float (&v)[ITEMS][VEC], bool (&valid)[ITEMS], const X* x, int H,
+                                                 int row, int rows) {
+    const long base = (long)row * H;
     const X* parts[SPLITS];
     #pragma unroll
-    for (int s = 0; s < SPLITS; ++s) parts[s] = x + (s * (long)gridDim.x) * H + base;
-    load_row_sum<X, VEC, ITEMS, SPLITS>(v, valid, parts, H);
+    for (int s = 0; s < SPLITS; ++s) parts[s] = x + (s * (long)rows) * H + base;
+    load_row_sum<X, VEC, ITEMS, SPLITS, R>(v, valid, parts, H);
     if constexpr (!SameType<X, T>::value) round_row<T, VEC, ITEMS>(v, valid);
 }
 
 // v += each of the N rows `terms` in turn (float sums in the order a reference adds them).
-template <typename T, int VEC, int ITEMS, int N>
+template <typename T, int VEC, int ITEMS, int N, typename R = BlockRow>
 __device__ __forceinline__ void add_row_terms(float (&v)[ITEMS][VEC], bool (&valid)[ITEMS], const T* const (&terms)[N],
                                               int H) {
     float w[ITEMS][VEC];
     #pragma unroll
     for (int n = 0; n < N; ++n) {
         const T* const term[1] = {terms[n]};
-        load_row_sum<T, VEC, ITEMS, 1>(w, valid, term, H);
+        load_row_sum<T, VEC, ITEMS, 1, R>(w, valid, term, H);
         add_rows<VEC, ITEMS>(v, w, valid);
     }
 }
 
 // A row held in registers (layout as load_row_sum's) stored to `out`.
-template <typename T, int VEC, int ITEMS>
+template <typename T, int VEC, int ITEMS, typename R = BlockRow>
 __device__ __forceinline__ void store_row(T* out, const float (&v)[ITEMS][VEC], const bool (&valid)[ITEMS]) {
     #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
-        if (valid[k]) store_floats<T, VEC>(out + (threadIdx.x + k * blockDim.x) * VEC, v[k]);
+        if (valid[k]) store_floats<T, VEC>(out + (R::lane() + k * R::lanes()) * VEC, v[k]);
 }
 
-template <typename T, int VEC, int ITEMS>
+template <typename T, int VEC, int ITEMS, typename R = BlockRow>
 __device__ __forceinline__ void layernorm_row_store(T* out, float (&v)[ITEMS][VEC], const bool (&valid)[ITEMS],
                                                     const T* __restrict__ gamma, const T* __restrict__ beta,
                                                     int H, float eps, float* scratch) {
-    layernorm_row<T, VEC, ITEMS>(v, valid, gamma, beta, H, eps, scratch);
-    store_row<T, VEC, ITEMS>(out, v, valid);
+    layernorm_row<T, VEC, ITEMS, R>(v, valid, gamma, beta, H, eps, scratch);
+    store_row<T, VEC, ITEMS, R>(out, v, valid);
 }
 
 // Two floats rounded to one 32-bit register of T pairs (lo in the low half): one cvt instruction.

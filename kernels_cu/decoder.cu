@@ -66,7 +66,7 @@ __global__ void residual_layernorm(T* hidden, T* __restrict__ normed, const X* _
     const long base = (long)blockIdx.x * H;
     float v[ITEMS][VEC];
     bool valid[ITEMS];
-    load_product_row<T, X, SPLITS, VEC, ITEMS>(v, valid, x, H);
+    load_product_row<T, X, SPLITS, VEC, ITEMS>(v, valid, x, H, blockIdx.x, gridDim.x);
     const T* const terms[2] = {bias, hidden + base};  // (x + bias) + hidden, as the reference
     add_row_terms<T, VEC, ITEMS, 2>(v, valid, terms, H);
     store_row<T, VEC, ITEMS>(hidden + base, v, valid);

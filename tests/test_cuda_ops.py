@@ -75,8 +75,10 @@ def test_embed_layernorm(cu, rng, dtype, h):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h", HIDDEN)
 @pytest.mark.parametrize("alias", [False, True])
-def test_add_bias_residual_layernorm(cu, rng, dtype, h, alias):
-    t = 53
+@pytest.mark.parametrize("t", [53, 1029])
+def test_add_bias_residual_layernorm(cu, rng, dtype, h, alias, t):
+    """A block a row, and from LN_WARP_MIN_ROWS rows a warp a row where the row is short (1029 rows:
+    the last block's warps past the rows), against the NumPy twin."""
     (x, xh), (b, bh), (r, rh), (g, gh), (be, beh) = (
         quantize(cu, rng.standard_normal(s), dtype) for s in ((t, h), (h,), (t, h), (h,), (h,)))
     out = r if alias else poisoned(cu, (t, h), dtype)

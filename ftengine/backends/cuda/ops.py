@@ -20,7 +20,8 @@ from . import cublas as cb
 from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, BLAS_SPLIT_MIN_K,
                       BLAS_SPLIT_MIN_ROWS, BLAS_SPLIT_OUTPUTS, CHOICE_BINS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN,
                       CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMM_BK, GEMM_THREADS, GEMV_COLS,
-                      GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, LN_CLUSTER_MAX, ROW_ITEMS, SAMPLE_CANDIDATES,
+                      GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, LN_CLUSTER_MAX, LN_ROW_WARPS, LN_WARP_MAX_ROWS,
+                      LN_WARP_MIN_ROWS, ROW_ITEMS, ROW_WARP_ITEMS, SAMPLE_CANDIDATES,
                       SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS,
                       SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC,
                       SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES,
@@ -740,12 +741,23 @@ def merge_heads(out, ctx, *, batch, seq, heads):
 
 def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
     """out (T, H) = LayerNorm(x + bias + residual). x (T, H) of out's dtype, or a split product's
-    float32 partial sums (slices, T, H), added up in slice order. out may alias residual."""
+    float32 partial sums (slices, T, H), added up in slice order. out may alias residual. A block a
+    row; a warp a row for rows of up to ROW_WARP_ITEMS[-1] 16-byte vectors a lane from
+    LN_WARP_MIN_ROWS to LN_WARP_MAX_ROWS rows (figures in kernels.py)."""
     t, h = out.shape
+    args = (out, x, bias, residual, gamma, beta, np.int32(t), np.int32(h), np.float32(eps))
+    ct, vec = _ctype(out), _vec(out, h)
+    if x.ndim == 2 and vec == VECS[ct][0] and LN_WARP_MIN_ROWS <= t <= LN_WARP_MAX_ROWS:
+        items = -(-(h // vec) // 32)
+        if items <= ROW_WARP_ITEMS[-1]:
+            items = min(i for i in ROW_WARP_ITEMS if i >= items)
+            _launch("layernorm.cu", f"add_bias_residual_layernorm<{ct}, {ct}, 1, {vec}, {items}, {LN_ROW_WARPS}>",
+                    (-(-t // LN_ROW_WARPS),), (32 * LN_ROW_WARPS,), args)
+            return
     vec, items, threads = _row_kernel_shape(out, h)
     slices = x.shape[0] if x.ndim == 3 else 1
-    _launch("layernorm.cu", f"add_bias_residual_layernorm<{_ctype(out)}, {_ctype(x)}, {slices}, {vec}, {items}>",
-            (t,), (threads,), (out, x, bias, residual, gamma, beta, np.int32(h), np.float32(eps)))
+    _launch("layernorm.cu", f"add_bias_residual_layernorm<{ct}, {_ctype(x)}, {slices}, {vec}, {items}>", (t,),
+            (threads,), args)
 
 
 def add_bias_gelu(out, x, bias, *, form):
