@@ -93,14 +93,14 @@ def position_ids(batch: Batch, config: BertConfig, starts=None) -> np.ndarray:
     pad id inside a sequence (a text holding the literal pad token) reads row pad_token_id and
     is not counted. starts: batch.starts where the caller has them."""
     starts = batch.starts if starts is None else starts
-    if len(starts) == 1 and not config.position_offset:
-        return np.arange(len(batch.ids), dtype=np.int32)
-    within = np.arange(len(batch.ids)) - np.repeat(starts, batch.lengths)
+    within = np.arange(len(batch.ids), dtype=np.int32)
+    if len(starts) > 1:
+        within -= np.repeat(np.asarray(starts, dtype=np.int32), batch.lengths)
     if not config.position_offset:
-        return within.astype(np.int32)
+        return within
     counted = batch.ids != config.pad_token_id
     if counted.all():
-        return (within + config.position_offset).astype(np.int32)
+        return within + np.int32(config.position_offset)
     running = np.cumsum(counted)
     before = np.repeat(running[starts] - counted[starts], batch.lengths)  # counted before each sequence
     return np.where(counted, running - before + config.pad_token_id, config.pad_token_id).astype(np.int32)
@@ -355,9 +355,13 @@ class BertRunner:
         (tokens, longest)."""
         c = self.config
         lengths = batch.lengths
-        if len(lengths) == 0 or lengths.min() < 1:
+        if len(lengths) <= 64:  # a few sequences: Python's reductions cost less than NumPy's calls
+            values = lengths.tolist()
+            shortest, longest, total = min(values, default=0), max(values, default=0), sum(values)
+        else:
+            shortest, longest, total = int(lengths.min()), int(lengths.max()), int(lengths.sum())
+        if len(lengths) == 0 or shortest < 1:
             raise InputError("every sequence needs at least one token")
-        total, longest = int(lengths.sum()), int(lengths.max())
         if not self.fits(len(lengths), total, longest):
             raise InputError(
                 f"batch of {len(lengths)} sequences, {total} tokens, longest {longest}, "
@@ -400,11 +404,13 @@ class BertRunner:
         else:  # tokens past the last sequence (batch padding): pad ids, type 0, the first position row;
             # positions from the sequences' offsets
             n, count = totals[0], len(batch.lengths)
-            ids[:n], ids[n:] = batch.ids, self.config.pad_token_id
-            types[:n], types[n:] = batch.token_types, 0
-            lengths[:count], lengths[count:] = batch.lengths, 0
+            ids[:n], types[:n], lengths[:count] = batch.ids, batch.token_types, batch.lengths
+            if n < t:
+                ids[n:], types[n:], positions[n:] = self.config.pad_token_id, 0, first
+            if count < b:
+                lengths[count:] = 0
             np.cumsum(lengths, out=cu_seqlens[1:])
-            positions[:n], positions[n:] = position_ids(batch, self.config, starts=cu_seqlens[:count]), first
+            positions[:n] = position_ids(batch, self.config, starts=cu_seqlens[:count])
         self.ops.copy_from_host(self.ws.view("inputs", (3 * t + 2 * b + 1,)), st)
         return t, b, s
 
