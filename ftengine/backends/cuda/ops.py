@@ -909,6 +909,11 @@ def _split_product(parts, x, weight):
                                       ks, parts.data.ptr, cb.CUDA_R_32F, n, m * n, s)
 
 
+# The residual + LayerNorm run by the gemv's last block instead (each block counted on an atomic
+# counter after a fence; the last one read the product back from the L2, one warp a row): measured
+# slower (H100, GPT-2 small fp16, 2026-11-26, ms a step, alternating runs): greedy batch 1 0.292 ->
+# 0.346, beam 4 0.372 -> 0.398 (the decode step's 24 such products: the count, the fence and the one
+# block's tail cost more than the second kernel, which the launch before overlaps).
 def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials):
     """hidden += x @ weight^T + bias; normed = LayerNorm(hidden), as matmul into `product` (M, N)
     then residual_layernorm. Where split_k, or else blas_split_k, splits the product: gemv.cu
