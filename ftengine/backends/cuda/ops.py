@@ -912,8 +912,8 @@ def _split_product(parts, x, weight):
 # The residual + LayerNorm run by the gemv's last block instead (each block counted on an atomic
 # counter after a fence; the last one read the product back from the L2, one warp a row): measured
 # slower (H100, GPT-2 small fp16, 2026-11-26, ms a step, alternating runs): greedy batch 1 0.292 ->
-# 0.346, beam 4 0.372 -> 0.398 (the decode step's 24 such products: the count, the fence and the one
-# block's tail cost more than the second kernel, which the launch before overlaps).
+# 0.346, beam 4 0.372 -> 0.398 (24 such products a step: the count, the fences and the one block's
+# tail cost about 2 us more than the second kernel did; not broken down further).
 def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials):
     """hidden += x @ weight^T + bias; normed = LayerNorm(hidden), as matmul into `product` (M, N)
     then residual_layernorm. Where split_k, or else blas_split_k, splits the product: gemv.cu
