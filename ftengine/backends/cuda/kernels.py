@@ -33,7 +33,9 @@ ROW_ITEMS = (1, 4)  # vectors per thread in the row (LayerNorm) kernels
 # 32,768 rows: 384 columns (all-MiniLM-L6-v2) 2.16 / 2.53 / 4.74 / 7.26 / 12.38 / 27.86 -> 2.04 / 2.17 /
 # 3.23 / 5.48 / 11.00 / 28.10; 512 columns 2.14 / 2.53 / 4.79 / 7.25 / 18.29 / 34.92 -> 2.05 / 2.24 /
 # 3.64 / 5.83 / 19.24 / 35.91; 256 columns 2.07 / 2.42 / 4.49 / 6.94 / 11.86 / 22.55 -> 1.66 / 1.74 /
-# 2.46 / 3.47 / 5.59 / 18.32 (768 columns, three vectors a lane, lost: 5.39 -> 5.82 at 4,096 rows).
+# 2.46 / 3.47 / 5.59 / 18.32 (768 columns, three vectors a lane, lost: 5.39 -> 5.82 at 4,096 rows;
+# two warps a row there, a scratch kernel: 1,024 / 2,048 / 4,096 / 8,192 rows 2.67 / 3.71 / 5.26 / 10.52
+# -> 2.50 / 3.20 / 5.11 / 10.72, too little for BERT-base's passes to route it).
 # all-MiniLM-L6-v2's 32 x 128 pass, GPU only: 0.366 -> 0.349 ms.
 ROW_WARP_ITEMS, LN_ROW_WARPS, LN_WARP_MIN_ROWS, LN_WARP_MAX_ROWS = (1, 2), 4, 1024, 8192
 VARLEN_HEAD_DIMS = (32, 64, 128)  # fused attention (attention_varlen.cu)
