@@ -27,7 +27,14 @@ __device__ __forceinline__ void wait_for_previous() {
 // not by the encoder files' (with them too, the all-MiniLM-L6-v2 shape's 256 x 128 pass took 5%
 // longer: 2.53 -> 2.67 ms). Loads issued before the wait did not overlap the kernel before: the
 // gemv's weights loaded ahead of it into registers made the step 20 us slower, prefetched into the
-// L2, 9 us.
+// L2, 9 us. Nor did the encoder files' kernels gain by it at small batches (H100, 2026-11-26,
+// GPU-only passes replayed, ms, two alternating rounds, as now -> every kernel letting the next be
+// scheduled after its wait, or late: gemm_sm90.cu's blocks as they start their last tile, the
+// attention kernels before their stores, the others after the wait): BERT-base 1 x 128 0.364 /
+// 0.365 -> 0.372 / 0.367, 0.366 / 0.367; 32 x 128 1.634 / 1.637 -> 1.610 / 1.631, 1.570 / 1.621;
+// 256 x 128 12.11 / 12.14 -> 12.24 / 12.14, 12.18 / 12.27; all-MiniLM-L6-v2 32 x 128 0.348 / 0.351
+// -> 0.354 / 0.350, 0.351 / 0.351; GPT-2 small prefill 32 x 128 1.805 / 1.805 -> 2.061 / 1.800,
+// 1.801 / 1.788: within the runs' spread.
 __device__ __forceinline__ void wait_then_launch_next() {
     wait_for_previous();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

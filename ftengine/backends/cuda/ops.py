@@ -522,6 +522,11 @@ def _bucket_algo(ctx, key):
 # alone times at 231.8 us against 212.9 for the 2nd (bench/results/gemm.md: ftengine 0.232 ms against
 # Lt best 0.220). For the other shapes measured (QKV at 4,096 and 32,768 rows, the attention output at
 # 4,096) the pick is the fastest. Why the trial's timing disagrees there is not known.
+# In the whole pass it matters less than the GPU's clock (H100, 2026-11-26): BERT-base 256 x 128
+# replayed (GPU only) with each of the 8 candidates in turn took 12.53-12.76 ms (the trial's pick,
+# the 2nd that run, 12.55; the fastest alone, the 8th at 231.5 us, 12.53), and 12.20 ms measured
+# first, before those runs; the QKV and attention-output products' candidates alike (12.52-12.85,
+# 12.53-12.70 ms).
 def _choose_algo(ctx, key, product):
     """The fastest of the shape's candidate algorithms on this call's operands, recorded for the
     whole process: each candidate's TRIAL_REPEATS products captured in a graph, replayed once to
@@ -1060,6 +1065,20 @@ def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, he
     _attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flags, heads)
 
 
+# What a decode step's launches cost (H100, GPT-2 small fp16, 2026-11-26, us a step at batch 1 /
+# beam 4, each kind left out of the step, timing only): the q/k/v product 32 / 31, this attention
+# 56 / 52, the 24 residual + LayerNorm kernels 50 / 25, the FFN up-projection 40 / 36, of 292 / 372.
+# Measured and not kept (ms a step, greedy batch 1 / beam 4 batch 1 / greedy batch 32, the code as
+# it is first, alternating runs):
+# - the q/k/v product fused into this attention (a cluster of 8 blocks per (token, head), each
+#   computing 24 of the head's 192 outputs into block 0's shared memory, which then attends):
+#   0.2938 / 0.3729 -> 0.2954 / 0.3920;
+# - the first round of keys loaded before the token's position arrives, the token's own key and
+#   value stored after the loop: 0.2915 / 0.3692 / 0.4490 -> 0.3036 / 0.3816 / 0.4549 (the store
+#   moved alone: 0.2970 / 0.3786 / 0.4529);
+# - keys and values held as stored (half the registers at 16 bits), 4 or 8 keys a group a round:
+#   0.2920 / 0.3732 / 0.4469 -> 0.2932 / 0.3735 / 0.4495, 0.2989 / 0.3793 / 0.4560; 8 keys as
+#   floats: batch 32 0.4469 -> 0.5196; blocks of ATTENTION_THREADS at every batch: 0.4469 -> 0.4810.
 def decode_attention(ctx, qkv, bias, k_cache, v_cache, positions, indir=None, *, heads):
     """Writes each token's key and value into its own cache row, then attends (one kernel)."""
     flags = ATTENTION_FLAGS["rows_are_tokens"] | ATTENTION_FLAGS["write_kv"]
