@@ -41,23 +41,25 @@ VARIANTS = ("qkv up down", "qkv up down out", "qkv up", "up down", "qkv down", "
 
 
 def rounded(a, group: int | None, int8: bool = False):
-    """a (rows, K) float32 with e4m3 (or int8) rounding applied: one scale per row, or per `group` columns."""
+    """a (rows, K) float32 with e4m3 rounding applied as the fp8 path applies it (numpy_ops.
+    quantize_rows: one scale per row), or per `group` columns; int8: symmetric int8 instead."""
     a = np.asarray(a, np.float32)
     rows, k = a.shape
-    width = group or k
-    blocks = a.reshape(rows, k // width, width)
-    amax = np.abs(blocks).max(axis=2, keepdims=True)
-    top = np.float32(127) if int8 else numpy_ops.E4M3_MAX
-    scale = np.where(amax > 0, amax / top, np.float32(1)).astype(np.float32)
+    blocks = a.reshape(-1, group or k)
     if int8:
+        amax = np.abs(blocks).max(axis=1, keepdims=True)
+        scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
         values = np.rint(blocks / scale) * scale
     else:
-        values = numpy_ops.e4m3_values(numpy_ops.e4m3_bytes(blocks / scale)) * scale
+        q, scales = np.empty(blocks.shape, np.uint8), np.empty(blocks.shape[0], np.float32)
+        numpy_ops.quantize_rows(q, scales, blocks)
+        values = numpy_ops.e4m3_values(q) * scales[:, None]
     return values.reshape(rows, k)
 
 
-def fp8_ops(products: set, group: int | None, hidden: int, operands=("activations", "weights"), int8=False):
-    """numpy_ops with the `operands` of `products` rounded to e4m3 (or int8) before each of them."""
+def fp8_ops(products: set, group: int | None, operands=("activations", "weights"), int8=False):
+    """numpy_ops with the `operands` of `products` rounded to e4m3 (or int8) before each of them;
+    a product is known by its weight's shape (E x E: the attention output, 3E x E: the QKV)."""
     ops = types.ModuleType("fp8_ops")
     ops.__dict__.update({k: v for k, v in vars(numpy_ops).items() if not k.startswith("__")})
 
@@ -68,14 +70,14 @@ def fp8_ops(products: set, group: int | None, hidden: int, operands=("activation
                 rounded(weight, group, int8) if "weights" in operands else weight)
 
     def matmul(out, x, weight):
-        name = "qkv" if weight.shape[0] == 3 * hidden else None
+        name = "qkv" if weight.shape[0] == 3 * weight.shape[1] else None
         numpy_ops.matmul(out, *r(x, weight, name))
 
     def matmul_bias_gelu(out, x, weight, bias, *, form):
         numpy_ops.matmul_bias_gelu(out, *r(x, weight, "up"), bias, form=form)
 
     def matmul_bias_residual_layernorm(out, x, weight, *rest, **options):
-        name = "out" if x.shape[1] == hidden else "down"
+        name = "out" if weight.shape[0] == weight.shape[1] else "down"
         numpy_ops.matmul_bias_residual_layernorm(out, *r(x, weight, name), *rest, **options)
 
     ops.matmul, ops.matmul_bias_gelu = matmul, matmul_bias_gelu
@@ -98,14 +100,13 @@ def main():
     a = p.parse_args()
     lines = synthetic_lines(a.lines, np.random.default_rng(6))
     reference = embed(a.model_src, lines)
-    hidden = reference.shape[1]
     rows = []
     for variant in VARIANTS:
         names = set(variant.split())
         group = 128 if "/128" in names else None
         operands = tuple(names & {"activations", "weights"}) or ("activations", "weights")
         products = names - {"/128", "activations", "weights", "int8"}
-        got = embed(a.model_src, lines, fp8_ops(products, group, hidden, operands, "int8" in names))
+        got = embed(a.model_src, lines, fp8_ops(products, group, operands, "int8" in names))
         cos = (got * reference).sum(1)
         rows.append({"variant": variant, "cosine_min": round(float(cos.min()), 6),
                      "cosine_mean": round(float(cos.mean()), 6)})
