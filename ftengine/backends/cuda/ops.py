@@ -919,6 +919,15 @@ def _split_product(parts, x, weight):
 # slower (H100, GPT-2 small fp16, 2026-11-26, ms a step, alternating runs): greedy batch 1 0.292 ->
 # 0.346, beam 4 0.372 -> 0.398 (24 such products a step: the count, the fences and the one block's
 # tail cost about 2 us more than the second kernel did; not broken down further).
+# The LayerNorm left to the product that reads it (issue 15's lever, decode steps of 1-4 rows: this
+# gemv's blocks of 4 columns writing each row's sum and sum of squares, the next gemv normalising the
+# rows from them as it reads them; no LayerNorm kernel but ln_f's) was right (fp32 logits identical,
+# fp16 within 0.0033, the same tokens) but slower (H100, GPT-2 small fp16, 2026-11-26, ms a step,
+# alternating, greedy batch 1 / beam 4 batch 1 / greedy batch 4): 0.293 / 0.373 / 0.338 -> 0.331 /
+# 0.430 / 0.404 with the 192 blocks' pairs summed by each reading block; in a second run 0.294 / 0.368 /
+# 0.339 -> 0.355 / 0.471 / 0.446 summed by each of its warps, 0.357 / 0.524 / 0.494 from blocks of 2
+# columns: reading the statistics before its first product cost each reading block more than the
+# LayerNorm kernel it replaced.
 def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials):
     """hidden += x @ weight^T + bias; normed = LayerNorm(hidden), as matmul into `product` (M, N)
     then residual_layernorm. Where split_k, or else blas_split_k, splits the product: gemv.cu
