@@ -1088,6 +1088,13 @@ def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, he
 # - keys and values held as stored (half the registers at 16 bits), 4 or 8 keys a group a round:
 #   0.2920 / 0.3732 / 0.4469 -> 0.2932 / 0.3735 / 0.4495, 0.2989 / 0.3793 / 0.4560; 8 keys as
 #   floats: batch 32 0.4469 -> 0.5196; blocks of ATTENTION_THREADS at every batch: 0.4469 -> 0.4810.
+# - the output projection fused into this attention (issue 15's lever; batches of 1-4 rows, the
+#   head's columns of the weights copied into shared memory while the block attends, each head's
+#   share summed into float partials that residual_layernorm adds up in head order; right: the same
+#   tokens, fp16 logits within 0.0031), greedy batch 1 / beam 4 batch 1 / greedy batch 4, second run:
+#   0.2951 / 0.3758 / 0.3478 -> 0.3134 / 0.4464 / 0.4129 with the head's outputs over 8 blocks that
+#   each attend, 0.3212 / 0.3878 / 0.3629 over 4; one block a head (96 KB of weights through one SM),
+#   first run: 0.2949 / 0.3728 / 0.3479 -> 0.3608 / 0.4280 / 0.3983.
 def decode_attention(ctx, qkv, bias, k_cache, v_cache, positions, indir=None, *, heads):
     """Writes each token's key and value into its own cache row, then attends (one kernel)."""
     flags = ATTENTION_FLAGS["rows_are_tokens"] | ATTENTION_FLAGS["write_kv"]
