@@ -170,7 +170,13 @@ SAMPLE_THREADS, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX = 256, 8
 SAMPLE_CANDIDATES = 2048
 # attention_sm90.cu (wgmma): its head dims, queries per block (one warpgroup: two a block measured
 # slower at every shape, on the first kernel and again on today's, and two 16-row tiles a warp slower
-# but at 16 x 2,048 tokens: kernels_cu/dev/attention_wgmma.py) and keys per K/V tile
+# but at 16 x 2,048 tokens: kernels_cu/dev/attention_wgmma.py) and keys per K/V tile. A query tile's
+# keys split over 2 or 4 blocks where the grid leaves SMs idle (short batches), the blocks' states
+# merged through distributed shared memory in a cluster, was right (max abs err 2e-5 pooled, 0.003
+# logits) but slower (H100, fp16, 2026-11-26, ms, GPU-only passes replayed): BERT-base 1 x 128 0.373
+# -> 0.424 (2 blocks), 1 x 512 0.551 -> 0.622 (2) / 1.055 (4), GPT-2 prefill 1 x 512 0.551 -> 0.629 /
+# 1.050; without the cluster and the merge (outputs wrong, timing only) 0.364, 0.530 / 0.532 and
+# 0.530 / 0.521: what the split saves (under 3 us a layer) is less than the merge costs
 VARLEN_WG_HEAD_DIMS, VARLEN_WG_BLOCK_M, VARLEN_WG_KN = (64, 32), 64, 64
 SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample<false>", "choose_sample<true>",
                     "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates", "beam_select"]
