@@ -176,7 +176,7 @@ SAMPLE_CANDIDATES = 2048
 # logits) but slower (H100, fp16, 2026-11-26, ms, GPU-only passes replayed): BERT-base 1 x 128 0.373
 # -> 0.424 (2 blocks), 1 x 512 0.551 -> 0.622 (2) / 1.055 (4), GPT-2 prefill 1 x 512 0.551 -> 0.629 /
 # 1.050; without the cluster and the merge (outputs wrong, timing only) 0.364, 0.530 / 0.532 and
-# 0.530 / 0.521: what the split saves (under 3 us a layer) is less than the merge costs
+# 0.530 / 0.521: what the split saves (under 3 us a layer) is less than the merge costs.
 VARLEN_WG_HEAD_DIMS, VARLEN_WG_BLOCK_M, VARLEN_WG_KN = (64, 32), 64, 64
 SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample<false>", "choose_sample<true>",
                     "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates", "beam_select"]
