@@ -176,7 +176,15 @@ SAMPLE_CANDIDATES = 2048
 # logits) but slower (H100, fp16, 2026-11-26, ms, GPU-only passes replayed): BERT-base 1 x 128 0.373
 # -> 0.424 (2 blocks), 1 x 512 0.551 -> 0.622 (2) / 1.055 (4), GPT-2 prefill 1 x 512 0.551 -> 0.629 /
 # 1.050; without the cluster and the merge (outputs wrong, timing only) 0.364, 0.530 / 0.532 and
-# 0.530 / 0.521: what the split saves (under 3 us a layer) is less than the merge costs.
+# 0.530 / 0.521: what the split saves (under 3 us a layer) is less than the merge costs. As a
+# persistent kernel (4 blocks an SM taking the (query tile, sequence, head) items in turn, the next
+# item's queries (cp.async into a second buffer, the bias added once they land) and first K/V tile
+# copied during the current item's last tile), the same bits but slower (H100, fp16, 2026-11-26, us,
+# three alternating rounds, torch SDPA in brackets): 64 x 512 164-175 -> 180-194 (135), 16 x 2,048
+# 571-604 -> 625-667 (449), 256 x 128 81.9 -> 79.3-80.1 (72.1), 32 x 128 12.2 -> 14.2, 1 x 128 3.8 ->
+# 4.2, head dim 32 at 64 x 512 216 -> 253-266, causal 4 x 1,024 32.5 -> 39.0; BERT-base passes (GPU
+# replay, ms) 256 x 128 12.08-12.17 -> 12.02-12.04, 64 x 512 13.47-13.55 -> 13.61: a block's start
+# (its queries' and first tile's latency) is not what the per-tile kernel loses to SDPA.
 VARLEN_WG_HEAD_DIMS, VARLEN_WG_BLOCK_M, VARLEN_WG_KN = (64, 32), 64, 64
 SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample<false>", "choose_sample<true>",
                     "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates", "beam_select"]
