@@ -552,26 +552,57 @@ def test_varlen_attention_zeroes_many_padding_rows(cu, rng, dtype, misaligned, a
 
 
 def test_varlen_attention_routes_head_dims_64_and_32_to_wgmma_on_sm90(cu, rng, monkeypatch):
-    """On sm_90 the plain fp16/bf16 attention at head dims 64 and 32 runs the wgmma kernel; head dim
+    """On sm_90 the plain fp16/bf16 attention at head dims 64 and 32 runs a wgmma kernel: at head dim
+    64 the TMA one where the longest sequence passes two key tiles (VARLEN_WG_TMA_MIN_SEQ); head dim
     128, windows, relative biases and fp32 keep the mma.sync / SIMT kernels."""
     if not cu.context().wgmma:
         pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
     launches = []
     launch = cu._launch
     monkeypatch.setattr(cu, "_launch", lambda file, name, *a, **k: launches.append(name) or launch(file, name, *a, **k))
-    cu_seqlens = ints(cu, [0, 70, 75])
+    longest = cu.VARLEN_WG_TMA_MIN_SEQ
     for dtype, d, window, max_seqlen in [("fp16", 64, 0, 70), ("bf16", 64, 0, 64), ("fp16", 32, 0, 70),
                                          ("bf16", 32, 0, 70), ("fp16", 128, 0, 70), ("fp16", 64, 8, 70),
-                                         ("fp32", 64, 0, 70)]:
-        qkv, _ = quantize(cu, rng.standard_normal((75, 3 * 2 * d)), dtype)
+                                         ("fp32", 64, 0, 70), ("fp16", 64, 0, longest), ("bf16", 64, 0, 512),
+                                         ("fp16", 64, 0, longest - 1), ("fp16", 32, 0, 512), ("fp16", 64, 8, 512)]:
+        cu_seqlens = ints(cu, [0, max_seqlen, max_seqlen + 5])
+        qkv, _ = quantize(cu, rng.standard_normal((max_seqlen + 5, 3 * 2 * d)), dtype)
         bias, _ = quantize(cu, rng.standard_normal(3 * 2 * d), dtype)
-        out = poisoned(cu, (75, 2 * d), dtype)
+        out = poisoned(cu, (max_seqlen + 5, 2 * d), dtype)
         cu.varlen_attention(out, qkv, bias, cu_seqlens, heads=2, max_seqlen=max_seqlen, window=window)
     assert launches[:4] == ["varlen_attention_wgmma<__half, 64>", "varlen_attention_wgmma<__nv_bfloat16, 64>",
                             "varlen_attention_wgmma<__half, 32>", "varlen_attention_wgmma<__nv_bfloat16, 32>"]
     assert launches[4].startswith("varlen_attention_mma<__half, 128, false,")
     assert launches[5].startswith("varlen_attention_mma<__half, 64, true,")
-    assert launches[6:] == ["varlen_attention_simt<64>"]
+    assert launches[6:11] == ["varlen_attention_simt<64>", "varlen_attention_wgmma_tma<__half>",
+                              "varlen_attention_wgmma_tma<__nv_bfloat16>", "varlen_attention_wgmma<__half, 64>",
+                              "varlen_attention_wgmma<__half, 32>"]
+    assert launches[11].startswith("varlen_attention_mma<__half, 64, true,")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_attention_keeps_each_sequence_to_itself(cu, rng, dtype, d, causal, attention_path):
+    """Infinite keys and values in one sequence (an overflowed activation) reach no other: the TMA
+    kernel copies whole key tiles, rows of the next sequence among them, and must give them no
+    weight and zero their values; the other sequences' rows equal the reference's, all finite."""
+    lengths, heads = [40, 300, 70, 129, 1], 2
+    h, t = heads * d, sum(lengths)
+    cu_seqlens = _offsets(lengths)
+    clean = rng.standard_normal((t, 3 * h))
+    bad = clean.copy()
+    bad[40:340, h:] = np.inf   # sequence 1's keys and values
+    bad[339, 2 * h:] = np.nan
+    qkv, _ = quantize(cu, bad, dtype)
+    _, qkvh = quantize(cu, clean, dtype)
+    bias, biash = quantize(cu, 0.5 * rng.standard_normal(3 * h), dtype)
+    out = poisoned(cu, (t, h), dtype)
+    cu.varlen_attention(out, qkv, bias, ints(cu, cu_seqlens), heads=heads, max_seqlen=max(lengths), causal=causal)
+    expected = np.empty((t, h), np.float32)
+    ref.varlen_attention(expected, qkvh, biash, cu_seqlens, heads=heads, max_seqlen=max(lengths), causal=causal)
+    others = np.r_[0:40, 340:t]
+    assert_close_host(cu.to_host(out).astype(np.float32)[others], expected[others], dtype)
 
 
 def test_prepare_kernels_compiles_the_wgmma_attention_for_its_head_dims_only(cu, monkeypatch):

@@ -186,6 +186,11 @@ SAMPLE_CANDIDATES = 2048
 # replay, ms) 256 x 128 12.08-12.17 -> 12.02-12.04, 64 x 512 13.47-13.55 -> 13.61: a block's start
 # (its queries' and first tile's latency) is not what the per-tile kernel loses to SDPA.
 VARLEN_WG_HEAD_DIMS, VARLEN_WG_BLOCK_M, VARLEN_WG_KN = (64, 32), 64, 64
+# attention_sm90.cu varlen_attention_wgmma_tma (TMA copies, S from shared memory; figures there): head
+# dim 64, batches whose longest sequence passes VARLEN_WG_TMA_MIN_SEQ (more than two key tiles a
+# block); shorter ones keep varlen_attention_wgmma, 1 us a block faster there (H100: BERT-base's 32 x
+# 128 attention 12.3 against 13.2 us)
+VARLEN_WG_TMA_MIN_SEQ = 2 * VARLEN_WG_KN + 1
 SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample<false>", "choose_sample<true>",
                     "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates", "beam_select"]
 
@@ -265,16 +270,17 @@ FAMILIES = {
     # dtype fp8: fp16 activations, e4m3 product operands (sm_89+)
     "fp8.cu": lambda t: ([n for k in FP8_KERNELS for n in _row_variants(k, t)] if t == "__half" else []),
     # wgmma (sm_90a: ARCH_SPECIFIC)
-    "attention_sm90.cu": lambda t: [] if t == "float" else [f"varlen_attention_wgmma<{t}, {d}>"
-                                                            for d in VARLEN_WG_HEAD_DIMS],
+    "attention_sm90.cu": lambda t: [] if t == "float" else ([f"varlen_attention_wgmma<{t}, {d}>"
+                                                             for d in VARLEN_WG_HEAD_DIMS]
+                                                            + [f"varlen_attention_wgmma_tma<{t}>"]),
     "gemm_sm90.cu": lambda t: [] if t == "float" else [wgmma_name(t, bn, 1) for bn in WGMMA_TILES] + [wgmma_ln_name(t)],
 }
 # files of arch-specific instructions (sm_90a: wgmma), which run on that exact architecture only:
 # file -> (NVRTC's target, the compute capability it runs on, the files its source follows). They
 # are compiled by NVRTC for that target (CuPy's RawModule targets the plain sm_XY of the device)
 # and used on GPUs of that compute capability alone.
-ARCH_SPECIFIC = {"attention_sm90.cu": ("sm_90a", (9, 0), ("attention_varlen.cu",)),
-                 "gemm_sm90.cu": ("sm_90a", (9, 0), ())}
+ARCH_SPECIFIC = {"attention_sm90.cu": ("sm_90a", (9, 0), ("attention_varlen.cu", "sm90.cuh")),
+                 "gemm_sm90.cu": ("sm_90a", (9, 0), ("sm90.cuh",))}
 # file -> kernels every dtype uses (not templated on the element type): one module of their own,
 # so that an fp16 run never compiles the fp32 instantiations (the fp32 varlen attention alone
 # takes 17 s to compile on an H100)

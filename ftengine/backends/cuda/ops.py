@@ -25,8 +25,8 @@ from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATT
                       SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS,
                       SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC,
                       SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES,
-                      VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIMS, VARLEN_WG_KN, VECS, WGMMA_GELU_MIN_OUTPUTS,
-                      WGMMA_LN_MIN_ROWS, WGMMA_LN_TILE, WGMMA_NARROW_MAX_K, WGMMA_NARROW_TILES_PER_SM, WGMMA_SPLIT_ROWS,
+                      VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIMS, VARLEN_WG_KN, VARLEN_WG_TMA_MIN_SEQ, VECS,
+                      WGMMA_GELU_MIN_OUTPUTS, WGMMA_LN_MIN_ROWS, WGMMA_LN_TILE, WGMMA_NARROW_MAX_K, WGMMA_NARROW_TILES_PER_SM, WGMMA_SPLIT_ROWS,
                       ArchKernel, TensorMap, kernel, launch_ex, max_active_clusters, prepare, skinny_name,
                       varlen_mma_name, wgmma_ln_name, wgmma_name, wgmma_shared_mem, wgmma_tiles, wgmma_x_rows)
 
@@ -694,15 +694,22 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
         raise DeviceError(f"fused attention supports head_dim {VARLEN_HEAD_DIMS}, not {d}")
     b = cu_seqlens.size - 1
     ct = _ctype(ctx)
+    scale_log2 = np.float32(1.4426950408889634 / np.sqrt(d))
     threads, block_m, file = 128, VARLEN_BLOCK_M, "attention_varlen.cu"
     general = bool(window or rel_bias is not None)
     if ct == "float":
         name, smem = f"varlen_attention_simt<{d}>", 0
     elif d in VARLEN_WG_HEAD_DIMS and not general and context().wgmma:
         # wgmma: two stages of swizzled K and V tiles, the staged queries (rows of D + 8), 1024 bytes
-        # of alignment
+        # of alignment; the TMA kernel for longer sequences (VARLEN_WG_TMA_MIN_SEQ), also its mbarriers
         threads, block_m, file = 128, VARLEN_WG_BLOCK_M, "attention_sm90.cu"
         name, smem = f"varlen_attention_wgmma<{ct}, {d}>", (2 * 2 * VARLEN_WG_KN * d + block_m * (d + 8)) * 2 + 1024
+        if d == 64 and max_seqlen >= VARLEN_WG_TMA_MIN_SEQ and _tma_operands(qkv):
+            if not _planning():
+                _launch(file, f"varlen_attention_wgmma_tma<{ct}>", (-(-max_seqlen // block_m), b * heads), (threads,),
+                        (ctx, qkv, bias, cu_seqlens, np.int32(b), np.int32(heads), np.int32(t), scale_log2,
+                         np.int32(bool(causal)), TensorMap(qkv, d, VARLEN_WG_KN)), shared_mem=smem + 32)
+            return
     else:  # two stages of K and V tiles of KN rows of D + 8 elements; the general variant for windows
         # and biases; the wide tiles for long sequences (VARLEN_TILES)
         warps, mt, kn = VARLEN_TILES["wide"]
@@ -712,7 +719,6 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
         warps, mt, kn = VARLEN_TILES[tiles]
         threads, block_m = 32 * warps, 16 * warps * mt
         name, smem = varlen_mma_name(ct, d, general, tiles), 2 * 2 * kn * (d + 8) * 2
-    scale_log2 = np.float32(1.4426950408889634 / np.sqrt(d))
     table, buckets, max_len = rel_bias if rel_bias is not None else (cu_seqlens, cu_seqlens, 0)
     _launch(file, name, (-(-max_seqlen // block_m), b * heads), (threads,),
             (ctx, qkv, bias, cu_seqlens, np.int32(b), np.int32(heads), np.int32(t), scale_log2,
