@@ -160,9 +160,9 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
     constexpr int KN = VARLEN_WG_KN, BLOCK_M = 64, LDQ = D + 8, ROW_BYTES = D * sizeof(T);
     constexpr unsigned TILE_BYTES = KN * D * sizeof(T);
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    zero_padding_rows(ctx, cu_seqlens, batch, n_tokens, heads * D);
     const int bh = blockIdx.y, b = bh / heads, h = bh - b * heads;
-    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
+    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start, total = cu_seqlens[batch];
+    zero_padding_rows(ctx, total, n_tokens, heads * D);
     const int q0 = blockIdx.x * BLOCK_M;
     if (q0 >= len) return;
     const int H = heads * D, row_stride = 3 * H;
@@ -274,9 +274,9 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma_tma(
     extern __shared__ __align__(16) unsigned char smem_raw[];
     if (threadIdx.x == 0)
         asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<unsigned long long>(&qkv_map)) : "memory");
-    zero_padding_rows(ctx, cu_seqlens, batch, n_tokens, heads * D);
     const int bh = blockIdx.y, b = bh / heads, h = bh - b * heads;
-    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
+    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start, total = cu_seqlens[batch];
+    zero_padding_rows(ctx, total, n_tokens, heads * D);
     const int q0 = blockIdx.x * BLOCK_M;
     if (q0 >= len) return;
     const int H = heads * D, k_col = H + h * D, v_col = 2 * H + h * D;

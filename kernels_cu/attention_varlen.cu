@@ -44,13 +44,14 @@ struct KeyRange {
     }
 };
 
-// This block's share of zeroing ctx rows cu_seqlens[batch] .. n_tokens (past the last sequence:
-// batch padding), so that they hold no stale values: the whole grid shares the rows, in 16-byte
-// stores where they are whole 16-byte units. (An extra row of blocks that stored an element per
-// thread at a time took 15 us after the attention itself: BERT-base 32 x 128, 320 padding rows.)
+// This block's share of zeroing ctx rows `total` (cu_seqlens[batch]: past the last sequence, batch
+// padding) .. n_tokens, so that they hold no stale values: the whole grid shares the rows, in
+// 16-byte stores where they are whole 16-byte units. (An extra row of blocks that stored an element
+// per thread at a time took 15 us after the attention itself: BERT-base 32 x 128, 320 padding rows.)
+// The callers load `total` with their sequence's bounds, so that the three loads wait as one.
 template <typename T>
-__device__ __forceinline__ void zero_padding_rows(T* ctx, const int* cu_seqlens, int batch, int n_tokens, int H) {
-    const long from = (long)cu_seqlens[batch] * H, to = (long)n_tokens * H;
+__device__ __forceinline__ void zero_padding_rows(T* ctx, int total, int n_tokens, int H) {
+    const long from = (long)total * H, to = (long)n_tokens * H;
     if (from >= to) return;
     const long threads = (long)gridDim.x * gridDim.y * blockDim.x;
     const long first = ((long)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
@@ -285,9 +286,9 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) varlen_attention_mma(
     static_assert(KN % 16 == 0 && D % 32 == 0, "tile shapes");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* smem = reinterpret_cast<T*>(smem_raw);   // K stage 0 | V stage 0 | K stage 1 | V stage 1
-    zero_padding_rows(ctx, cu_seqlens, batch, n_tokens, heads * D);
     const int bh = blockIdx.y, b = bh / heads, h = bh - b * heads;
-    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
+    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start, total = cu_seqlens[batch];
+    zero_padding_rows(ctx, total, n_tokens, heads * D);
     const int q0 = blockIdx.x * BLOCK_M;
     if (q0 >= len) return;
     const int H = heads * D, row_stride = 3 * H;
@@ -400,9 +401,9 @@ __global__ void __launch_bounds__(128) varlen_attention_simt(
     constexpr int HALF = D / 2;
     __shared__ float Ks[VARLEN_SIMT_N][D];
     __shared__ float Vs[VARLEN_SIMT_N][D];
-    zero_padding_rows(ctx, cu_seqlens, batch, n_tokens, heads * D);
     const int bh = blockIdx.y, b = bh / heads, h = bh - b * heads;
-    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
+    const int start = cu_seqlens[b], len = cu_seqlens[b + 1] - start, total = cu_seqlens[batch];
+    zero_padding_rows(ctx, total, n_tokens, heads * D);
     const int q0 = blockIdx.x * VARLEN_BLOCK_M;
     if (q0 >= len) return;
     const int H = heads * D, row_stride = 3 * H;
