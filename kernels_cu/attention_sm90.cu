@@ -21,9 +21,10 @@
 //   key tiles a block: the first kernel stays there); causal 4 x 1,024 28.2 against 32.5, 1 x 512 7.8
 //   against 8.0. Taken apart (the same run): the tensor map's copies with the register-A S 163.9 at
 //   64 x 512, 16 x 2,048 542.0; an mbarrier per stage for its readers instead of the block barrier
-//   before each copy, slower (64 x 512 +2-6 us). The first kernel's loop executed 90.2 M warp
-//   instructions at 64 x 512 against cuDNN's (torch SDPA's) 56.3 M, mostly the copies' address
-//   arithmetic (ncu, 2026-11-26).
+//   before each copy, slower (64 x 512 +2-6 us). Why: at 64 x 512 the first kernel executed 90.2 M
+//   warp instructions against cuDNN's (torch SDPA's) 56.3 M for the same floating-point work (ncu,
+//   2026-11-26); about 120 of its loop's 390 instructions a key tile (SASS) computed the copies'
+//   and the query fragments' addresses.
 // Both: the score accumulators come back in mma.sync's layout, and O += P V takes P from them as a
 // register-A operand, V from its tile in shared memory (MN-major: rows of keys). H100: 1.06-1.18x
 // the speed of the mma.sync P V it replaces on sequences of 512 tokens and more, the same at 128; a
@@ -31,7 +32,7 @@
 // staging and the stores are varlen_attention_mma's.
 // grid (ceil(max_seqlen / 64), B * heads), 128 threads; dynamic shared memory: 2 x (K, V) x
 // VARLEN_WG_KN x D elements, 64 x (D + 8) (the staged queries), 1024 (alignment); the second kernel
-// also 32 bytes (its mbarriers).
+// also 16 bytes (its two mbarriers).
 
 #define VARLEN_WG_KN 64
 
@@ -225,8 +226,8 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
 // c ^ (r % 8)), the layout wgmma reads a K-major operand in, by the block's 128 threads (each its
 // chunks' loads first, all in flight at once); then made visible to the async proxy (wgmma).
 template <typename T>
-__device__ __forceinline__ void stage_queries_swizzled(T* qs, const T* base, const T* __restrict__ bias, int q0, int len,
-                                                       int row_stride, int h) {
+__device__ __forceinline__ void stage_queries_swizzled(T* qs, const T* base, const T* __restrict__ bias, int q0,
+                                                       int len, int row_stride, int h) {
     constexpr int D = 64, PER_ROW = D / 8, STEP = 128 / PER_ROW, N = 64 / STEP;
     const int row = threadIdx.x / PER_ROW, chunk = threadIdx.x - row * PER_ROW;
     Pack<T, 8> q[N];
@@ -294,7 +295,8 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma_tma(
         mbar_init(full + 8, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         load_kv_tiles(tiles, &qkv_map, k_col, v_col, start, TILE_BYTES, full);
-        if (n_tiles > 1) load_kv_tiles(tiles + 2 * TILE_BYTES, &qkv_map, k_col, v_col, start + KN, TILE_BYTES, full + 8);
+        if (n_tiles > 1)
+            load_kv_tiles(tiles + 2 * TILE_BYTES, &qkv_map, k_col, v_col, start + KN, TILE_BYTES, full + 8);
     }
     stage_queries_swizzled<T>(qs, qkv + (long)start * 3 * H, bias, q0, len, 3 * H, h);
     __syncthreads();

@@ -111,6 +111,13 @@ as the shipped kernel's), neither kept; scratch A/B builds in one run, us, shipp
   52.5); 64 x 512, 24 heads, 215.9 against 271.5 (SDPA 250.2); 16 x 2,048 739.6 against 875.7 (SDPA
   837.8). The patches here are written for head dim 64 (use_patched builds that instantiation alone).
 
+Measured on the H100 (2026-11-26): what the kernel lost to torch SDPA was instructions, not the
+designs above: ncu at 64 x 512 counted 90.2 M warp instructions against cuDNN's 56.3 M for the same
+floating-point work, about 120 of the loop's 390 a key tile spent on the cp.async copies' and the
+query fragments' addresses. The package's attention_sm90.cu varlen_attention_wgmma_tma (one thread
+copying each K/V tile by TMA, S from the queries in shared memory) runs 64 x 512 at 0.97x SDPA
+(figures there); this script times the cp.async kernel's variants only.
+
     PYTHONPATH=. python3 kernels_cu/dev/attention_wgmma.py [--out results.json] [--probe]
 """
 

@@ -26,7 +26,8 @@ from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATT
                       SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC,
                       SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES,
                       VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIMS, VARLEN_WG_KN, VARLEN_WG_TMA_MIN_SEQ, VECS,
-                      WGMMA_GELU_MIN_OUTPUTS, WGMMA_LN_MIN_ROWS, WGMMA_LN_TILE, WGMMA_NARROW_MAX_K, WGMMA_NARROW_TILES_PER_SM, WGMMA_SPLIT_ROWS,
+                      WGMMA_GELU_MIN_OUTPUTS, WGMMA_LN_MIN_ROWS, WGMMA_LN_TILE, WGMMA_NARROW_MAX_K,
+                      WGMMA_NARROW_TILES_PER_SM, WGMMA_SPLIT_ROWS,
                       ArchKernel, TensorMap, kernel, launch_ex, max_active_clusters, prepare, skinny_name,
                       varlen_mma_name, wgmma_ln_name, wgmma_name, wgmma_shared_mem, wgmma_tiles, wgmma_x_rows)
 
@@ -684,7 +685,8 @@ def masked_softmax(probs, scores, lengths, *, heads, window=0):
 
 def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=False, window=0, rel_bias=None):
     """Fused attention over the padding-free layout: tensor cores for fp16/bf16 (on sm_90, wgmma at
-    head dims 64 and 32 without window or bias: attention_sm90.cu), SIMT for fp32.
+    head dims 64 and 32 without window or bias: attention_sm90.cu, at head dim 64 with TMA copies
+    past VARLEN_WG_TMA_MIN_SEQ tokens), SIMT for fp32.
     causal: query i of a sequence sees its keys 0..i only (a decoder's prefill); window > 0: keys
     within that distance only; rel_bias = (table, buckets, max_len): MPNet's relative position
     bias, looked up per score inside the kernel."""
@@ -708,7 +710,7 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
             if not _planning():
                 _launch(file, f"varlen_attention_wgmma_tma<{ct}>", (-(-max_seqlen // block_m), b * heads), (threads,),
                         (ctx, qkv, bias, cu_seqlens, np.int32(b), np.int32(heads), np.int32(t), scale_log2,
-                         np.int32(bool(causal)), TensorMap(qkv, d, VARLEN_WG_KN)), shared_mem=smem + 32)
+                         np.int32(bool(causal)), TensorMap(qkv, d, VARLEN_WG_KN)), shared_mem=smem + 16)
             return
     else:  # two stages of K and V tiles of KN rows of D + 8 elements; the general variant for windows
         # and biases; the wide tiles for long sequences (VARLEN_TILES)
