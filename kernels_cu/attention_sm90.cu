@@ -97,28 +97,14 @@ WGMMA_RS_STRUCT(__nv_bfloat16, 64, WGMMA_RS_M64N64K16, "bf16")
 WGMMA_RS_STRUCT(__half, 32, WGMMA_RS_M64N32K16, "f16")
 WGMMA_RS_STRUCT(__nv_bfloat16, 32, WGMMA_RS_M64N32K16, "bf16")
 
-// d (64 x 64, fp32, laid out as above) = (SCALE_D ? d : 0) + A (64 x 16) B (16 x 64), both K-major
-// in shared memory (descriptors).
-#define WGMMA_SS_M64N64K16(TYPE)                                                                                \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                  \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                    \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "          \
-                 "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                              \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),     \
-                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),   \
-                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),   \
-                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                        \
-                 : "l"(a), "l"(b), "r"(SCALE_D))
-
-// WgmmaSS<T>::run<SCALE_D>(d, a, b): the m64n64k16 product above.
+// WgmmaSS<T>::run<SCALE_D>(d, a, b): d (64 x 64, fp32, laid out as above) = (SCALE_D ? d : 0) +
+// A (64 x 16) B (16 x 64), both K-major in shared memory (sm90.cuh WGMMA_SS_M64N64K16).
 template <typename T> struct WgmmaSS;
 #define WGMMA_SS_STRUCT(T, TYPE)                                                                                \
     template <> struct WgmmaSS<T> {                                                                            \
         template <int SCALE_D>                                                                                  \
         static __device__ __forceinline__ void run(float (&d)[32], unsigned long long a, unsigned long long b) { \
-            WGMMA_SS_M64N64K16(TYPE);                                                                           \
+            WGMMA_SS_M64N64K16(TYPE, SCALE_D);                                                                  \
         }                                                                                                       \
     };
 WGMMA_SS_STRUCT(__half, "f16")
@@ -146,6 +132,18 @@ __device__ __forceinline__ void softmax_then_pv(float (&s)[KN / 8][4], float (&o
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(o_flat);
+}
+
+// A warp's 16 query rows before their first key tile: outputs and scores 0, running maxima -inf,
+// sums 0.
+template <int D, int KN>
+__device__ __forceinline__ void start_rows(float (&o)[D / 8][4], float (&s)[KN / 8][4], float (&m)[2], float (&l)[2]) {
+    #pragma unroll
+    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < KN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    m[0] = m[1] = -FT_INFINITY;
+    l[0] = l[1] = 0.0f;
 }
 
 template <typename T, int D>
@@ -184,12 +182,8 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
     stage_queries<T, D, LDQ, 128, BLOCK_M>(qs, base, bias, q0, len, row_stride, h);
     __syncthreads();
 
-    float o[D / 8][4], s[KN / 8][4];
-    float m[2] = {-FT_INFINITY, -FT_INFINITY}, l[2] = {0.0f, 0.0f};
-    #pragma unroll
-    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-    #pragma unroll
-    for (int j = 0; j < KN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    float o[D / 8][4], s[KN / 8][4], m[2], l[2];
+    start_rows<D, KN>(o, s, m, l);
     float (&s_flat)[KN / 2] = reinterpret_cast<float (&)[KN / 2]>(s);
 
     for (int it = 0; it < n_tiles; ++it) {
@@ -219,36 +213,6 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
         softmax_then_pv<T, D, KN>(s, o, m, l, keys, n0, w0 + (lane >> 2), masked, scale_log2, vs);
     }
     store_context<T, D>(ctx + h * D, o, l, bias + 2 * H + h * D, start, w0 + (lane >> 2), len, H);
-}
-
-// Q + bias of queries q0 .. q0 + 64 of head h (rounded to T, as stage_queries does; rows past the
-// sequence zeros) into qs in the 128-byte swizzle of 64-element rows (16-byte chunk c of row r at
-// c ^ (r % 8)), the layout wgmma reads a K-major operand in, by the block's 128 threads (each its
-// chunks' loads first, all in flight at once); then made visible to the async proxy (wgmma).
-template <typename T>
-__device__ __forceinline__ void stage_queries_swizzled(T* qs, const T* base, const T* __restrict__ bias, int q0,
-                                                       int len, int row_stride, int h) {
-    constexpr int D = 64, PER_ROW = D / 8, STEP = 128 / PER_ROW, N = 64 / STEP;
-    const int row = threadIdx.x / PER_ROW, chunk = threadIdx.x - row * PER_ROW;
-    Pack<T, 8> q[N];
-    #pragma unroll
-    for (int k = 0; k < N; ++k) {
-        if (q0 + row + k * STEP < len)
-            q[k] = *reinterpret_cast<const Pack<T, 8>*>(base + (long)(q0 + row + k * STEP) * row_stride + h * D
-                                                       + chunk * 8);
-    }
-    float b[8];
-    load_floats<T, 8>(b, bias + h * D + chunk * 8);
-    #pragma unroll
-    for (int k = 0; k < N; ++k) {
-        const int r = row + k * STEP;
-        float v[8];
-        const bool valid = q0 + r < len;
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = valid ? to_float(q[k].v[j]) + b[j] : 0.0f;
-        store_floats<T, 8>(qs + r * D + ((chunk ^ (r & 7)) << 3), v);
-    }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // The K and V tiles of keys row0 .. row0 + VARLEN_WG_KN of a head (columns k_col, v_col of qkv's
@@ -298,15 +262,13 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma_tma(
         if (n_tiles > 1)
             load_kv_tiles(tiles + 2 * TILE_BYTES, &qkv_map, k_col, v_col, start + KN, TILE_BYTES, full + 8);
     }
-    stage_queries_swizzled<T>(qs, qkv + (long)start * 3 * H, bias, q0, len, 3 * H, h);
+    // the queries + bias in the 128-byte swizzle, wgmma's K-major A operand, made visible to it
+    stage_queries<T, D, D, 128, BLOCK_M, true>(qs, qkv + (long)start * 3 * H, bias, q0, len, 3 * H, h);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
 
-    float o[D / 8][4], s[KN / 8][4];
-    float m[2] = {-FT_INFINITY, -FT_INFINITY}, l[2] = {0.0f, 0.0f};
-    #pragma unroll
-    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-    #pragma unroll
-    for (int j = 0; j < KN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    float o[D / 8][4], s[KN / 8][4], m[2], l[2];
+    start_rows<D, KN>(o, s, m, l);
     float (&s_flat)[KN / 2] = reinterpret_cast<float (&)[KN / 2]>(s);
 
     for (int it = 0; it < n_tiles; ++it) {

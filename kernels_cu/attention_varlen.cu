@@ -139,13 +139,16 @@ __device__ __forceinline__ void kv_pipeline_step(const Loader& loader, unsigned 
 // Q + bias of queries q0 .. q0 + BLOCK_M of the head (rounded to T, as the unfused path stores
 // it; rows past the sequence zeros) into qs, rows LD elements apart, by all THREADS threads of the
 // block: each thread loads its 16-byte chunks of Q (column i % (D / 8) of rows i / (D / 8) + k STEP)
-// and of the bias first, all in flight at once, then adds and stores them.
-template <typename T, int D, int LD, int THREADS, int BLOCK_M>
+// and of the bias first, all in flight at once, then adds and stores them. SWIZZLE: rows of D = 64
+// elements (LD = D) in the 128-byte swizzle, 16-byte chunk c of row r at c ^ (r % 8) (the layout
+// wgmma reads a K-major operand in: attention_sm90.cu).
+template <typename T, int D, int LD, int THREADS, int BLOCK_M, bool SWIZZLE = false>
 __device__ __forceinline__ void stage_queries(T* qs, const T* base, const T* __restrict__ bias, int q0, int len,
                                               int row_stride, int h) {
     constexpr int PER_ROW = D / 8, STEP = THREADS / PER_ROW, N = BLOCK_M / STEP;
     static_assert(THREADS % PER_ROW == 0 && BLOCK_M % STEP == 0, "every thread stages as many chunks");
-    const int row = threadIdx.x / PER_ROW, col = (threadIdx.x - row * PER_ROW) * 8;
+    static_assert(!SWIZZLE || (LD == D && D * sizeof(T) == 128), "swizzled rows: 128 bytes");
+    const int row = threadIdx.x / PER_ROW, chunk = threadIdx.x - row * PER_ROW, col = chunk * 8;
     Pack<T, 8> q[N];
     #pragma unroll
     for (int k = 0; k < N; ++k) {
@@ -156,11 +159,12 @@ __device__ __forceinline__ void stage_queries(T* qs, const T* base, const T* __r
     load_floats<T, 8>(b, bias + h * D + col);
     #pragma unroll
     for (int k = 0; k < N; ++k) {
+        const int r = row + k * STEP;
         float v[8];
-        const bool valid = q0 + row + k * STEP < len;
+        const bool valid = q0 + r < len;
         #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = valid ? to_float(q[k].v[j]) + b[j] : 0.0f;
-        store_floats<T, 8>(qs + (row + k * STEP) * LD + col, v);
+        store_floats<T, 8>(qs + r * LD + (SWIZZLE ? (chunk ^ (r & 7)) << 3 : col), v);
     }
 }
 

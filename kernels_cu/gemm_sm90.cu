@@ -124,18 +124,7 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr) {
                    "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])          \
                  : "l"(a), "l"(b), "r"(1))
 
-#define WGMMA_M64N64K16(TYPE)                                                                                          \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                          \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                                      \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                              \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                   \
-                 "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                                       \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),                 \
-                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),             \
-                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),          \
-                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),          \
-                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                  \
-                 : "l"(a), "l"(b), "r"(1))
+#define WGMMA_M64N64K16(TYPE) WGMMA_SS_M64N64K16(TYPE, 1)  // sm90.cuh
 
 // Wgmma<T, BN>::run(d, a, b): the m64nBNk16 product (BN 64, 128, 192 or 256), d's BN / 2 fragments.
 template <typename T, int BN> struct Wgmma;
