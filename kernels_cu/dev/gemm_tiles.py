@@ -243,6 +243,29 @@ measured further; a ping-pong of the two consumer warpgroups, one's epilogue bes
 products, would put the same work beside the same products). What made the epilogue cheaper
 instead: fewer instructions a value in common.cuh's gelu (figures there).
 
+Measured on the H100 (2026-11-26, a later session), the epilogue handed to warps of its own: the
+256-column kernel with three more warps (384 threads, 166 registers, no spills), the consumer
+warpgroups writing each tile's sums + bias, rounded to T, into their result buffers and going on to
+the next tile, the epilogue warps taking each buffer through the erf GELU in place (16 bytes a
+thread at a time) and out by TMA stores, an mbarrier pair per buffer between them (a scratch A/B
+build in one run; every check against float64 passed, fp16 and bf16, errors within 5% of the
+shipped kernel's: the pre-activation is rounded once more, as cuBLASLt + the pass and HF round it).
+Slower or level, us, best of three rounds (worst in brackets), against the shipped kernel,
+cuBLASLt + the pass and cuBLASLt's product alone: 32,768 x 3,072 x 768 287.6 (386.0) against 307.6
+(324.2), 347.9, 207.1; 8,192 rows 76.7 against 74.4; 4,096 rows 40.4 against 38.9;
+all-MiniLM-L6-v2's 32,768 x 1,536 x 384 118.5 against 99.0, 8,192 rows 32.1 against 26.8. At K = 384
+three warps' GELUs take longer than the next tile's products, and at K = 768, where they keep up,
+the products slowed beside them, as with the GELU deferred into the K steps above.
+Why, measured the same day: each product run back to back for 3 s (50-launch graphs replayed),
+nvidia-smi sampled every 50 ms, medians: every variant runs at the board's 700 W limit, its SM
+clock well under the 1,980 MHz maximum: the shipped bias + erf GELU product 329.0 us a launch at
+1,470 MHz and 699 W; the same kernel without the GELU 275.0 us, 1,350 MHz, 697 W; cuBLASLt's product
+243.0 us (636 TFLOP/s), 1,245 MHz, 698 W; cuBLASLt + the pass 390.1 us, 1,500 MHz, 692 W. (Short
+bursts, as timed above, run before the clock settles: 293-308, 238, 207 us.) So under sustained
+load these products are bound by power, not by when their work is issued: overlapping the GELU
+with the products cannot hide energy the GELU still spends. What remains is less energy a product:
+fewer instructions a GELU, fewer bytes moved, or FP8's products.
+
     PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--small] [--out results.json]
 """
 

@@ -87,7 +87,12 @@ WGMMA_NARROW_MAX_K, WGMMA_SPLIT_ROWS, WGMMA_NARROW_TILES_PER_SM = 384, 64, 0.5
 # of 3 with 256 columns (39 at once) would need more than the 168 registers a thread of a 288-thread
 # block gets (three warps share a quarter of the register file): they spill. A block's tile takes
 # about 12 us at K = 768 (the ring's fill and the epilogue) where cuBLASLt's smaller tiles fill every
-# SM: below 8,192 rows the fused kernel loses at every width.
+# SM: below 8,192 rows the fused kernel loses at every width. End to end, clusters of 4 for BERT-base's
+# 768-column rows (LN_CLUSTER_MAX 4) gained nothing either, though they save the LayerNorm pass's
+# memory traffic at the 700 W limit that large batches run at (kernels_cu/dev/gemm_tiles.py): H100,
+# 2026-11-26, BERT-base fp16 packed, ms end to end / GPU only, three alternating rounds, 2 -> 4: 256 x
+# 128 11.57-12.17 / 11.93-12.08 -> 11.97-12.41 / 11.73-12.12, 64 x 512 13.13-13.45 / 13.03-13.12 ->
+# 13.44-13.71 / 13.18-13.28.
 WGMMA_LN_TILE, LN_CLUSTER_MAX, WGMMA_LN_MIN_ROWS = (192, 4), 2, 8192
 
 
