@@ -8,7 +8,10 @@ synchronised timing.
 
 Also: the attention step alone (fused, unfused, torch SDPA), a per-op GPU time breakdown of
 one forward pass, and `Encoder.encode` throughput on a synthetic file with
-all-MiniLM-L6-v2-shaped weights against sentence-transformers on the same GPU.
+all-MiniLM-L6-v2-shaped weights against sentence-transformers on the same GPU; and the GPU's SM
+clock and board power while the largest batch's pass (and cuBLASLt's largest product alone) runs
+back to back for seconds, as large-batch encoding does: whether the board's power limit, rather
+than the kernels, sets its speed there.
 
 Usage: python bench/bench_encoder.py --out bench/results
 """
@@ -19,8 +22,10 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from datetime import date
@@ -316,6 +321,83 @@ def gpu_only(folder: Path, b: int = 256, s: int = 128, dtype: str = "fp16") -> d
     return row
 
 
+def gpu_query(*fields: str) -> list:
+    """nvidia-smi's current values of `fields` (e.g. clocks.sm) for this process's GPU, as floats."""
+    import cupy
+    bus = cupy.cuda.Device().pci_bus_id
+    out = subprocess.run(["nvidia-smi", f"--id={bus}", f"--query-gpu={','.join(fields)}",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True).stdout
+    return [float(v) for v in out.split(",")]
+
+
+def sustained(graph, per: int, seconds: float = 3.0) -> dict:
+    """A captured graph of `per` passes replayed back to back for `seconds`: ms a pass, and the SM
+    clock (MHz) and board power (W) sampled every 50 ms over the last three quarters of that time
+    (medians; the clock's minimum too)."""
+    import cupy
+    stream = cuda_ops.context().stream
+    graph.launch(stream=stream)
+    stream.synchronize()
+    samples, stop = [], threading.Event()
+
+    def sample():
+        while not stop.wait(0.05):
+            samples.append(gpu_query("clocks.sm", "power.draw"))
+    thread = threading.Thread(target=sample)
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    thread.start()
+    start.record(stream)
+    t0, replays = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        graph.launch(stream=stream)
+        replays += 1
+        if replays % 4 == 0:
+            stream.synchronize()
+    end.record(stream)
+    end.synchronize()
+    stop.set()
+    thread.join()
+    kept = samples[len(samples) // 4:]
+    return {"ms": round(cupy.cuda.get_elapsed_time(start, end) / (replays * per), 4),
+            "sm_clock_mhz": statistics.median(c for c, _ in kept), "sm_clock_min_mhz": min(c for c, _ in kept),
+            "power_w": round(statistics.median(w for _, w in kept), 1)}
+
+
+def sustained_rows(folder: Path, b: int = 256, s: int = 128) -> dict:
+    """Large-batch encoding's clock: BERT-base's b x s pass (fp16 and fp8, captured, inputs on the
+    device) and cuBLASLt's FFN up-projection product alone (fp16, 20 to a graph), each replayed
+    back to back (sustained), with the GPU's maximum SM clock and power limit."""
+    config = load_bert_config(folder)
+    weights = load_bert_weights(folder, config)
+    h, inter, layers, t = config.hidden_size, config.intermediate_size, config.num_hidden_layers, b * s
+    pass_flop = 2 * t * layers * (4 * h * h + 2 * h * inter) + 4 * t * s * h * layers
+    rows = []
+    for dtype in ("fp16", "fp8"):
+        runner = BertRunner(config, weights, cuda_ops, dtype=dtype, max_batch_tokens=t, max_seq_len=s)
+        ids = np.random.default_rng(6).integers(1000, config.vocab_size, (b, s)).tolist()
+        runner.embed(Batch.from_lists(ids, [[0] * s] * b), pooling=("mean",), normalize=True)
+        rows.append({"work": f"BERT-base {b} x {s} pass, {dtype}", "tflop": pass_flop / 1e12,
+                     **sustained(next(reversed(runner.graphs.graphs.values())), 1)})
+        del runner
+    rng = np.random.default_rng(7)
+    x = cuda_ops.to_device(rng.standard_normal((t, h)).astype(np.float32), np.float16)
+    w = cuda_ops.to_device((rng.standard_normal((inter, h)) / np.sqrt(h)).astype(np.float32), np.float16)
+    out = cuda_ops.empty((t, inter), np.float16)
+    with cuda_ops.planning():
+        cuda_ops.matmul(out, x, w)
+    stream = cuda_ops.context().stream
+    stream.begin_capture()
+    for _ in range(20):
+        cuda_ops.matmul(out, x, w)
+    rows.append({"work": f"cuBLASLt product alone, {t} x {inter} x {h}, fp16", "tflop": 2 * t * inter * h / 1e12,
+                 **sustained(stream.end_capture(), 20)})
+    for r in rows:
+        r["tflops"] = round(r["tflop"] / r["ms"] * 1e3, 1)
+        print(json.dumps(r), flush=True)
+    max_clock, limit = gpu_query("clocks.max.sm", "power.limit")
+    return {"rows": rows, "max_sm_clock_mhz": max_clock, "power_limit_w": limit}
+
+
 def fp8_rows(folder: Path) -> list:
     """dtype fp8 against fp16 in the same run (BERT-base, packed, end to end as time_batches), and
     its pooled, normalised embeddings' cosine against fp32's (fp16's beside it)."""
@@ -443,6 +525,15 @@ def markdown(result) -> str:
         lines += ["", f"{d['model']} (the published weights), `Encoder.encode` of {d['lines']:,} synthetic lines against "
                   f"fp32: fp8 cosine min {d['fp8_cosine_min']:.6f} (mean {d['fp8_cosine_mean']:.6f}); fp16 min "
                   f"{d['fp16_cosine_min']:.6f} (mean {d['fp16_cosine_mean']:.6f})."]
+    sus = result["sustained"]
+    lines += ["", f"Sustained load: each replayed back to back for 3 s, nvidia-smi sampled every 50 ms over the last "
+              f"three quarters (medians). This GPU's maximum SM clock is {sus['max_sm_clock_mhz']:.0f} MHz and its "
+              f"power limit {sus['power_limit_w']:.0f} W: where the board runs at its limit, power, not the kernels' "
+              "schedule, sets the clock.", "",
+              "| work | ms | TFLOP/s | SM clock MHz (min) | power W |", "|---|---|---|---|---|"]
+    for r in sus["rows"]:
+        lines.append(f"| {r['work']} | {r['ms']:.3f} | {r['tflops']} | {r['sm_clock_mhz']:.0f} "
+                     f"({r['sm_clock_min_mhz']:.0f}) | {r['power_w']:.0f} |")
     lines += ["", "`Encoder.encode` on 50,000 synthetic lines (all-MiniLM-L6-v2 shape, random weights, "
               "log-normal lengths):", "", "| engine | lines/s | tokens/s | seconds |", "|---|---|---|---|"]
     for r in result["throughput"]:
@@ -476,6 +567,7 @@ def main():
         result["gpu_only"] = gpu_only(minilm_folder(Path(tmp)))
         result["gpu_only_fp8"] = gpu_only(minilm_folder(Path(tmp)), dtype="fp8")
         result["fp8"] = fp8_rows(folder)
+        result["sustained"] = sustained_rows(folder)
         result["fp8_default_model"] = fp8_default_model(default_model)
         result["throughput"] = throughput(Path(tmp))
     out = Path(args.out)

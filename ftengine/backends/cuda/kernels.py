@@ -71,6 +71,9 @@ GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
 # 128 tokens 0.134 / 0.149 / 0.184 / 0.398 -> 0.130 / 0.145 / 0.173 / 0.390; BERT-base at 1 x 16 / 1 x
 # 64 0.336 / 0.348 -> 0.325 / 0.339 (1 x 128 and up unchanged: the same route).
 GEMM_BM, GEMM_BK, GEMM_THREADS = 128, 64, 288
+# The 128-column tile at BERT-base's 4,096 x 3,072 x 768 instead (WGMMA_GELU_MIN_OUTPUTS 8,192 x 3,072,
+# WGMMA_NARROW_MAX_K 768): BERT-base 32 x 128 end to end 1.62-1.64 -> 1.67-1.68 ms (H100, 2026-11-26,
+# three alternating rounds).
 WGMMA_TILES = {256: 3, 128: 4, 64: 8}
 WGMMA_GELU_MIN_OUTPUTS = 4096 * 3072
 # (WGMMA_SPLIT_ROWS is gemm_sm90.cu's split_k test, M <= 64, and ops.py's x box then: change them together)
@@ -160,6 +163,9 @@ SPLIT_TILES = {8: (1, 8, 2), 32: (2, 8, 2)}
 # 345.5 -> 339.9 and 432.9 -> 431.3, but see ops.matmul_residual_layernorm);
 # prefill 4 x 64 434.3 -> 418.4, 1 x 512 549.6 -> 542.5; BERT-base layers 1 x 128 381.0 -> 363.6,
 # 8 x 128 637.0 -> 621.1
+# Two slices up to 4,096 rows (BLAS_SPLIT_OUTPUTS' second entry 4,096 x 768) measured slower (H100,
+# 2026-11-26, ms end to end / GPU only, three alternating rounds): BERT-base 32 x 128 1.62-1.64 /
+# 1.56-1.62 -> 1.73-1.75 / 1.72-1.74, GPT-2 prefill 32 x 128 1.80 / 1.65-1.68 -> 1.90-1.91 / 1.76.
 BLAS_SPLIT_MIN_ROWS, BLAS_SPLIT_MIN_K = 4, 2048
 BLAS_SPLIT_OUTPUTS = ((256 * 768, 4), (1024 * 768, 2))
 # sampling.cu token choice: threads per block, the most slices per row, the fewest tokens a slice
