@@ -106,28 +106,32 @@ __device__ __forceinline__ float from_order_key(unsigned k) {
 
 // GELU, `form` 0: erf (BERT "gelu"), 1: tanh approximation ("gelu_new", "gelu_pytorch_tanh").
 // The erf form: GELU(v) = v Phi(v), Phi(v) = 1 - t for v >= 0 and t below, t = erfc(|v| / sqrt(2)) / 2
-// = 2^q(y) for y = min(|v|, 5.5 sqrt(2)), q a degree-9 polynomial fitted to log2(erfc(y / sqrt(2)) / 2)
-// (kernels_cu/dev/gelu_fit.py: erfc within 1e-5 relative, GELU within 7e-7 absolute and 1e-5 relative
-// wherever |GELU| > 1e-6; past the clamp, erfc < 1e-14); then GELU(v) = max(v, 0) + v w, w = t with the
-// sign bit set where v's is clear (-t for v >= 0): one fused multiply-add. One MUFU operation (ex2)
-// and 10 float32 ones a value: the bias + GELU epilogue of gemm_sm90.cu's product is bound by its
-// instructions. With q in |v| / sqrt(2), erfc's half and the select apart (13; H100, 2026-11-26,
-// fused products, us): BERT-base's 32,768 x 3,072 x 768 292.2 -> 287.5, all-MiniLM-L6-v2's 32,768 x
-// 1,536 x 384 102.0 -> 99.0 (the product alone 236.5 and 71.9). The Abramowitz & Stegun 7.1.26
-// form before that (numpy_ops._gelu_block's) took two MUFU operations, a reciprocal and ex2 (298 ->
-// 291 us on the first product, 2026-11-25).
+// = 2^q(y) for y = min(|v|, 4.25 sqrt(2)), q a degree-7 polynomial fitted to log2(erfc(y / sqrt(2)) / 2)
+// (kernels_cu/dev/gelu_fit.py: erfc within 1e-5 relative up to the clamp, GELU within 7e-7 absolute and
+// 1e-5 relative wherever |GELU| > 1e-6; past the clamp t < 1.1e-9, so |GELU| < 7e-9 below -6.01 and
+// 1 - t is 1 in float32 above +6.01); then GELU(v) = max(v, 0) + v w, w = t with the sign bit set where
+// v's is clear (-t for v >= 0): one fused multiply-add. One MUFU operation (ex2) and 8 float32 ones
+// a value: the bias + GELU epilogue of gemm_sm90.cu's product is bound by its instructions. Degree 9
+// up to 5.5 sqrt(2) before (the shorter range takes two coefficients fewer for the same bounds; H100,
+// 2026-11-26, fused products, us, three alternating rounds: BERT-base's 32,768 x 3,072 x 768
+// 284.5-285.5 -> 277.5-277.9, replayed for 2 s at the 700 W limit 322.6-323.7 -> 315.6-315.8; 4,096
+// rows 37.8-38.6 -> 37.1-37.6; all-MiniLM-L6-v2's 32,768 x 1,536 x 384 99.1-99.2 -> 94.3-94.6;
+// BERT-base's 256 x 128 pass end to end 12.06-12.11 -> 11.92-12.10 ms, within the runs' spread).
+// With q in |v| / sqrt(2), erfc's half and the select apart (13; H100, 2026-11-26, fused products,
+// us): BERT-base's 32,768 x 3,072 x 768 292.2 -> 287.5, all-MiniLM-L6-v2's 32,768 x 1,536 x 384
+// 102.0 -> 99.0 (the product alone 236.5 and 71.9). The Abramowitz & Stegun 7.1.26 form before that
+// (numpy_ops._gelu_block's) took two MUFU operations, a reciprocal and ex2 (298 -> 291 us on the
+// first product, 2026-11-25).
 __device__ __forceinline__ float gelu(float v, int form) {
     if (form == 0) {
-        const float y = fminf(fabsf(v), 7.7781744f);
-        float q = fmaf(y, 7.0497839e-09f, -1.6369526e-07f);
-        q = fmaf(q, y, -3.2899663e-07f);
-        q = fmaf(q, y, 5.4691507e-05f);
-        q = fmaf(q, y, -9.1449503e-04f);
-        q = fmaf(q, y, 8.4925462e-03f);
-        q = fmaf(q, y, -5.3962782e-02f);
-        q = fmaf(q, y, -4.5845175e-01f);
-        q = fmaf(q, y, -1.1512558e+00f);
-        q = fmaf(q, y, -9.9999511e-01f);
+        const float y = fminf(fabsf(v), 6.0104074f);
+        float q = fmaf(y, -1.8343341e-06f, 6.1589060e-05f);
+        q = fmaf(q, y, -9.3045412e-04f);
+        q = fmaf(q, y, 8.5076159e-03f);
+        q = fmaf(q, y, -5.3959496e-02f);
+        q = fmaf(q, y, -4.5846501e-01f);
+        q = fmaf(q, y, -1.1512507e+00f);
+        q = fmaf(q, y, -9.9999535e-01f);
         float t;  // erfc(|v| / sqrt(2)) / 2
         asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(t) : "f"(q));
         const float w = __uint_as_float(__float_as_uint(t) | (~__float_as_uint(v) & 0x80000000u));
