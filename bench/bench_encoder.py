@@ -154,15 +154,19 @@ def replay_ms(graph, per: int, launches: int = 1):
     return statistics.median(times)
 
 
-def graph_ms(fn, repeat=20):
-    """GPU time of fn's launches: captured `repeat` times into one graph (with the branches some ops
-    fork, joined), replayed between events."""
+def captured(fn, repeat=20):
+    """fn's launches captured `repeat` times into one graph (with the branches some ops fork, joined)."""
     stream = cuda_ops.context().stream
     stream.begin_capture()
     for _ in range(repeat):
         fn()
     cuda_ops.join_branches()
-    return replay_ms(stream.end_capture(), repeat)
+    return stream.end_capture()
+
+
+def graph_ms(fn, repeat=20):
+    """GPU time of fn's launches: captured `repeat` times into one graph, replayed between events."""
+    return replay_ms(captured(fn, repeat), repeat)
 
 
 # the attention step alone: head dims (with BERT-base's 768 wide heads) and (batch, sequence) shapes
@@ -385,12 +389,8 @@ def sustained_rows(folder: Path, b: int = 256, s: int = 128) -> dict:
     out = cuda_ops.empty((t, inter), np.float16)
     with cuda_ops.planning():
         cuda_ops.matmul(out, x, w)
-    stream = cuda_ops.context().stream
-    stream.begin_capture()
-    for _ in range(20):
-        cuda_ops.matmul(out, x, w)
     rows.append({"work": f"cuBLASLt product alone, {t} x {inter} x {h}, fp16", "tflop": 2 * t * inter * h / 1e12,
-                 **sustained(stream.end_capture(), 20)})
+                 **sustained(captured(lambda: cuda_ops.matmul(out, x, w)), 20)})
     for r in rows:
         r["tflops"] = round(r["tflop"] / r["ms"] * 1e3, 1)
         print(json.dumps(r), flush=True)
