@@ -125,6 +125,7 @@ def choice_alone(vocab_size: int, rng) -> list:
         state = cuda_ops.to_device(np.zeros((b, cuda_ops.CHOICE_STATE_WORDS), np.uint64))
         for label, options in CHOICE_MODES:
             params = GenerationParams(max_new_tokens=1, seed=1, **options).checked(vocab_size=vocab_size)
+            seed = cuda_ops.to_device(params.seed_words())
             row = {"batch": b, "mode": label, "blocks_per_row": choice_slices(b, vocab_size)[0]}
             for path, clusters in paths.items():
                 if not params.do_sample and clusters:
@@ -132,7 +133,7 @@ def choice_alone(vocab_size: int, rng) -> list:
                 ctx.clusters = clusters
                 try:
                     ms = graph_ms(lambda: cuda_ops.choose_tokens(out, logits, seen, eos, step, scratch=scratch,
-                                                                 state=state, params=params))
+                                                                 state=state, params=params, seed=seed))
                 finally:
                     ctx.clusters = native
                 row[f"{path}_us"] = round(ms * 1e3, 1)

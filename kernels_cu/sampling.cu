@@ -6,7 +6,8 @@
 // sm_90+, sampling runs as one kernel instead, choose_sample: a thread-block cluster per row.
 // A row with a non-finite logit gets token -1 (the host reports it). append_tokens then records
 // the choice and feeds it to the next step: the step counter, sequences and finished flags live
-// in device memory.
+// in device memory, and so does the seed (two words, low then high), so that one captured step
+// serves every seed.
 // Beam search (beam_logsumexp, beam_candidates, beam_select): log-softmax, the processors, and
 // FasterTransformer's two-stage top-k (per beam over vocabulary slices, then per batch item over
 // beams), then HF's finished-hypothesis bookkeeping, one block per batch item.
@@ -315,8 +316,8 @@ __global__ void __launch_bounds__(CHOICE_THREADS) choose_level(
 
 __global__ void __launch_bounds__(CHOICE_THREADS) choose_draw(
         int* __restrict__ out, const float* __restrict__ scores_all, unsigned long long* __restrict__ state,
-        int words, int V, int slice, int chunk, const int* __restrict__ step_counter, unsigned seed_lo,
-        unsigned seed_hi) {
+        int words, int V, int slice, int chunk, const int* __restrict__ step_counter,
+        const unsigned* __restrict__ seed) {
     wait_then_launch_next();
     __shared__ double dscratch[32], cum[CHOICE_THREADS], base;
     __shared__ int iscratch[32], found, last_chunk;
@@ -373,7 +374,7 @@ __global__ void __launch_bounds__(CHOICE_THREADS) choose_draw(
             last_chunk = last;
         }
         __syncthreads();
-        const double target = (double)philox_uniform((unsigned)*step_counter, (unsigned)b, seed_lo, seed_hi) * total;
+        const double target = (double)philox_uniform((unsigned)*step_counter, (unsigned)b, seed[0], seed[1]) * total;
         const double next = threadIdx.x + 1 < blockDim.x ? cum[threadIdx.x + 1] : total;
         if (cum[threadIdx.x] <= target && target < next) {  // one thread: the target falls in its chunks
             double run = cum[threadIdx.x];
@@ -703,7 +704,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
         const int* __restrict__ seq_all,          // (B, L)
         const int* __restrict__ lengths,          // (B,)
         int L, int ngram, int V, int slice, int min_new, float temperature, float penalty, int k, float top_p,
-        double scale, unsigned seed_lo, unsigned seed_hi) {
+        double scale, const unsigned* __restrict__ seed) {
     wait_then_launch_next();
     extern __shared__ unsigned long long smem[];
     __shared__ unsigned long long range_total;
@@ -808,7 +809,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
         start[q + 1] = start[q] + masses[q];
         row_last = max(row_last, lasts[q]);
     }
-    const double target = (double)philox_uniform((unsigned)step, (unsigned)b, seed_lo, seed_hi) * start[S];
+    const double target = (double)philox_uniform((unsigned)step, (unsigned)b, seed[0], seed[1]) * start[S];
     int owner = -1;
     for (int q = 0; q < S; ++q)
         if (start[q] <= target && target < start[q + 1]) owner = q;

@@ -7,6 +7,7 @@ import pytest
 from ftengine.backends import numpy_ops as ref
 from ftengine.checkpoint import load_gpt2_weights
 from ftengine.config import load_gpt2_config
+from ftengine.decoding.beam import beam_search
 from ftengine.decoding.generate import GenerationParams, stream_tokens
 from ftengine.errors import DeviceError
 from ftengine.models.gpt2 import GPT2Runner
@@ -341,6 +342,35 @@ def test_seeded_sampling_same_across_runs_and_graphs(cu, gpt2, dtype):
     assert a == _generate(gpt2, cu, dtype, prompts, graphs=False, **kwargs)
 
 
+def test_step_graphs_serve_other_seeds_lengths_and_eos_ids(cu, gpt2):
+    """A decode step's graph is keyed by what its launches take (GenerationParams.graph_key): a
+    generation with another seed, max_new_tokens or eos ids (as many) replays the step graph
+    captured by the first, and streams the tokens of a runner without graphs; beam search with
+    other eos ids and num_return_sequences replays its graph too, and gives the hypotheses and
+    scores of a new runner that captures its own (without graphs the prefill is not padded, and
+    its scores may differ in the last bits)."""
+    config = load_gpt2_config(gpt2)
+    weights = load_gpt2_weights(gpt2, config)
+
+    def runner(graphs):
+        return GPT2Runner(config, weights, cu, dtype="fp32", max_batch=4, max_len=config.n_positions, graphs=graphs)
+    shared, direct = runner(True), runner(False)
+    prompts = _prompts(257, seed=5)[:4]
+    streams = []
+    for seed, new, eos in ((1, 12, 5), (2, 20, 9), (3, 7, 5)):
+        params = GenerationParams(max_new_tokens=new, do_sample=True, top_k=40, seed=seed,
+                                  eos_token_ids=(eos,)).checked(vocab_size=config.vocab_size)
+        streams.append(list(stream_tokens(shared, prompts, params)))
+        assert streams[-1] == list(stream_tokens(direct, prompts, params)), seed
+    assert streams[1][:7] != streams[2]  # the seeds draw apart: a seed baked into the graph would show
+    assert [key[:2] for key in shared.graphs.graphs] == [("step", 4)]
+    beams = [GenerationParams(max_new_tokens=6, num_beams=2, num_return_sequences=n, eos_token_ids=(eos,)).checked(
+        vocab_size=config.vocab_size) for n, eos in ((1, 5), (2, 9))]
+    for params in beams:
+        assert beam_search(shared, prompts[:2], params) == beam_search(runner(True), prompts[:2], params)
+    assert [key[:2] for key in shared.graphs.graphs] == [("step", 4), ("beam", 2)]
+
+
 def test_cuda_and_numpy_sample_the_same_tokens_fp32(cu, gpt2):
     prompts = _prompts(257, seed=3)[:3]
     kwargs = dict(max_new_tokens=16, do_sample=True, top_p=0.95, seed=5)
@@ -431,11 +461,11 @@ def test_choose_tokens_matches_numpy(cu, rng, opts, sampling_path):
     for step in (0, 6):
         out = cu.to_device(np.full(b, -7, np.int32))
         cu.choose_tokens(out, cu.to_device(logits), cu.to_device(seen), cu.to_device(eos), ints(cu, [step]),
-                         scratch=cu.empty((b, v), np.float32), state=state, params=params, seq=ints(cu, seq),
-                         lengths=ints(cu, lengths))
+                         scratch=cu.empty((b, v), np.float32), state=state, params=params,
+                         seed=cu.to_device(params.seed_words()), seq=ints(cu, seq), lengths=ints(cu, lengths))
         expected = np.empty(b, np.int32)
         ref.choose_tokens(expected, logits, seen, eos, np.array([step]), scratch=None, state=None, params=params,
-                          seq=seq, lengths=lengths)
+                          seed=params.seed_words(), seq=seq, lengths=lengths)
         np.testing.assert_array_equal(cu.to_host(out), expected)
         assert expected[2] == -1
         assert not cu.to_host(state).any()  # left zero for the next call
@@ -449,9 +479,11 @@ def chosen_like_numpy(cu, logits, params, state=None):
     out = cu.to_device(np.full(rows, -7, np.int32))
     seen = np.zeros((rows, v), np.uint8)
     cu.choose_tokens(out, cu.to_device(logits), cu.to_device(seen), ints(cu, [0]), ints(cu, [1]),
-                     scratch=cu.empty((rows, v), np.float32), state=state, params=params)
+                     scratch=cu.empty((rows, v), np.float32), state=state, params=params,
+                     seed=cu.to_device(params.seed_words()))
     expected = np.empty(rows, np.int32)
-    ref.choose_tokens(expected, logits, seen, np.array([0]), np.array([1]), scratch=None, state=None, params=params)
+    ref.choose_tokens(expected, logits, seen, np.array([0]), np.array([1]), scratch=None, state=None, params=params,
+                      seed=params.seed_words())
     np.testing.assert_array_equal(cu.to_host(out), expected)
     return expected
 
@@ -527,7 +559,8 @@ def test_gpu_sampled_frequencies_match_the_distribution(cu, sampling_path):
     out = cu.to_device(np.zeros(n, np.int32))
     cu.choose_tokens(out, cu.to_device(np.tile(scores, (n, 1))), cu.to_device(np.zeros((n, 12), np.uint8)),
                      cu.to_device(np.array([11], np.int32)), ints(cu, [0]), scratch=cu.empty((n, 12), np.float32),
-                     state=cu.to_device(np.zeros((n, cu.CHOICE_STATE_WORDS), np.uint64)), params=params)
+                     state=cu.to_device(np.zeros((n, cu.CHOICE_STATE_WORDS), np.uint64)), params=params,
+                     seed=cu.to_device(params.seed_words()))
     counts = np.bincount(cu.to_host(out), minlength=12)
     assert counts[-1] == 0
     expected = probs[:-1] * n

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 
@@ -625,12 +626,14 @@ def mark_seen(seen, tokens, rows):
     seen[rows[keep], tokens[keep]] = 1
 
 
-def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seq=None, lengths=None):
+def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seed, seq=None, lengths=None):
     """out (B,) int32: the next token of each row of logits (B, V) float32 after step[0] chosen
     tokens, HF `generate` processors and order (see decoding/processors.py), eos ids `eos` masked
-    before params.min_new_tokens; -1 for a row with a non-finite logit. seq (B, L) and lengths
-    (B,): each row's tokens so far (for no_repeat_ngram_size). scratch and state: unused here."""
+    before params.min_new_tokens; -1 for a row with a non-finite logit. seed (2,) uint32: the
+    draw's seed as low and high words (read here, not params.seed). seq (B, L) and lengths (B,):
+    each row's tokens so far (for no_repeat_ngram_size). scratch and state: unused here."""
     from ..decoding.processors import choose
+    params = replace(params, seed=int(seed[0]) | int(seed[1]) << 32)
     histories = None
     if params.no_repeat_ngram_size:
         histories = [seq[b, :lengths[b]].tolist() for b in range(len(logits))]

@@ -80,6 +80,20 @@ class GenerationParams:
             raise InputError(f"seed must be within 0..2^64-1, got {seed}")
         return replace(self, top_k=min(self.top_k, vocab_size), seed=seed)
 
+    def seed_words(self) -> np.ndarray:
+        """The seed as the draw reads it on the device: (2,) uint32, low word then high (0 without one)."""
+        seed = self.seed or 0
+        return np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
+
+    def graph_key(self) -> "GenerationParams":
+        """These parameters as a captured decode step takes them, to key its graph by: the seed and
+        the eos ids reach the step through device memory (uploaded as each generation starts), so
+        only the number of eos ids counts, and max_new_tokens only beam search's selection reads.
+        Generations that differ only there (every sampling call without a seed: it draws a new
+        one) replay one step graph instead of capturing their own."""
+        return replace(self, seed=None, eos_token_ids=(0,) * len(self.eos_token_ids), num_return_sequences=1,
+                       max_new_tokens=self.max_new_tokens if self.num_beams > 1 else 0)
+
 
 def check_prompts(prompts: list, params: GenerationParams, n_positions: int):
     for i, p in enumerate(prompts):

@@ -45,7 +45,7 @@ class GPT2Runner:
         self.dtype = ops.storage_dtype(dtype)
         self.max_batch, self.max_len = max_batch, max_len
         ops.prepare_kernels(KERNEL_FILES, dtype, head_dim=config.head_dim, gelu_product=config.gelu)
-        self.graphs = ops.GraphCache(enabled=graphs)  # decode steps, keyed by kind, batch and parameters
+        self.graphs = ops.GraphCache(enabled=graphs)  # decode steps: kind, batch, GenerationParams.graph_key
         # prefills, keyed by their bucketed shape (tokens, prompts, longest): a prompt batch of a shape
         # seen before replays a graph instead of ~110 launches from Python
         self.prefill_graphs = ops.GraphCache(enabled=graphs)
@@ -81,6 +81,7 @@ class GPT2Runner:
             "seen": (b * v, np.uint8),            # (B, V): tokens fed so far (repetition penalty)
             "chosen": (b, np.int32),              # (B,)
             "eos": (MAX_EOS_IDS, np.int32),
+            "seed": (2, np.uint32),               # the draw's seed, low and high words
             # generation state, updated on the device each step
             "step": (1, np.int32),                # tokens chosen so far
             "seq": (t, np.int32),                 # (B, L): prompt + generated tokens (beams: running)
@@ -251,14 +252,14 @@ class GPT2Runner:
         seq, lengths, step = ws.view("seq", (b, length)), ws.view("lengths", (b,)), ws.view("step", (1,))
         chosen = ws.view("chosen", (b,))
         ops.choose_tokens(chosen, ws.view("logits", (b, v)), seen, eos, step, scratch=ws.view("scores", (b, v)),
-                          state=ws.view("choice", (b, ops.CHOICE_STATE_WORDS)), params=params, seq=seq,
-                          lengths=lengths)
+                          state=ws.view("choice", (b, ops.CHOICE_STATE_WORDS)), params=params,
+                          seed=ws.view("seed", (2,)), seq=seq, lengths=lengths)
         ops.append_tokens(ws.view("history", (length, b)), seq, lengths, ws.view("next_ids", (b,)),
                           ws.view("next_pos", (b,)), ws.view("finished", (b,)), seen, step, chosen, eos)
 
     def _begin(self, rows: list, params) -> np.ndarray:
         """Prefill one sequence per row; upload the rows as the sequences so far (ws seq, returned
-        as (rows, L)), the eos ids and step 0."""
+        as (rows, L)), the eos ids, the seed and step 0."""
         self.prefill(rows)
         seq = np.zeros((len(rows), self.max_len), np.int32)
         for i, p in enumerate(rows):
@@ -267,6 +268,7 @@ class GPT2Runner:
         self._upload("step", [0])
         if params.eos_token_ids:
             self._upload("eos", params.eos_token_ids)
+        self._upload("seed", params.seed_words(), np.uint32)
         return seq
 
     def start(self, prompts: list, params):
@@ -278,10 +280,16 @@ class GPT2Runner:
         self._upload("finished", np.zeros(len(prompts)))
         self._choose_and_append(len(prompts), params)
 
+    # A graph a step. A chunk's steps captured as one graph instead (2, 4 or 8 steps) measured about 1%
+    # faster (H100, 2026-11-26, GPT-2 small fp16, ms a step, three rounds: greedy b1 0.292-0.293 ->
+    # 0.290-0.291, top-k 40 b32 0.463-0.464 -> 0.456-0.464, beam 4 b1 0.370-0.372 -> 0.365-0.367), but
+    # each (batch, graph_key) would then capture up to 15 steps on first use instead of one (about 5 ms
+    # a step): not kept.
     def steps(self, b: int, count: int, params):
         """Queue `count` steps (decode the last chosen tokens, choose the next) for b sequences."""
+        key = ("step", b, params.graph_key())
         for _ in range(count):
-            self.graphs.run(("step", b, params), lambda: (self._decode_launches(b), self._choose_and_append(b, params)))
+            self.graphs.run(key, lambda: (self._decode_launches(b), self._choose_and_append(b, params)))
 
     def fetch_history(self, b: int, first: int, last: int):
         """Queue a copy of the tokens chosen at steps first..last-1, (steps, b) int32, -2 for a
@@ -323,9 +331,9 @@ class GPT2Runner:
         self._beam_select(batch, params)
 
     def beam_steps(self, batch: int, count: int, params):
-        r = batch * params.num_beams
+        r, key = batch * params.num_beams, ("beam", batch, params.graph_key())
         for _ in range(count):
-            self.graphs.run(("beam", batch, params),
+            self.graphs.run(key,
                             lambda: (self._decode_launches(r, indirect=True), self._beam_select(batch, params)))
 
     def fetch_beam_flags(self, batch: int):

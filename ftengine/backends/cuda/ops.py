@@ -1152,11 +1152,12 @@ def _sample_shared_mem(blocks: int, slice_: int) -> int:
     return SAMPLE_HIST_WORDS * 4 + CHOICE_BINS // blocks * 8 + 4 * (slice_ + SAMPLE_CANDIDATES)
 
 
-def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seq=None, lengths=None):
+def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seed, seq=None, lengths=None):
     """out (B,) int32: the next token of each row of logits (B, V) float32; HF processors and
     order (reference: decoding/processors.py choose); -1 for a non-finite row. Each row's
     vocabulary is split over several blocks (sampling.cu); sampling on sm_90+ runs as one kernel,
-    a thread-block cluster per row, where a block's slice fits its shared memory. step (1,) int32
+    a thread-block cluster per row, where a block's slice fits its shared memory. step (1,) int32,
+    seed (2,) uint32 (the draw's seed, GenerationParams.seed_words: read here, not params.seed)
     and, for no_repeat_ngram_size, seq (B, L) / lengths (B,) are device arrays; scratch (B, V)
     float32; state (B, CHOICE_STATE_WORDS) uint64, zero before the call and left zero after it."""
     b, v = logits.shape
@@ -1171,7 +1172,8 @@ def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seq=N
     sample = bool(params.do_sample)
     # token masses in fixed point: v * 2^bits < 2^63
     scale = np.float64(2.0 ** (63 - int(np.ceil(np.log2(v + 1)))))
-    seed = params.seed or 0
+    if seed.shape != (2,) or seed.dtype != np.uint32:
+        raise ValueError(f"seed must be (2,) uint32 (its low and high words), got {seed.shape} {seed.dtype}")
     blocks, slice_ = sample_clusters(v)
     smem = _sample_shared_mem(blocks, slice_)
     ctx = context()
@@ -1186,7 +1188,7 @@ def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seq=N
                 (out, logits, seen, eos, np.int32(eos.size), step, seq, lengths, np.int32(length), np.int32(ngram),
                  np.int32(v), np.int32(slice_), np.int32(params.min_new_tokens), np.float32(params.temperature),
                  np.float32(params.repetition_penalty), np.int32(params.top_k), np.float32(params.top_p), scale,
-                 np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)),
+                 seed),
                 shared_mem=smem, cluster=(1, blocks, 1))
         return
     slices, size, chunk = choice_slices(b, v)
@@ -1203,8 +1205,7 @@ def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seq=N
                     (scratch, state, words, np.int32(v), np.int32(size), np.int32(level), np.int32(mode),
                      np.int32(params.top_k), np.float32(params.top_p), scale))
     _launch("sampling.cu", "choose_draw", grid, block,
-            (out, scratch, state, words, np.int32(v), np.int32(size), np.int32(chunk), step,
-             np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)))
+            (out, scratch, state, words, np.int32(v), np.int32(size), np.int32(chunk), step, seed))
 
 
 def append_tokens(history, seq, lengths, next_ids, next_pos, finished, seen, step, chosen, eos):
