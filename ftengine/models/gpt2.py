@@ -49,8 +49,10 @@ class GPT2Runner:
         # prefills, keyed by their bucketed shape (tokens, prompts, longest): a prompt batch of a shape
         # seen before replays a graph instead of ~110 launches from Python
         self.prefill_graphs = ops.GraphCache(enabled=graphs)
-        # pad prefills to shared shapes where they are captured (the fused attention's head sizes)
-        self.bucket_prefill = graphs and ops.name == "cuda" and config.head_dim in PACKED_HEAD_DIMS
+        # pad prefills to shared shapes where they are captured (the fused attention's head sizes); so
+        # too without graphs, whose launches then compute the same bits (the products' algorithms
+        # depend on the padded row count)
+        self.bucket_prefill = ops.name == "cuda" and config.head_dim in PACKED_HEAD_DIMS
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.wte, self.wpe = up(weights.wte), up(weights.wpe)           # (V, E), (P, E)
         self.lm_head = self.wte if weights.lm_head is weights.wte else up(weights.lm_head)

@@ -528,6 +528,15 @@ def _bucket_algo(ctx, key):
 # the 2nd that run, 12.55; the fastest alone, the 8th at 231.5 us, 12.53), and 12.20 ms measured
 # first, before those runs; the QKV and attention-output products' candidates alike (12.52-12.85,
 # 12.53-12.70 ms).
+# Measured and not kept: the host's launch time as part of a candidate's cost. An algorithm that zeroes a
+# workspace word before its kernel adds a memset node to a captured pass, which the host takes about
+# 1.6 us to launch against 0.1-0.3 us for a kernel node (H100, 2026-11-26, graphs of 12 products:
+# BERT-base's QKV at 4,096 rows, the candidates with a 4-byte workspace 19.7-20.8 us, those without
+# 2.4-3.2; the trial's pick is one of the former, 22.5 us a product against 23.1 for the heuristic's
+# first), and BERT-base 32 x 128's pass takes 23 us to launch against 2-3 us at 1 x 128. But the GPU
+# starts on a graph's first nodes while the host launches the rest: picking by GPU time + the quickest
+# of 3 launches left BERT-base 32 x 128 end to end at 1.625-1.667 ms against 1.625-1.640, GPT-2's
+# prefill 32 x 128 at 1.800-1.994 against 1.806-1.819 (three alternating rounds).
 def _choose_algo(ctx, key, product):
     """The fastest of the shape's candidate algorithms on this call's operands, recorded for the
     whole process: each candidate's TRIAL_REPEATS products captured in a graph, replayed once to
