@@ -12,7 +12,11 @@ once any kernel has run on a CUDA stream other than ftengine's (torch's, or CuPy
 stream: 10 elementwise launches suffice), a GPT-2 small batch-32 step replayed from its graph
 takes about 17 us longer for the rest of the process (0.464 -> 0.481 ms top-k steps back to
 back; not the clocks, the stack limit, the cache configuration, allocations, or kernels on
-ftengine's own stream); the figures here include that.
+ftengine's own stream); the figures here include that. Measured again on 2026-11-26 (H100, greedy
+batch 32 generations, ms a step, each in a fresh process): a kernel on torch's stream or on another
+CuPy stream changed nothing (0.447-0.451 before and after), while torch holding a filled 20 GB
+tensor made it 0.461 for a runner built before and 0.467 for one built after, and HF's model after
+its generate 0.465 and 0.484: the cause is still not established.
 
 Usage: python bench/bench_decoder.py --out bench/results
 """
