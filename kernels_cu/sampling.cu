@@ -1021,7 +1021,7 @@ __global__ void __launch_bounds__(256) beam_select(
         float* __restrict__ run_scores, float* __restrict__ fin_scores, int* __restrict__ fin_len,
         int* __restrict__ fin_flag, int* __restrict__ flags, const int* __restrict__ starts,
         int* __restrict__ next_ids, int* __restrict__ next_pos, const int* __restrict__ step_counter,
-        const int* __restrict__ eos, int n_eos, int max_new, float length_penalty, int early) {
+        const int* __restrict__ eos, int n_eos, const int* __restrict__ max_new, float length_penalty, int early) {
     wait_then_launch_next();
     __shared__ unsigned long long scratch[32];
     __shared__ float c_score[BEAM_KEEP_MAX], pool[BEAM_KEEP_MAX + BEAM_KEEP_MAX / 2];
@@ -1034,7 +1034,7 @@ __global__ void __launch_bounds__(256) beam_select(
         if (threadIdx.x == 0) fl[1] = 1;
         return;
     }
-    const int step = *step_counter, start = starts[b], cur = start + step, max_length = start + max_new;
+    const int step = *step_counter, start = starts[b], cur = start + step, max_length = start + *max_new;
     const long r0 = (long)b * nb;
     const unsigned long long* k = keys + r0 * slices * keep;
     const int n = nb * slices * keep;

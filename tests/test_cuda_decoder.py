@@ -346,8 +346,9 @@ def test_step_graphs_serve_other_seeds_lengths_and_eos_ids(cu, gpt2):
     """A decode step's graph is keyed by what its launches take (GenerationParams.graph_key): a
     generation with another seed, max_new_tokens or eos ids (as many) replays the step graph
     captured by the first, and streams the tokens of a runner without graphs; beam search with
-    other eos ids and num_return_sequences replays its graph too, and gives the hypotheses and
-    scores (to the bit) of a new runner that captures its own and of one without graphs."""
+    other eos ids, max_new_tokens and num_return_sequences replays its graph too, and gives the
+    hypotheses and scores (to the bit) of a new runner that captures its own and of one without
+    graphs."""
     config = load_gpt2_config(gpt2)
     weights = load_gpt2_weights(gpt2, config)
 
@@ -363,8 +364,8 @@ def test_step_graphs_serve_other_seeds_lengths_and_eos_ids(cu, gpt2):
         assert streams[-1] == list(stream_tokens(direct, prompts, params)), seed
     assert streams[1][:7] != streams[2]  # the seeds draw apart: a seed baked into the graph would show
     assert [key[:2] for key in shared.graphs.graphs] == [("step", 4)]
-    beams = [GenerationParams(max_new_tokens=6, num_beams=2, num_return_sequences=n, eos_token_ids=(eos,)).checked(
-        vocab_size=config.vocab_size) for n, eos in ((1, 5), (2, 9))]
+    beams = [GenerationParams(max_new_tokens=new, num_beams=2, num_return_sequences=n, eos_token_ids=(eos,)).checked(
+        vocab_size=config.vocab_size) for new, n, eos in ((6, 1, 5), (9, 2, 9))]
     for params in beams:
         found = beam_search(shared, prompts[:2], params)
         assert found == beam_search(runner(True), prompts[:2], params) == beam_search(direct, prompts[:2], params)

@@ -146,9 +146,9 @@ def test_seeded_sampling_is_reproducible(gpt2):
 
 
 def test_graph_key_keeps_what_a_step_launch_takes():
-    """A captured decode step reads the seed and the eos ids from device memory, and only beam
-    search's selection takes max_new_tokens: generations that differ only there (or in
-    num_return_sequences) share a step graph; a parameter a launch takes keys its own."""
+    """A captured decode step reads the seed, the eos ids and max_new_tokens (beam search's
+    selection) from device memory: generations that differ only there (or in num_return_sequences)
+    share a step graph; a parameter a launch takes keys its own."""
     base = GenerationParams(max_new_tokens=8, do_sample=True, top_k=5, seed=1, eos_token_ids=(3,))
     for other in (dict(seed=2), dict(seed=None), dict(max_new_tokens=30), dict(eos_token_ids=(9,)),
                   dict(num_return_sequences=2)):
@@ -157,8 +157,9 @@ def test_graph_key_keeps_what_a_step_launch_takes():
                   dict(repetition_penalty=1.1), dict(no_repeat_ngram_size=2), dict(eos_token_ids=(3, 4))):
         assert replace(base, **other).graph_key() != base.graph_key(), other
     beams = GenerationParams(max_new_tokens=8, num_beams=3, num_return_sequences=2, eos_token_ids=(3,))
-    assert replace(beams, num_return_sequences=1, eos_token_ids=(7,)).graph_key() == beams.graph_key()
-    for other in (dict(max_new_tokens=9), dict(length_penalty=0.5), dict(early_stopping=True), dict(num_beams=4)):
+    other = replace(beams, num_return_sequences=1, eos_token_ids=(7,), max_new_tokens=9)
+    assert other.graph_key() == beams.graph_key()
+    for other in (dict(length_penalty=0.5), dict(early_stopping=True), dict(num_beams=4)):
         assert replace(beams, **other).graph_key() != beams.graph_key(), other
     np.testing.assert_array_equal(GenerationParams(1, seed=2 ** 64 - 2).seed_words(), [2 ** 32 - 2, 2 ** 32 - 1])
     np.testing.assert_array_equal(GenerationParams(1).seed_words(), [0, 0])

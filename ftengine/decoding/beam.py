@@ -40,7 +40,8 @@ def _top(values: np.ndarray, k: int) -> np.ndarray:
 def reference_step(logits: np.ndarray, st, eos: np.ndarray, params: GenerationParams, batch: int):
     """One step for every prompt not yet done, in place on the state st (see GPT2Runner.beam_state):
     seq / fin_seq / indir (R, L), run_scores / fin_scores / fin_len / fin_flag / next_ids /
-    next_pos (R,), flags (B, 3) = improvable, done, non-finite logits; starts (B,); step (1,)."""
+    next_pos (R,), flags (B, 3) = improvable, done, non-finite logits; starts (B,); max_new (1,):
+    max_new_tokens; step (1,)."""
     nb, vocab = params.num_beams, logits.shape[1]
     keep = candidates_per_item(params)
     top_mask = np.arange(keep) < nb
@@ -54,7 +55,7 @@ def reference_step(logits: np.ndarray, st, eos: np.ndarray, params: GenerationPa
             st.flags[b, 1:] = 1
             continue
         start = int(st.starts[b])
-        cur, max_length = start + step, start + params.max_new_tokens
+        cur, max_length = start + step, start + int(st.max_new[0])
         running = st.seq[rows, :cur]
         seen = np.zeros((nb, vocab), dtype=np.uint8)
         for i in range(nb):

@@ -86,13 +86,13 @@ class GenerationParams:
         return np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
 
     def graph_key(self) -> "GenerationParams":
-        """These parameters as a captured decode step takes them, to key its graph by: the seed and
-        the eos ids reach the step through device memory (uploaded as each generation starts), so
-        only the number of eos ids counts, and max_new_tokens only beam search's selection reads.
-        Generations that differ only there (every sampling call without a seed: it draws a new
-        one) replay one step graph instead of capturing their own."""
+        """These parameters as a captured decode step takes them, to key its graph by: the seed, the
+        eos ids and max_new_tokens (which beam search's selection reads) reach the step through
+        device memory, uploaded as each generation starts, so only the number of eos ids counts.
+        Generations that differ only there or in num_return_sequences (and every sampling call
+        without a seed: it draws a new one) replay one step graph instead of capturing their own."""
         return replace(self, seed=None, eos_token_ids=(0,) * len(self.eos_token_ids), num_return_sequences=1,
-                       max_new_tokens=self.max_new_tokens if self.num_beams > 1 else 0)
+                       max_new_tokens=0)
 
 
 def check_prompts(prompts: list, params: GenerationParams, n_positions: int):

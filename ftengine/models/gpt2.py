@@ -100,6 +100,7 @@ class GPT2Runner:
             "fin_len": (b, np.int32), "fin_flag": (b, np.int32),
             "flags": (3 * b, np.int32),           # per prompt: improvable, done, non-finite logits
             "starts": (b, np.int32),              # per prompt: its length
+            "max_new": (1, np.int32),             # max_new_tokens (read by the beam selection)
             "stats": (2 * b * self.beam_slices, np.float32),  # (B, slices, 2): log-sum-exp partials
             "keys": (b * self.beam_slices * KEEP_MAX, np.uint64),
         })
@@ -306,7 +307,8 @@ class GPT2Runner:
         views.update({name: ws.view(name, (r, length)) for name in ("seq", "indir", "fin_seq")})
         return SimpleNamespace(**views, scratch=ws.view("beam_scratch", (3 * r, length)),
                                flags=ws.view("flags", (batch, 3)), starts=ws.view("starts", (batch,)),
-                               step=ws.view("step", (1,)), stats=ws.view("stats", (r, slices, 2)),
+                               max_new=ws.view("max_new", (1,)), step=ws.view("step", (1,)),
+                               stats=ws.view("stats", (r, slices, 2)),
                                keys=ws.view("keys", (r * slices * KEEP_MAX,)))
 
     def _beam_select(self, batch: int, params):
@@ -325,7 +327,7 @@ class GPT2Runner:
         scores = np.tile(np.array([0.0] + [NEG] * (nb - 1), np.float32), batch)  # identical beams: one counts
         state = {"indir": np.repeat(np.arange(r), length).reshape(r, length), "fin_seq": seq,
                  "fin_len": np.zeros(r), "fin_flag": np.zeros(r), "flags": np.tile([1, 0, 0], batch),
-                 "starts": [len(p) for p in prompts]}
+                 "starts": [len(p) for p in prompts], "max_new": [params.max_new_tokens]}
         for name, values in state.items():
             self._upload(name, values)
         for name, values in (("run_scores", scores), ("fin_scores", np.full(r, NEG))):

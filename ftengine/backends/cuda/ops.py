@@ -1251,7 +1251,7 @@ def beam_select(logits, state, eos, *, params, batch):
             (state.keys, np.int32(slices), np.int32(v), np.int32(length), np.int32(nb), np.int32(keep),
              state.seq, state.fin_seq, state.indir, state.scratch, state.run_scores, state.fin_scores,
              state.fin_len, state.fin_flag, state.flags, state.starts, state.next_ids, state.next_pos, state.step,
-             eos, np.int32(eos.size), np.int32(params.max_new_tokens), np.float32(params.length_penalty),
+             eos, np.int32(eos.size), state.max_new, np.float32(params.length_penalty),
              np.int32(early)))
     _launch("sampling.cu", "increment", (1,), (32,), (state.step,))
 
