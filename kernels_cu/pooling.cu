@@ -3,44 +3,55 @@
 // Pooled vectors are float32 whatever the hidden states' type: they leave the GPU as float32,
 // and rounding them to 16 bits would only add error.
 
-// One column of one sequence's hidden states (`len` rows, stride H) pooled with `mode`:
+// Columns of one sequence's hidden states (`len` rows, stride H) pooled with `mode`:
 // 0 cls, 1 max, 2 mean, 3 mean_sqrt_len, 4 lasttoken, 5 weightedmean (token s weighs s + 1),
 // over tokens skip..len-1 (the first `skip`, a prompt's, left out: sentence-transformers'
 // include_prompt=false); cls is token `skip` (token 0 if there is none). An empty sequence, or
 // one with no token past the prompt, pools to 0 (cls aside).
-template <typename T>
-__device__ __forceinline__ float pool_column(const T* x, int len, int H, int mode, int skip) {
-    if (len <= 0) return 0.0f;
+// A block of W warps takes 32 columns (a lane each, x pointing at the lane's column of row 0;
+// `live`: the column is within H); warp w takes rows skip + w, skip + w + W, ..., and warp 0 adds
+// the warps' parts in warp order (the same sum whatever the timing) and returns the pooled value
+// (other warps return 0). ops.py picks W (figures in kernels.py at POOL_WARPS).
+template <int W, typename T>
+__device__ __forceinline__ float pool_columns(const T* x, int len, int H, bool live, int mode, int skip) {
+    __shared__ float part[W][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bool rows = len > skip && mode != 0 && mode != 4;
+    float r = mode == 1 ? -FT_INFINITY : 0.0f;
+    if (live && rows) {
+        #pragma unroll 4
+        for (int s = skip + warp; s < len; s += W) {
+            const float v = to_float(x[(long)s * H]);
+            r = mode == 1 ? fmaxf(r, v) : r + (mode == 5 ? (float)(s + 1) * v : v);
+        }
+    }
+    part[warp][lane] = r;
+    __syncthreads();
+    if (warp != 0 || !live || len <= 0) return 0.0f;
     if (mode == 0) return to_float(x[(long)(len > skip ? skip : 0) * H]);
     if (len <= skip) return 0.0f;
     if (mode == 4) return to_float(x[(long)(len - 1) * H]);
-    if (mode == 1) {
-        float r = -FT_INFINITY;
-        for (int s = skip; s < len; ++s) r = fmaxf(r, to_float(x[(long)s * H]));
-        return r;
-    }
-    float sum = 0.0f;
-    if (mode == 5) {
-        for (int s = skip; s < len; ++s) sum += (float)(s + 1) * to_float(x[(long)s * H]);
-        return sum / (0.5f * ((float)len * (float)(len + 1) - (float)skip * (float)(skip + 1)));
-    }
-    for (int s = skip; s < len; ++s) sum += to_float(x[(long)s * H]);
+    float acc = part[0][lane];
+    #pragma unroll
+    for (int w = 1; w < W; ++w) acc = mode == 1 ? fmaxf(acc, part[w][lane]) : acc + part[w][lane];
+    if (mode == 1) return acc;
+    if (mode == 5) return acc / (0.5f * ((float)len * (float)(len + 1) - (float)skip * (float)(skip + 1)));
     const float n = (float)(len - skip);
-    return mode == 2 ? sum / n : sum / sqrtf(n);
+    return mode == 2 ? acc / n : acc / sqrtf(n);
 }
 
 // Padded layout.
-// grid (B, ceil(H / blockDim.x)); writes out[b, offset + h] for one mode.
-template <typename T>
-__global__ void pool(float* __restrict__ out,          // (B, out_stride)
-                     const T* __restrict__ hidden,     // (B*S, H)
-                     const int* __restrict__ lengths,  // (B,)
-                     int S, int H, int out_stride, int offset, int mode, int skip) {
+// grid (B, ceil(H / 32)), W warps a block; writes out[b, offset + h] for one mode.
+template <typename T, int W>
+__global__ void __launch_bounds__(W * 32) pool(
+        float* __restrict__ out,          // (B, out_stride)
+        const T* __restrict__ hidden,     // (B*S, H)
+        const int* __restrict__ lengths,  // (B,)
+        int S, int H, int out_stride, int offset, int mode, int skip) {
     wait_for_previous();
-    const int b = blockIdx.x;
-    const int h = blockIdx.y * blockDim.x + threadIdx.x;
-    if (h >= H) return;
-    out[(long)b * out_stride + offset + h] = pool_column(hidden + (long)b * S * H + h, lengths[b], H, mode, skip);
+    const int b = blockIdx.x, h = blockIdx.y * 32 + (threadIdx.x & 31);
+    const float v = pool_columns<W>(hidden + (long)b * S * H + h, lengths[b], H, h < H, mode, skip);
+    if (threadIdx.x < 32 && h < H) out[(long)b * out_stride + offset + h] = v;
 }
 
 // One block per row: out = x / max(||x||, 1e-12). `out` may alias `x`.
@@ -62,16 +73,15 @@ __global__ void l2_normalize(T* out, const T* x, int D) {
 // Pooling over the padding-free layout: sequence b is rows cu_seqlens[b] .. cu_seqlens[b+1]
 // of hidden (T, H). Same modes and grid as `pool`. A sequence of length 0 (batch padding)
 // pools to zeros.
-template <typename T>
-__global__ void pool_packed(float* __restrict__ out,             // (B, out_stride)
-                            const T* __restrict__ hidden,        // (T, H)
-                            const int* __restrict__ cu_seqlens,  // (B + 1,)
-                            int H, int out_stride, int offset, int mode, int skip) {
+template <typename T, int W>
+__global__ void __launch_bounds__(W * 32) pool_packed(
+        float* __restrict__ out,             // (B, out_stride)
+        const T* __restrict__ hidden,        // (T, H)
+        const int* __restrict__ cu_seqlens,  // (B + 1,)
+        int H, int out_stride, int offset, int mode, int skip) {
     wait_for_previous();
-    const int b = blockIdx.x;
-    const int h = blockIdx.y * blockDim.x + threadIdx.x;
-    if (h >= H) return;
+    const int b = blockIdx.x, h = blockIdx.y * 32 + (threadIdx.x & 31);
     const int start = cu_seqlens[b];
-    out[(long)b * out_stride + offset + h] = pool_column(hidden + (long)start * H + h, cu_seqlens[b + 1] - start, H,
-                                                         mode, skip);
+    const float v = pool_columns<W>(hidden + (long)start * H + h, cu_seqlens[b + 1] - start, H, h < H, mode, skip);
+    if (threadIdx.x < 32 && h < H) out[(long)b * out_stride + offset + h] = v;
 }

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from ftengine.backends import numpy_ops as ref
+from ftengine.backends.cuda.kernels import POOL_WARPS
 from ftengine.errors import DeviceError
 from tests.tolerances import OPS
 
@@ -451,7 +452,9 @@ def test_batched_matmul(cu, rng, dtype, transpose_b, nb, m, k, p):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch, seq, h", [(1, 1, 384), (3, 17, 768), (64, 9, 200), (2, 512, 1024)])
 @pytest.mark.parametrize("skip", [0, 4])  # a prompt's tokens left out (some sequences no longer than it)
-def test_pool_and_normalize(cu, rng, dtype, batch, seq, h, skip):
+@pytest.mark.parametrize("warps", POOL_WARPS)  # each block size pooling.cu has, whatever ops._pool_warps picks
+def test_pool_and_normalize(cu, rng, monkeypatch, dtype, batch, seq, h, skip, warps):
+    monkeypatch.setattr(cu, "_pool_warps", lambda blocks: warps)
     modes = ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")
     lengths = rng.integers(1, seq + 1, batch)
     hidden, hh = quantize(cu, rng.standard_normal((batch * seq, h)), dtype)
@@ -669,7 +672,9 @@ def test_arch_specific_module_is_compiled_once_then_loaded_from_the_cache(cu, tm
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lengths, h", [([1], 384), ([3, 17, 1, 40], 768), ([9] * 64, 200)])
 @pytest.mark.parametrize("skip", [0, 3])
-def test_pool_packed(cu, rng, dtype, lengths, h, skip):
+@pytest.mark.parametrize("warps", POOL_WARPS)
+def test_pool_packed(cu, rng, monkeypatch, dtype, lengths, h, skip, warps):
+    monkeypatch.setattr(cu, "_pool_warps", lambda blocks: warps)
     modes = ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")
     lengths = list(lengths) + [0, 0]  # two empty sequences: batch padding
     t = sum(lengths) + 3

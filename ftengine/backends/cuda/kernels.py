@@ -172,6 +172,15 @@ BLAS_SPLIT_OUTPUTS = ((256 * 768, 4), (1024 * 768, 2))
 # gets, histogram bins and the u64 words of a row's state (the bins and 8 words)
 CHOICE_THREADS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN = 256, 64, 1024
 CHOICE_BINS, CHOICE_STATE_WORDS = 2048, 2048 + 8
+# pooling.cu: the warps a block may have (they split a sequence's rows), and the most warps a launch
+# takes an SM (ops._pool_warps: the most warps a block such that the launch stays within them, else the
+# fewest). H100 fp16, 2026-11-26, us, mean pooling, BERT-base's 768 columns at batch x tokens, one
+# thread a column over every row (before) / 2 / 4 / 8 warps a block: 1 x 128 6.84 / 3.93 / 2.59 / 1.94,
+# 32 x 128 7.16 / 4.41 / 3.10 / 2.73, 64 x 128 7.23 / 5.15 / 4.11 / 4.41, 128 x 128 7.48 / 6.42 / 7.16 /
+# 7.55, 256 x 128 24.33 / 25.18 / 24.18 / 26.94, 64 x 512 61.15 / 35.18 / 23.58 / 24.59, 16 x 2,048
+# 225.9 / 116.3 / 61.8 / 34.7; all-MiniLM-L6-v2's 384 at 1 x 16 1.82 / 1.54 / 1.32 / 1.52, 256 x 128
+# 7.44 / 6.33 / 7.31 / 7.50
+POOL_WARPS, POOL_WARPS_PER_SM = (2, 4, 8), 48
 FP8_KERNELS = ("quantize_rows", "add_bias_residual_layernorm_quantize", "add_bias_gelu_quantize")  # a block per row
 # sampling.cu choose_sample (sm_90: a thread-block cluster per row): threads per block, the most
 # blocks of a cluster (a power of two), the u32 words of a block's histogram (three pieces of each
@@ -266,7 +275,7 @@ FAMILIES = {
                                       [varlen_mma_name(t, d, g, tiles) for d in VARLEN_HEAD_DIMS
                                        for g in (False, True) for tiles in VARLEN_TILES
                                        if tiles == "narrow" or d <= 64]),
-    "pooling.cu": lambda t: [f"pool<{t}>", f"pool_packed<{t}>"],
+    "pooling.cu": lambda t: [f"{k}<{t}, {w}>" for k in ("pool", "pool_packed") for w in POOL_WARPS],
     "decoder.cu": lambda t: (_vec_variants("embed_positions", t) + _row_variants("layernorm", t)
                              + _vec_variants("add_bias_residual", t)
                              + _after_product_variants("residual_layernorm", t, SPLIT_COUNTS)

@@ -21,7 +21,7 @@ from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATT
                       BLAS_SPLIT_MIN_ROWS, BLAS_SPLIT_OUTPUTS, CHOICE_BINS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN,
                       CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMM_BK, GEMM_THREADS, GEMV_COLS,
                       GEMV_ROWS, GEMV_THREADS, GEMV_WIDE_BLOCKS_PER_SM, LN_CLUSTER_MAX, LN_ROW_WARPS, LN_WARP_MAX_ROWS,
-                      LN_WARP_MIN_ROWS, ROW_ITEMS, ROW_WARP_ITEMS, SAMPLE_CANDIDATES,
+                      LN_WARP_MIN_ROWS, POOL_WARPS, POOL_WARPS_PER_SM, ROW_ITEMS, ROW_WARP_ITEMS, SAMPLE_CANDIDATES,
                       SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX, SAMPLE_THREADS, SKINNY_MIN_COLUMNS,
                       SKINNY_MIN_ROWS, SKINNY_ROWS, SKINNY_SPLITS, SKINNY_TILES, SOFTMAX_PER_LANE, SOFTMAX_VEC,
                       SPLIT_MIN_ROWS, SPLIT_SLICE_K, SPLIT_TILES, VARLEN_BLOCK_M, VARLEN_HEAD_DIMS, VARLEN_TILES,
@@ -835,15 +835,23 @@ def matmul_fp8(out, x, x_scales, weight, w_scales):
 
 
 def _pool_modes(kernel: str, out, hidden, modes, extra_args, skip: int):
-    """One launch per pooling mode, each writing its H columns of out (B, modes*H)."""
+    """One launch per pooling mode, each writing its H columns of out (B, modes*H): a block takes 32
+    columns of a sequence, its warps (_pool_warps) its rows (pooling.cu)."""
     b, h = out.shape[0], hidden.shape[1]
-    threads = 128
+    warps = _pool_warps(b * -(-h // 32))
     for i, mode in enumerate(modes):
         if mode not in POOL_CODES:
             raise ValueError(f"unknown pooling mode {mode!r}")
-        _launch("pooling.cu", f"{kernel}<{_ctype(hidden)}>", (b, (h + threads - 1) // threads), (threads,),
+        _launch("pooling.cu", f"{kernel}<{_ctype(hidden)}, {warps}>", (b, -(-h // 32)), (32 * warps,),
                 (out, hidden, *extra_args, np.int32(h), np.int32(out.shape[1]), np.int32(i * h),
                  np.int32(POOL_CODES[mode]), np.int32(skip)))
+
+
+def _pool_warps(blocks: int) -> int:
+    """The warps a pooling block has: the most of POOL_WARPS that keep `blocks` blocks within
+    POOL_WARPS_PER_SM warps an SM, else the fewest (figures in kernels.py)."""
+    limit = POOL_WARPS_PER_SM * context().sm_count
+    return max((w for w in POOL_WARPS if blocks * w <= limit), default=min(POOL_WARPS))
 
 
 def pool(out, hidden, lengths, *, seq, modes, skip=0):
