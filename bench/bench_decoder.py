@@ -16,7 +16,10 @@ ftengine's own stream); the figures here include that. Measured again on 2026-11
 batch 32 generations, ms a step, each in a fresh process): a kernel on torch's stream or on another
 CuPy stream changed nothing (0.447-0.451 before and after), while torch holding a filled 20 GB
 tensor made it 0.461 for a runner built before and 0.467 for one built after, and HF's model after
-its generate 0.465 and 0.484: the cause is still not established.
+its generate 0.465 and 0.484; in a second run a 700 MB CuPy block that no runner used, allocated
+after the first runners, did the same for the runners built after it (0.447 -> 0.464-0.465), and
+a runner's weights moved into one block changed nothing. So a step slows once the process
+holds more device memory, whoever holds it; why is still not established.
 
 Usage: python bench/bench_decoder.py --out bench/results
 """
