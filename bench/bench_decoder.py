@@ -18,8 +18,10 @@ CuPy stream changed nothing (0.447-0.451 before and after), while torch holding 
 tensor made it 0.461 for a runner built before and 0.467 for one built after, and HF's model after
 its generate 0.465 and 0.484; in a second run a 700 MB CuPy block that no runner used, allocated
 after the first runners, did the same for the runners built after it (0.447 -> 0.464-0.465), and
-a runner's weights moved into one block changed nothing. So a step slows once the process
-holds more device memory, whoever holds it; why is still not established.
+a runner's weights moved into one block changed nothing; in a third run CuPy blocks of 64 MB to
+4 GB allocated next to an existing runner (held, then freed) left its steps at 0.442-0.443. So
+what slows a step is where a runner built after other allocations lands, or torch's activity, not
+memory held as such; why is still not established.
 
 Usage: python bench/bench_decoder.py --out bench/results
 """
