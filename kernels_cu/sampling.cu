@@ -783,6 +783,11 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) choose_sample(
     };
     unsigned kth = 0u, cut = 0u;
     unsigned long long kept = ~0ull;
+    // top-k up to 64 from each block's k largest (order_key << 32 | ~token) keys by beam search's
+    // block_top_keys, then the cluster's k-th largest of the S x k by rank, measured slower than this
+    // select (H100, 2026-11-26, choose_tokens alone, us, two alternating runs): top-k 40 at batch 1
+    // 19.5-19.7 -> 36.6-36.7, at batch 32 25.6-26.0 -> 47.8-47.9; top-k 64 at batch 32 31.8-32.1 ->
+    // 72.3: k rounds of a block-wide max, and the rank loop over S x k keys, cost more than the digits.
     if (0 < k && k < V) kept = select(0, 0u, ~0ull, kth);
     if (top_p < 1.0f) select(1, kth, kept, cut);
     // the draw: thread t sums the masses of tokens t * per .. (in order)
@@ -897,6 +902,85 @@ __global__ void increment(int* counter) {
 #define BEAM_KEEP_MAX 64
 #define BEAM_NEG (-1.0e9f)  // HF's "impossible" score, added in float32
 
+// The largest of the warp's 64-bit keys, in every lane: the high words' max, then the low words'
+// max among the lanes that hold it (two redux.sync, sm_80+).
+__device__ __forceinline__ unsigned long long warp_max_key(unsigned long long v) {
+    const unsigned hi = __reduce_max_sync(~0u, (unsigned)(v >> 32));
+    const unsigned lo = __reduce_max_sync(~0u, (unsigned)(v >> 32) == hi ? (unsigned)v : 0u);
+    return ((unsigned long long)hi << 32) | lo;
+}
+
+// Block-wide: the largest of the threads' keys, in every thread, past one barrier: the warps' maxima
+// of call `round` go to half round % 2 of scratch (2 x 32 keys), which no warp writes again before
+// every warp has passed the next call's barrier, so after reading this one's.
+__device__ __forceinline__ unsigned long long block_max_key(unsigned long long v, unsigned long long* scratch,
+                                                            int round) {
+    unsigned long long* half = scratch + 32 * (round & 1);
+    v = warp_max_key(v);
+    if ((threadIdx.x & 31) == 0) half[threadIdx.x >> 5] = v;
+    __syncthreads();
+    return warp_max_key((threadIdx.x & 31) < (blockDim.x >> 5) ? half[threadIdx.x & 31] : 0ull);
+}
+
+// The two largest of this thread's keys key_at(i) (i = threadIdx.x, + blockDim.x, ... below n) that
+// are below `below` (0: none).
+template <typename KeyAt>
+__device__ __forceinline__ void share_top2(KeyAt key_at, int n, unsigned long long below, unsigned long long& first,
+                                           unsigned long long& second) {
+    first = second = 0ull;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const unsigned long long k = key_at(i);
+        if (k >= below) continue;
+        if (k > first) {
+            second = first;
+            first = k;
+        } else if (k > second) {
+            second = k;
+        }
+    }
+}
+
+// Block-wide: the `keep` largest of the distinct keys key_at(0..n), largest first, into out[0..keep)
+// (0 past the last key; thread 0 writes). Each thread holds the best two of its share not yet taken;
+// a round takes the block's largest, and the thread it came from moves its second up, looking
+// through its share again only when it holds no second (so, with keep much smaller than the block,
+// hardly ever). It replaced a sweep of every share and a block reduction a round, and with it
+// beam_select's bookkeeping moved from one thread to a warp (H100, GPT-2 small, 4 beams, us, two
+// alternating runs): beam_candidates at 4 rows 11.2-11.3 -> 7.1-7.2, at 32 rows 20.2-20.4 -> 12.9-13.0;
+// beam_select 15.0-15.1 -> 7.5-7.6 (8 prompts 15.1-15.3 -> 8.0); the step graph at batch 1 0.356-0.357
+// -> 0.346 ms, batch 8 0.456-0.457 -> 0.425-0.427. (Each warp's own `keep` best by rounds of redux.sync
+// first, then warp 0's best of theirs, was slower: a round's rescan by the winning lane sat on every
+// warp's critical path; 32 rows 20.3 -> 27.0.)
+template <typename KeyAt>
+__device__ __forceinline__ void block_top_keys(KeyAt key_at, int n, int keep, unsigned long long* scratch,
+                                               unsigned long long* out) {
+    unsigned long long first, second;
+    share_top2(key_at, n, ~0ull, first, second);
+    bool known = true;  // whether `second` is the best below `first`
+    for (int c = 0; c < keep; ++c) {
+        const unsigned long long top = block_max_key(first, scratch, c);
+        if (threadIdx.x == 0) out[c] = top;
+        if (top == 0ull || first != top) continue;
+        if (known) {
+            first = second;
+            known = false;
+        } else {
+            share_top2(key_at, n, top, first, second);
+            known = true;
+        }
+    }
+}
+
+// Warp-wide: out[0..count) = the indices of the `count` largest of v[0..n), larger first, ties to the
+// lower index (a stable sort's order): entry i goes to out[its rank]. No NaN in v.
+__device__ __forceinline__ void rank_top(int* out, const float* v, int n, int count) {
+    for (int i = threadIdx.x & 31; i < n; i += 32) {
+        int rank = 0;
+        for (int m = 0; m < n; ++m) rank += v[m] > v[i] || (v[m] == v[i] && m < i);
+        if (rank < count) out[rank] = i;
+    }
+}
+
 // stats (R, slices, 2) = the max of each `chunk`-token vocabulary slice of row r's logits and the
 // sum of exp(x - that max) over the slice (beam_candidates adds them up: row_logsumexp); a
 // non-finite logit flags its item. grid (R, slices), block 256.
@@ -950,7 +1034,7 @@ __global__ void __launch_bounds__(256) beam_candidates(
         int V, int L, int nb, int keep, int chunk, float penalty, int min_new, int ngram) {
     wait_then_launch_next();
     extern __shared__ float s[];
-    __shared__ unsigned long long scratch[32];
+    __shared__ unsigned long long scratch[64];
     const int r = blockIdx.x, b = r / nb, j = r - b * nb;
     if (flags[3 * b + 1] || flags[3 * b + 2]) return;
     const int step = *step_counter, cur = starts[b] + step;
@@ -979,33 +1063,9 @@ __global__ void __launch_bounds__(256) beam_candidates(
         s[eos[threadIdx.x] - lo] = -FT_INFINITY;
     __syncthreads();
     const float base = run_scores[r];
-    unsigned long long* out = keys + ((long)r * gridDim.y + blockIdx.y) * keep;
-    unsigned long long prev = ~0ull;
-    for (int k = 0; k < keep; ++k) {  // the k-th best: the largest key below the (k-1)-th
-        unsigned long long best = 0ull;
-        for (int i = threadIdx.x; i < hi - lo; i += blockDim.x) {
-            const unsigned long long key = ((unsigned long long)order_key(s[i] + base) << 32)
-                                           | (unsigned)~(unsigned)(j * V + lo + i);
-            if (key < prev && key > best) best = key;
-        }
-        best = block_reduce(best, scratch, 0ull, MaxOp());
-        if (threadIdx.x == 0) out[k] = best;
-        prev = best;
-    }
-}
-
-// The top `count` of n values, larger first, ties to the lower index (a stable sort's order).
-// n <= BEAM_KEEP_MAX * 3 / 2; one thread.
-__device__ __forceinline__ void top_indices(int* out, const float* v, int n, int count) {
-    bool taken[BEAM_KEEP_MAX + BEAM_KEEP_MAX / 2];
-    for (int i = 0; i < n; ++i) taken[i] = false;
-    for (int c = 0; c < count; ++c) {
-        int best = -1;
-        for (int i = 0; i < n; ++i)
-            if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
-        taken[best] = true;
-        out[c] = best;
-    }
+    const unsigned flat = (unsigned)(j * V + lo);
+    block_top_keys([&](int i) { return ((unsigned long long)order_key(s[i] + base) << 32) | (unsigned)~(flat + i); },
+                   hi - lo, keep, scratch, keys + ((long)r * gridDim.y + blockIdx.y) * keep);
 }
 
 // Stage 2 and the bookkeeping, one block (256 threads) per batch item, HF semantics: the best
@@ -1013,7 +1073,8 @@ __device__ __forceinline__ void top_indices(int* out, const float* v, int n, int
 // indirection gathered from the parents); candidates among the top nb that stopped (eos or max
 // length) enter the finished set scored sum(log p) / generated_length ** length_penalty; the
 // item is done when no running beam can beat the worst finished one (early_stopping 0 false,
-// 1 true, 2 never), or every candidate stopped. A done item is left as it is.
+// 1 true, 2 never), or every candidate stopped. A done item is left as it is. The bookkeeping runs
+// on warp 0, a candidate (then a slot of the finished set) a lane.
 // scratch: (B, 3 nb, L) ints, the gathered rows before they are written back.
 __global__ void __launch_bounds__(256) beam_select(
         const unsigned long long* __restrict__ keys, int slices, int V, int L, int nb, int keep,
@@ -1023,8 +1084,8 @@ __global__ void __launch_bounds__(256) beam_select(
         int* __restrict__ next_ids, int* __restrict__ next_pos, const int* __restrict__ step_counter,
         const int* __restrict__ eos, int n_eos, const int* __restrict__ max_new, float length_penalty, int early) {
     wait_then_launch_next();
-    __shared__ unsigned long long scratch[32];
-    __shared__ float c_score[BEAM_KEEP_MAX], pool[BEAM_KEEP_MAX + BEAM_KEEP_MAX / 2];
+    __shared__ unsigned long long scratch[64], best[BEAM_KEEP_MAX];
+    __shared__ float c_score[BEAM_KEEP_MAX], cont[BEAM_KEEP_MAX], pool[BEAM_KEEP_MAX + BEAM_KEEP_MAX / 2];
     __shared__ int c_parent[BEAM_KEEP_MAX], c_token[BEAM_KEEP_MAX], c_hit[BEAM_KEEP_MAX];
     __shared__ int run_src[BEAM_KEEP_MAX / 2], fin_src[BEAM_KEEP_MAX / 2];
     const int b = blockIdx.x;
@@ -1037,68 +1098,70 @@ __global__ void __launch_bounds__(256) beam_select(
     const int step = *step_counter, start = starts[b], cur = start + step, max_length = start + *max_new;
     const long r0 = (long)b * nb;
     const unsigned long long* k = keys + r0 * slices * keep;
-    const int n = nb * slices * keep;
-    unsigned long long prev = ~0ull;
-    for (int c = 0; c < keep; ++c) {
-        unsigned long long best = 0ull;
-        for (int i = threadIdx.x; i < n; i += blockDim.x)
-            if (k[i] < prev && k[i] > best) best = k[i];
-        best = block_reduce(best, scratch, 0ull, MaxOp());
-        if (threadIdx.x == 0) {
-            const unsigned flat = ~(unsigned)(best & 0xffffffffull);
-            c_score[c] = from_order_key((unsigned)(best >> 32));
-            c_parent[c] = flat / V;
-            c_token[c] = flat % V;
-        }
-        prev = best;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float cont[BEAM_KEEP_MAX];
-        bool all_hit = true, all_finished = true;
-        for (int c = 0; c < keep; ++c) {
+    block_top_keys([&](int i) { return k[i]; }, nb * slices * keep, keep, scratch, best);
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        __syncwarp();  // best[] complete
+        bool hit_all = true;
+        for (int c = lane; c < keep; c += 32) {
+            const unsigned long long key = best[c];
+            const unsigned flat = ~(unsigned)(key & 0xffffffffull);
+            const float score = from_order_key((unsigned)(key >> 32));
+            const int token = flat % V;
             bool hit = cur + 1 >= max_length;
-            for (int e = 0; e < n_eos; ++e) hit |= c_token[c] == eos[e];
+            for (int e = 0; e < n_eos; ++e) hit |= token == eos[e];
+            c_score[c] = score;
+            c_parent[c] = flat / V;
+            c_token[c] = token;
             c_hit[c] = hit;
-            all_hit &= hit;
-            cont[c] = hit ? c_score[c] + BEAM_NEG : c_score[c];
+            cont[c] = hit ? score + BEAM_NEG : score;
+            hit_all &= hit;
         }
-        top_indices(run_src, cont, keep, nb);
-        for (int j = 0; j < nb; ++j) all_finished &= fin_flag[r0 + j] != 0;
+        const bool all_hit = __all_sync(~0u, hit_all);
+        const bool all_finished = __all_sync(~0u, lane >= nb || fin_flag[r0 + lane] != 0);
         const bool improvable = fl[0] != 0;
         const float denom = (float)pow((double)(cur + 1 - start), (double)length_penalty);
-        for (int j = 0; j < nb; ++j) pool[j] = fin_scores[r0 + j];
-        for (int c = 0; c < keep; ++c) {
+        if (lane < nb) pool[lane] = fin_scores[r0 + lane];
+        for (int c = lane; c < keep; c += 32) {
             float sc = c_score[c] / denom;
             if (all_finished && early == 1) sc += BEAM_NEG;
             if (!improvable) sc += BEAM_NEG;
             if (!(c_hit[c] && c < nb)) sc += BEAM_NEG;
             pool[nb + c] = sc;
         }
-        top_indices(fin_src, pool, nb + keep, nb);
-        int new_len[BEAM_KEEP_MAX / 2], new_flag[BEAM_KEEP_MAX / 2];
-        for (int j = 0; j < nb; ++j) {
-            const int m = fin_src[j];
-            new_len[j] = m < nb ? fin_len[r0 + m] : cur + 1 - start;
-            new_flag[j] = m < nb ? fin_flag[r0 + m] : (c_hit[m - nb] && m - nb < nb);
+        __syncwarp();
+        rank_top(run_src, cont, keep, nb);
+        rank_top(fin_src, pool, nb + keep, nb);
+        __syncwarp();
+        // slot `lane` of the merged finished set and the running score (every lane reads the old
+        // set before any writes it)
+        float fin_score = FT_INFINITY, run_score = 0.0f;
+        int len = 0, flag = 1;
+        if (lane < nb) {
+            const int m = fin_src[lane];
+            fin_score = pool[m];
+            len = m < nb ? fin_len[r0 + m] : cur + 1 - start;
+            flag = m < nb ? fin_flag[r0 + m] : (c_hit[m - nb] && m - nb < nb);
+            run_score = cont[run_src[lane]];
         }
-        float worst = pool[fin_src[0]];
-        bool new_all_finished = true;
-        for (int j = 0; j < nb; ++j) {
-            fin_scores[r0 + j] = pool[fin_src[j]];
-            worst = fminf(worst, pool[fin_src[j]]);
-            fin_len[r0 + j] = new_len[j];
-            fin_flag[r0 + j] = new_flag[j];
-            new_all_finished &= new_flag[j] != 0;
-            run_scores[r0 + j] = cont[run_src[j]];
+        float worst = fin_score;
+        for (int o = 16; o > 0; o >>= 1) worst = fminf(worst, __shfl_xor_sync(~0u, worst, o));
+        const bool new_all_finished = __all_sync(~0u, flag != 0);
+        __syncwarp();
+        if (lane < nb) {
+            fin_scores[r0 + lane] = fin_score;
+            fin_len[r0 + lane] = len;
+            fin_flag[r0 + lane] = flag;
+            run_scores[r0 + lane] = run_score;
         }
         const int best_length = (early == 2 && length_penalty > 0.0f) ? max_length - start : cur + 1 - start;
         const float best_possible = cont[run_src[0]] / (float)pow((double)best_length, (double)length_penalty);
-        bool beatable = false;
-        for (int j = 0; j < nb; ++j) beatable |= best_possible > (new_flag[j] ? worst : BEAM_NEG);
-        const bool still = improvable && beatable;
-        fl[0] = still;
-        fl[1] = !still || (new_all_finished && early == 1) || all_hit;
+        const bool beatable = __any_sync(~0u, lane < nb && best_possible > (flag ? worst : BEAM_NEG));
+        if (lane == 0) {
+            const bool still = improvable && beatable;
+            fl[0] = still;
+            fl[1] = !still || (new_all_finished && early == 1) || all_hit;
+        }
     }
     __syncthreads();
     // running rows from their parents (+ the new token), finished rows from the merge, cache

@@ -491,7 +491,8 @@ def chosen_like_numpy(cu, logits, params, state=None):
 
 SLICED_CHOICES = [dict(), dict(do_sample=True, top_k=40), dict(do_sample=True, top_k=3000),
                   dict(do_sample=True, top_k=60, temperature=0.8), dict(do_sample=True, top_p=0.95),
-                  dict(do_sample=True, top_k=200, top_p=0.5)]
+                  dict(do_sample=True, top_k=200, top_p=0.5), dict(do_sample=True, top_k=64, top_p=0.9),
+                  dict(do_sample=True, top_k=65)]
 
 
 @pytest.mark.parametrize("rows", [1, 16, 300])
