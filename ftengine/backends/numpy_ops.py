@@ -678,9 +678,19 @@ class _Ready:
 
 
 class HostSlot:
-    """The CUDA backend's reusable host side of a batch in flight; nothing to keep here."""
+    """The CUDA backend's reusable host side of a batch in flight; nothing to keep here (copies
+    are done when they return)."""
 
     events = None
+
+    def array(self, shape, dtype) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def record(self):
+        pass
+
+    def wait(self):
+        pass
 
 
 def copy_to_host_async(array, slot=None):

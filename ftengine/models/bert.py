@@ -172,13 +172,13 @@ def bucket_padded(b: int, s: int, *, max_seq_len: int, max_batch_tokens: int) ->
     return max(b, min(b_pad, max_batch_tokens // s_pad)), s_pad
 
 
-def _below(values: np.ndarray, limit: int) -> bool:
-    """Whether every value lies in 0..limit - 1: one reduction over int32 values (a negative one
-    read as unsigned is past any limit), two over others."""
+def ids_below(values: np.ndarray, limit: int) -> bool:
+    """Whether every value lies in 0..limit - 1: one reduction over signed integers (a negative
+    one read as unsigned is past any limit), two over others."""
     if values.size == 0:
         return True
-    if values.dtype == np.int32:
-        return int(values.view(np.uint32).max()) < limit
+    if values.dtype.kind == "i":
+        return int(values.view(np.dtype(f"u{values.dtype.itemsize}")).max()) < limit
     return bool(values.min() >= 0 and values.max() < limit)
 
 
@@ -368,7 +368,7 @@ class BertRunner:
                 f"exceeds this runner's limits (max_batch_tokens {self.max_batch_tokens}, max_seq_len {self.max_seq_len})"
             )
         for values, limit, what in ((batch.ids, c.vocab_size, "token id"), (batch.token_types, c.type_vocab_size, "token type")):
-            if _below(values, limit):  # the search only on a bad batch
+            if ids_below(values, limit):  # the search only on a bad batch
                 continue
             bad = np.flatnonzero((values < 0) | (values >= limit))
             if bad.size:

@@ -12,6 +12,7 @@ chosen tokens (or beam flags) every few steps.
 
 from __future__ import annotations
 
+from array import array
 from itertools import chain
 from types import SimpleNamespace
 
@@ -23,7 +24,7 @@ from ..decoding.beam import CANDIDATE_CHUNK, KEEP_MAX, NEG
 from ..decoding.generate import MAX_EOS_IDS
 from ..errors import InputError
 from ..workspace import Workspace
-from .bert import PACKED_HEAD_DIMS, bucket_packed
+from .bert import PACKED_HEAD_DIMS, bucket_packed, ids_below
 
 BEAM_FLOATS = ("run_scores", "fin_scores")
 BEAM_INTS = ("fin_len", "fin_flag", "next_ids", "next_pos")
@@ -31,6 +32,21 @@ BEAM_INTS = ("fin_len", "fin_flag", "next_ids", "next_pos")
 
 # the kernel sources the decoder launches (compiled in parallel when a runner is built)
 KERNEL_FILES = ("decoder.cu", "sampling.cu", "gemv.cu", "attention_varlen.cu", "activation.cu")
+
+
+def _flat_ids(prompts, total: int) -> np.ndarray:
+    """The prompts' token ids back to back, int64: from lists of Python ints through array's
+    fromlist (H100 host, 32 x 128 tokens: 62 us against 98 for np.fromiter), else np.fromiter."""
+    if all(type(p) is list for p in prompts):
+        flat = array("q")
+        try:
+            for p in prompts:
+                flat.fromlist(p)
+        except (TypeError, OverflowError):
+            pass  # not all Python ints in range: np.fromiter converts them or names the problem
+        else:
+            return np.frombuffer(flat, np.int64)
+    return np.fromiter(chain.from_iterable(prompts), np.int64, total)
 
 
 class GPT2Runner:
@@ -106,6 +122,9 @@ class GPT2Runner:
         })
         self.ws = Workspace(ops, table)
         ops.zero(self.ws.view("choice", (b * ops.CHOICE_STATE_WORDS,)))
+        # the prefill's inputs are laid out in one of two page-locked host buffers in turn, each
+        # reused once its last copy to the device has run
+        self._prefill_slots, self._prefill_slot = [ops.HostSlot(), ops.HostSlot()], 0
 
     def _caches(self, i: int):
         c = self.config
@@ -194,35 +213,41 @@ class GPT2Runner:
         leaves the logits of each prompt's last token on the device (see logits)."""
         if not 1 <= len(prompts) <= self.max_batch:
             raise InputError(f"{len(prompts)} prompts; this runner takes 1..{self.max_batch}")
-        lengths = np.array([len(p) for p in prompts])
-        if lengths.min() < 1:
+        sizes = [len(p) for p in prompts]
+        shortest, longest, real, count = min(sizes), max(sizes), sum(sizes), len(prompts)
+        if shortest < 1:
             raise InputError("every prompt needs at least one token")
-        if lengths.max() > self.max_len:
-            raise InputError(f"a prompt of {lengths.max()} tokens exceeds this runner's max_len {self.max_len}")
-        ids = np.fromiter(chain.from_iterable(prompts), np.int64, int(lengths.sum()))
+        if longest > self.max_len:
+            raise InputError(f"a prompt of {longest} tokens exceeds this runner's max_len {self.max_len}")
+        ids = _flat_ids(prompts, real)
         self._check_ids(ids)
-        real, count, longest = len(ids), len(prompts), int(lengths.max())
         t, n, s = real, count, longest
         if self.bucket_prefill:  # padding tokens (sequence -1: no cache row, nothing seen) and empty prompts
             t, n, s = bucket_packed(real, count, longest, max_batch_tokens=self.max_batch * self.max_len,
                                     max_seq_len=self.max_len)
             n = min(n, self.max_batch)
+        lengths = np.array(sizes)
         ends = np.cumsum(lengths)
-        inputs = np.zeros(3 * t + 2 * n + 1, np.int32)
+        slot = self._prefill_slots[self._prefill_slot]
+        self._prefill_slot ^= 1
+        slot.wait()  # the copy from its buffer two prefills ago has run
+        inputs = slot.array((3 * t + 2 * n + 1,), np.int32)
         d_ids, d_seq, d_pos, rows, cu_seqlens = self._split_prefill_inputs(inputs, t, n)
-        d_ids[:real] = ids
+        d_ids[:real], d_ids[real:] = ids, 0
         d_seq[:real], d_seq[real:] = np.repeat(np.arange(count), lengths), -1
-        d_pos[:real] = np.arange(real) - np.repeat(ends - lengths, lengths)
-        rows[:count] = ends - 1
-        cu_seqlens[1:count + 1], cu_seqlens[count + 1:] = ends, real
-        self._upload("prefill_inputs", inputs)
+        d_pos[:real], d_pos[real:] = np.arange(real) - np.repeat(ends - lengths, lengths), 0
+        rows[:count], rows[count:] = ends - 1, 0
+        cu_seqlens[0], cu_seqlens[1:count + 1], cu_seqlens[count + 1:] = 0, ends, real
+        self.ops.copy_from_host(self.ws.view("prefill_inputs", inputs.shape), inputs)
+        slot.record()
         self.prefill_graphs.run((t, n, s), lambda: self._prefill_launches(t, n, s))
 
     def _check_ids(self, ids):
         v = self.config.vocab_size
+        if ids_below(ids, v):  # the search only for a bad id
+            return
         bad = np.flatnonzero((ids < 0) | (ids >= v))
-        if bad.size:
-            raise InputError(f"token id {ids[bad[0]]} is outside the vocabulary 0..{v - 1}")
+        raise InputError(f"token id {ids[bad[0]]} is outside the vocabulary 0..{v - 1}")
 
     def decode(self, tokens, positions):
         """One new token per sequence b (tokens[b] at positions[b]), fed from the host; logits stay

@@ -1284,6 +1284,15 @@ class HostSlot:
             self._memory = pinned_empty(size, np.uint8)
         return self._memory[:math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
+    def record(self):
+        """Mark the work queued on the stream so far (a copy from the slot's buffer) as what wait()
+        waits for."""
+        self.done.record(context().stream)
+
+    def wait(self):
+        """Until the work record() last marked has run (at once where none was)."""
+        self.done.synchronize()
+
 
 class _Pending:
     """A device-to-host copy in flight on the stream; wait() returns the host array."""
