@@ -45,7 +45,7 @@ from ftengine.models.bert import Batch, BertRunner  # noqa: E402
 from weights.fixtures import WORDS, write_bert_checkpoint  # noqa: E402
 
 FULL = [(1, 128), (32, 128), (256, 128), (64, 512)]
-TARGETS_FP16 = {"1x128 full": 0.4, "32x128 full": 1.6, "256x128 full": 10.0, "64x512 full": 11.0}
+TARGETS_FP16 = {"1x128 full": 0.35, "32x128 full": 1.6, "256x128 full": 10.0, "64x512 full": 11.0}
 MAX_TOKENS = 32768
 GEMM_FLOOR_TFLOPS = 800  # an 8192^3 fp16 product's rate on the H100 (cuBLAS): the per-op table's reference
 
