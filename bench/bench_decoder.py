@@ -21,7 +21,11 @@ after the first runners, did the same for the runners built after it (0.447 -> 0
 a runner's weights moved into one block changed nothing; in a third run CuPy blocks of 64 MB to
 4 GB allocated next to an existing runner (held, then freed) left its steps at 0.442-0.443. So
 what slows a step is where a runner built after other allocations lands, or torch's activity, not
-memory held as such; why is still not established.
+memory held as such; why is still not established. Ten runners alive at once in a fresh process
+(about 0.55 GB each, built one after another) all took 0.443-0.453 ms a greedy batch-32 step, the
+last built as fast as the first (H100, 2026-11-26): other runners' buffers allocated before a
+runner did not slow it, where the 700 MB block above did. The table's "alone" column times the same cases first, in a child process that never
+imports torch (--steps-alone), as a service without PyTorch runs them.
 
 Usage: python bench/bench_decoder.py --out bench/results
 """
@@ -32,6 +36,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +54,7 @@ from ftengine.config import load_gpt2_config  # noqa: E402
 from ftengine.decoding.beam import beam_search  # noqa: E402
 from ftengine.decoding.generate import GenerationParams, stream_tokens  # noqa: E402
 from ftengine.models.gpt2 import GPT2Runner  # noqa: E402
-from bench.bench_encoder import RecordedOps, graph_ms  # noqa: E402
+from bench.bench_encoder import RecordedOps, collector_held, graph_ms  # noqa: E402
 
 CASES = [("greedy", 1, {}), ("greedy", 32, {}), ("topk", 32, {"do_sample": True, "top_k": 40}),
          ("topp", 32, {"do_sample": True, "top_p": 0.9}), ("beam", 1, {"num_beams": 4}),
@@ -76,12 +81,13 @@ def save_gpt2_small(folder: Path):
 
 def timed(fn, repeat=3):
     times = []
-    for _ in range(repeat):
-        cuda_ops.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        cuda_ops.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
+    with collector_held():
+        for _ in range(repeat):
+            cuda_ops.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            cuda_ops.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -153,33 +159,60 @@ def choice_alone(vocab_size: int, rng) -> list:
     return rows
 
 
+def ftengine_step(config, weights, mode: str, batch: int, options: dict, prompts: list) -> tuple[float, float]:
+    """(ms a step, ms of the prefill and first choice) of one case's generation on a new runner."""
+    beams = options.get("num_beams", 1)
+    runner = GPT2Runner(config, weights, cuda_ops, dtype="fp16", max_batch=batch * beams, max_len=PROMPT + NEW)
+    params = GenerationParams(max_new_tokens=NEW, min_new_tokens=NEW, seed=1, eos_token_ids=(50256,),
+                              **options).checked(vocab_size=config.vocab_size)
+    if beams > 1:
+        total = timed(lambda: beam_search(runner, prompts, params))
+        prefill = timed(lambda: runner.beam_start(prompts, params))
+    else:
+        total = timed(lambda: list(stream_tokens(runner, prompts, params)))
+        prefill = timed(lambda: runner.start(prompts, params))
+    return (total - prefill) / (NEW - 1), prefill
+
+
+def case_prompts(rng, vocab_size: int, batch: int) -> list:
+    return rng.integers(0, vocab_size - 1, (batch, PROMPT)).tolist()
+
+
+def steps_alone(folder: Path) -> list:
+    """ftengine's ms a step for each of CASES (the same prompts as main's), in a process that has not
+    imported torch: as a service without PyTorch runs them."""
+    config = load_gpt2_config(folder)
+    weights = load_gpt2_weights(folder, config)
+    rng = np.random.default_rng(0)
+    return [round(ftengine_step(config, weights, mode, batch, options,
+                                case_prompts(rng, config.vocab_size, batch))[0], 4) for mode, batch, options in CASES]
+
+
 def main():
-    import torch
-    from transformers import GPT2LMHeadModel
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--steps-alone", metavar="FOLDER", help=argparse.SUPPRESS)  # the child process of main
     args = p.parse_args()
+    if args.steps_alone:
+        print(json.dumps(steps_alone(Path(args.steps_alone))))
+        return
+    import torch
+    from transformers import GPT2LMHeadModel
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "gpt2"
         save_gpt2_small(folder)
+        child = subprocess.run([sys.executable, __file__, "--steps-alone", str(folder)], capture_output=True,
+                               text=True, check=True)
+        alone = json.loads(child.stdout.splitlines()[-1])
         config = load_gpt2_config(folder)
         weights = load_gpt2_weights(folder, config)
         hf = GPT2LMHeadModel.from_pretrained(str(folder)).half().cuda().eval()
         rng = np.random.default_rng(0)
-        for mode, batch, options in CASES:
+        for (mode, batch, options), ft_alone in zip(CASES, alone):
             beams = options.get("num_beams", 1)
-            runner = GPT2Runner(config, weights, cuda_ops, dtype="fp16", max_batch=batch * beams, max_len=PROMPT + NEW)
-            prompts = rng.integers(0, config.vocab_size - 1, (batch, PROMPT)).tolist()
-            params = GenerationParams(max_new_tokens=NEW, min_new_tokens=NEW, seed=1, eos_token_ids=(50256,),
-                                      **options).checked(vocab_size=config.vocab_size)
-            if beams > 1:
-                total = timed(lambda: beam_search(runner, prompts, params))
-                prefill = timed(lambda: runner.beam_start(prompts, params))
-            else:
-                total = timed(lambda: list(stream_tokens(runner, prompts, params)))
-                prefill = timed(lambda: runner.start(prompts, params))
-            ft_step = (total - prefill) / (NEW - 1)
+            prompts = case_prompts(rng, config.vocab_size, batch)
+            ft_step, prefill = ftengine_step(config, weights, mode, batch, options, prompts)
             ids = torch.tensor(prompts).cuda()
             hf_kwargs = dict(max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=50256,
                              attention_mask=torch.ones_like(ids), **options)
@@ -190,7 +223,8 @@ def main():
             run_hf()
             hf_total = timed(run_hf, repeat=2)
             row = {"model": "gpt2", "dtype": "fp16", "mode": mode, "batch": batch, "beams": beams, "prompt": PROMPT,
-                   "new_tokens": NEW, "ftengine_ms_per_step": round(ft_step, 4), "ftengine_prefill_ms": round(prefill, 3),
+                   "new_tokens": NEW, "ftengine_ms_per_step": round(ft_step, 4),
+                   "ftengine_alone_ms_per_step": ft_alone, "ftengine_prefill_ms": round(prefill, 3),
                    "hf_ms_per_step": round(hf_total / NEW, 4), "speedup": round(hf_total / NEW / ft_step, 1),
                    "target_ms_per_step": TARGETS.get((mode, batch))}
             rows.append(row)
@@ -232,11 +266,15 @@ def main():
              "its state in device memory; graphs run back to back, and the host reads the chosen tokens (beam "
              "search: the done flags) once per chunk of up to 8 steps while the next chunk runs. "
              "ms/step = (whole generation - prefill and first choice) / 127.", "",
-             "| mode | batch | beams | ftengine ms/step | HF ms/step | speed-up | target ms/step |",
-             "|---|---|---|---|---|---|---|"]
+             "ftengine ms/step: in this process, after HF's earlier cases (the speed-up's figure); alone: the same "
+             "cases first, in a process that never imported torch (as a service without PyTorch runs them).", "",
+             "| mode | batch | beams | ftengine ms/step | ftengine alone ms/step | HF ms/step | speed-up | "
+             "target ms/step |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['batch']} | {r['beams']} | {r['ftengine_ms_per_step']:.3f} | "
-                     f"{r['hf_ms_per_step']:.2f} | {r['speedup']}x | {r['target_ms_per_step'] or '-'} |")
+                     f"{r['ftengine_alone_ms_per_step']:.3f} | {r['hf_ms_per_step']:.2f} | {r['speedup']}x | "
+                     f"{r['target_ms_per_step'] or '-'} |")
     lines += ["", "Prefill (prompt tokens through the layers, the last token's logits): replayed from a graph per "
               "bucketed shape (tokens, prompts, longest), and with the same launches made directly from Python.", "",
               "| prefill | ftengine ms | direct launches ms | GPU time in ops ms | target ms |", "|---|---|---|---|---|"]

@@ -1169,6 +1169,15 @@ def _sample_shared_mem(blocks: int, slice_: int) -> int:
     return SAMPLE_HIST_WORDS * 4 + CHOICE_BINS // blocks * 8 + 4 * (slice_ + SAMPLE_CANDIDATES)
 
 
+# Issue 15's lever "the LM head with the argmax / top-k partials in its epilogue", bounded rather than
+# built: GPT-2 small fp16 steps with this choice left out altogether (append_tokens fed a stale token;
+# timing only) against the steps as they are, H100, 2026-11-26, ms a step, fresh process, three
+# alternating rounds: greedy batch 1 0.291-0.294 -> 0.287, batch 4 0.338-0.339 -> 0.331-0.334, batch 32
+# 0.442-0.444 -> 0.432 (one round 0.407); top-k 40 batch 32 0.462-0.469 -> 0.431 (one round 0.413). A
+# greedy argmax in the product's epilogue could save at most 4-6 us a step at 1-4 rows (1.5-2%) and
+# 11 at 32 (it still needs the processors and a reduction over the product's blocks). Top-k partials
+# there would not shrink the select: the LM head's blocks hold 2-64 columns of a row, so their top 40
+# keep most of the vocabulary, and the cluster's select over them is the one below.
 def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seed, seq=None, lengths=None):
     """out (B,) int32: the next token of each row of logits (B, V) float32; HF processors and
     order (reference: decoding/processors.py choose); -1 for a non-finite row. Each row's
