@@ -24,8 +24,9 @@ what slows a step is where a runner built after other allocations lands, or torc
 memory held as such; why is still not established. Ten runners alive at once in a fresh process
 (about 0.55 GB each, built one after another) all took 0.443-0.453 ms a greedy batch-32 step, the
 last built as fast as the first (H100, 2026-11-26): other runners' buffers allocated before a
-runner did not slow it, where the 700 MB block above did. The table's "alone" column times the same cases first, in a child process that never
-imports torch (--steps-alone), as a service without PyTorch runs them.
+runner did not slow it, where the 700 MB block above did. The table's "alone" column times the
+same cases first, in a child process that never imports torch (--steps-alone), as a service
+without PyTorch runs them. Every timing holds Python's garbage collector off (collector_held).
 
 Usage: python bench/bench_decoder.py --out bench/results
 """
