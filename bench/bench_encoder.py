@@ -61,16 +61,19 @@ def cases(rng):
 
 @contextlib.contextmanager
 def collector_held():
-    """Python's cyclic garbage collector run to the end first, then held off until the block ends (as
-    timeit does), for the timed runs of either engine: a full collection (13-15 ms on the H100 host,
-    2026-11-26) fell inside some of a case's runs where earlier cases had left new runners' objects
-    behind, and took GPT-2 small's top-k batch-32 figure from 0.469 to 0.523-0.560 ms a step."""
+    """Python's cyclic garbage collector run to the end first, then held off until the block ends (and
+    left as it was before, as timeit does), for the timed runs of either engine: a full collection
+    (13-15 ms on the H100 host, 2026-11-26) fell inside some of a case's runs where earlier cases had
+    left new runners' objects behind, and took GPT-2 small's top-k batch-32 figure from 0.469 to
+    0.523-0.560 ms a step."""
+    was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if was_enabled:
+            gc.enable()
 
 
 def median_ms(fn, *, warmup=5, repeat=30, sync):
