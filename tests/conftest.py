@@ -24,6 +24,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def algo_cache_folder(tmp_path_factory):
+    """The cuBLASLt algorithm choices that ops.py keeps on disk (backends/cuda/algo_cache.py) go to a
+    folder of this session's own (inherited by the CLI's subprocesses), so that no test reads
+    another run's choices or writes the user's cache."""
+    from ftengine.backends.cuda.algo_cache import ENV
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV, str(tmp_path_factory.mktemp("algo_cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def st_model(tmp_path_factory):
     """A small random sentence-transformers-style folder: mean pooling, normalised, max 48 tokens."""

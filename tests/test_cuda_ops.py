@@ -1,6 +1,7 @@
 """Level 1 (GPU): every CUDA op against its NumPy twin on fresh random inputs, odd sizes
 included, output buffers poisoned (NaN) before each call; tolerances from tests/tolerances.py."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -334,6 +335,58 @@ def test_matmul_shapes_of_one_row_bucket_share_one_trial(cu, rng, monkeypatch):
     first, second = ([key for key in cu._ALGOS if key[2:5] == (n, m, k)][0] for m in (cu.TRIAL_MIN_ROWS + 5,
                                                                                       cu.TRIAL_MIN_ROWS + 1000))
     assert bytes(cu._ALGOS[first]) == bytes(cu._ALGOS[second])
+
+
+def as_new_process(cu, monkeypatch):
+    """The ops module's algorithm choices as a new process finds them: none in memory, no file read."""
+    for name in ("_ALGOS", "_BUCKET_ALGOS", "_ALGO_FILES"):
+        monkeypatch.setattr(cu, name, {})
+
+
+def timed_product(cu, rng, monkeypatch, m, k, n):
+    """cu.matmul of fresh (m, k) x (n, k)^T operands, checked against NumPy; returns the keys of the
+    trials it ran and the bytes of the algorithm it ran."""
+    trials = []
+    choose = cu._choose_algo
+    monkeypatch.setattr(cu, "_choose_algo", lambda ctx, key, product: trials.append(key) or choose(ctx, key, product))
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, "fp16") for s in ((m, k), (n, k)))
+    out = poisoned(cu, (m, n), "fp16")
+    cu.matmul(out, x, w)
+    assert_close(cu, out, (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")
+    return trials, bytes(next(algo for key, algo in cu._ALGOS.items() if key[2:5] == (n, m, k)))
+
+
+def test_matmul_algorithm_kept_on_disk_for_the_next_process(cu, rng, monkeypatch, tmp_path):
+    """The algorithm timed for a row bucket's first shape goes into the GPU's algorithm file; a later
+    process runs it for a shape of that bucket without a trial, and computes the right product."""
+    from ftengine.backends.cuda.algo_cache import ENV
+    monkeypatch.setenv(ENV, str(tmp_path))
+    k, n = 160, 224
+    as_new_process(cu, monkeypatch)
+    trials, first = timed_product(cu, rng, monkeypatch, cu.TRIAL_MIN_ROWS + 9, k, n)
+    assert len(trials) == 1
+    cache = cu._algo_file(cu.context())[0]
+    assert cache.path.parent == tmp_path
+    assert list(json.loads(cache.path.read_text())["algorithms"].values()) == [first.hex()]
+    as_new_process(cu, monkeypatch)
+    trials, later = timed_product(cu, rng, monkeypatch, cu.TRIAL_MIN_ROWS + 700, k, n)
+    assert trials == []
+    assert later == first
+
+
+def test_matmul_algorithm_file_not_ours_is_timed_again_and_replaced(cu, rng, monkeypatch, tmp_path, capsys):
+    """A broken algorithm file is said once on stderr, the shape is timed as with no file, and the
+    file is written again holding that choice."""
+    from ftengine.backends.cuda.algo_cache import ENV
+    monkeypatch.setenv(ENV, str(tmp_path))
+    as_new_process(cu, monkeypatch)
+    cache = cu._algo_file(cu.context())[0]
+    cache.path.write_text('{"fingerprint": {"sms": 1')
+    as_new_process(cu, monkeypatch)
+    trials, chosen = timed_product(cu, rng, monkeypatch, cu.TRIAL_MIN_ROWS + 11, 96, 352)
+    assert len(trials) == 1
+    assert f"ignoring the algorithm cache {cache.path}" in capsys.readouterr().err
+    assert list(json.loads(cache.path.read_text())["algorithms"].values()) == [chosen.hex()]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -84,6 +84,12 @@ class _Algo(ctypes.Structure):
     _fields_ = [("data", ctypes.c_uint64 * 8)]
 
 
+def algo_from_bytes(raw: bytes) -> _Algo | None:
+    """An algorithm from its bytes (bytes(algo), as algo_cache.py keeps them); None where they are
+    not one's size."""
+    return _Algo.from_buffer_copy(raw) if len(raw) == ctypes.sizeof(_Algo) else None
+
+
 class _Heuristic(ctypes.Structure):
     _fields_ = [("algo", _Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
                 ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
@@ -111,6 +117,8 @@ class CublasLt:
                                        vp]
         lib.cublasLtMatmulAlgoCheck.argtypes = [vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo),
                                                 ctypes.POINTER(_Heuristic)]
+        lib.cublasLtGetVersion.restype = sz
+        self.version = int(lib.cublasLtGetVersion())
         self.handle = vp()
         self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self._stream = vp(stream_ptr)

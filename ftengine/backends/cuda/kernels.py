@@ -351,7 +351,7 @@ _modules: dict = {}
 _modules_lock = threading.Lock()
 
 
-def _cache_dir() -> str:
+def kernel_cache_dir() -> str:
     """CuPy's on-disk kernel cache, where the arch-specific modules are kept beside CuPy's own."""
     return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
 
@@ -384,14 +384,14 @@ class ArchModule:
         from cupy_backends.cuda.libs import nvrtc
         options = (*compile_options(), f"--gpu-architecture={arch}")
         key = json.dumps([code, sorted(names), options, list(nvrtc.getVersion())])
-        path = os.path.join(_cache_dir(), f"ftengine_{arch}_{hashlib.sha256(key.encode()).hexdigest()}.cubin")
+        path = os.path.join(kernel_cache_dir(), f"ftengine_{arch}_{hashlib.sha256(key.encode()).hexdigest()}.cubin")
         try:
             with open(path, "rb") as f:
                 header, cubin = f.read().split(b"\n", 1)
             lowered = json.loads(header)
         except (OSError, ValueError):
             lowered, cubin = self._compile(nvrtc, code, names, options)
-            os.makedirs(_cache_dir(), exist_ok=True)
+            os.makedirs(kernel_cache_dir(), exist_ok=True)
             part = f"{path}.{os.getpid()}.{threading.get_ident()}.part"
             with open(part, "wb") as f:
                 f.write(json.dumps(lowered).encode() + b"\n" + cubin)

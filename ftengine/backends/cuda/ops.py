@@ -8,6 +8,7 @@ bf16 tensors are stored as uint16 words (NumPy has no bfloat16).
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from collections import OrderedDict
@@ -17,6 +18,7 @@ import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
+from .algo_cache import AlgoCache, cache_folder, key_text
 from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATTENTION_THREADS, BLAS_SPLIT_MIN_K,
                       BLAS_SPLIT_MIN_ROWS, BLAS_SPLIT_OUTPUTS, CHOICE_BINS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN,
                       CHOICE_STATE_WORDS, CHOICE_THREADS, CUDA_TYPES, GELU_ROWS, GEMM_BK, GEMM_THREADS, GEMV_COLS,
@@ -28,8 +30,9 @@ from .kernels import (ARCH_SPECIFIC, ATTENTION_FLAGS, ATTENTION_MANY_BLOCKS, ATT
                       VARLEN_WG_BLOCK_M, VARLEN_WG_HEAD_DIMS, VARLEN_WG_KN, VARLEN_WG_TMA_MIN_SEQ, VECS,
                       WGMMA_GELU_MIN_OUTPUTS, WGMMA_LN_MIN_ROWS, WGMMA_LN_TILE, WGMMA_NARROW_MAX_K,
                       WGMMA_NARROW_TILES_PER_SM, WGMMA_SPLIT_ROWS,
-                      ArchKernel, TensorMap, kernel, launch_ex, max_active_clusters, prepare, skinny_name,
-                      varlen_mma_name, wgmma_ln_name, wgmma_name, wgmma_shared_mem, wgmma_tiles, wgmma_x_rows)
+                      ArchKernel, TensorMap, kernel, kernel_cache_dir, launch_ex, max_active_clusters, prepare,
+                      skinny_name, varlen_mma_name, wgmma_ln_name, wgmma_name, wgmma_shared_mem, wgmma_tiles,
+                      wgmma_x_rows)
 
 name = "cuda"
 # dtype -> activation storage (fp8: fp16 activations, e4m3 product operands)
@@ -49,6 +52,7 @@ class _Context:
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         self.sm_count = props["multiProcessorCount"]
         self.device_name = _device_name(props)
+        self.capability = (props["major"], props["minor"])
         # kernels captured into graphs launch with programmatic dependent launch where the GPU has it
         self.dependent_launch = props["major"] >= 9
         self.clusters = props["major"] >= 9  # thread-block clusters, distributed shared memory
@@ -508,13 +512,45 @@ def _row_bucket(key):
 
 
 def _bucket_algo(ctx, key):
-    """The algorithm timed for an earlier shape of key's row bucket, now key's own, if cuBLASLt
-    runs key with it; else None (key gets a trial of its own)."""
-    algo = _BUCKET_ALGOS.get(_row_bucket(key))
+    """The algorithm timed for an earlier shape of key's row bucket (in this process, else in one
+    before it: algo_cache.py), now key's own, if cuBLASLt runs key with it; else None (key gets a
+    trial of its own)."""
+    bucket = _row_bucket(key)
+    algo = _BUCKET_ALGOS.get(bucket)
+    if algo is None:
+        raw = _algo_file(ctx)[1].get(key_text(bucket))
+        algo = None if raw is None else cb.algo_from_bytes(raw)
     if algo is None or not ctx.lt.supports(key, algo):
         return None
     with _ALGOS_LOCK:
+        _BUCKET_ALGOS.setdefault(bucket, algo)
         return _ALGOS.setdefault(key, algo)
+
+
+_ALGO_FILES = {}  # (folder, fingerprint) -> (AlgoCache, its entries: read once, then what this process adds)
+
+
+def _algo_file(ctx) -> tuple:
+    """The GPU's algorithm file (algo_cache.py) and its entries (name -> bytes)."""
+    fingerprint = {"device": ctx.device_name, "capability": list(ctx.capability), "sms": ctx.sm_count,
+                   "cublaslt": ctx.lt.version, "workspace": cb.WORKSPACE_BYTES, "candidates": cb.CANDIDATES}
+    where = (cache_folder(kernel_cache_dir()), json.dumps(fingerprint, sort_keys=True))
+    with _ALGOS_LOCK:
+        if where not in _ALGO_FILES:
+            cache = AlgoCache(where[0], fingerprint)
+            _ALGO_FILES[where] = (cache, cache.load())
+        return _ALGO_FILES[where]
+
+
+def _keep_algo(ctx, bucket, algo):
+    """Add a bucket's timed algorithm to the GPU's algorithm file, unless it holds one for it."""
+    cache, entries = _algo_file(ctx)
+    name = key_text(bucket)
+    with _ALGOS_LOCK:
+        if name in entries:
+            return
+        entries[name] = bytes(algo)
+    cache.save(name, bytes(algo))
 
 
 # Known gap (H100, 2026-11-25, a scratch run): for BERT-base's FFN down-projection at
@@ -539,7 +575,8 @@ def _bucket_algo(ctx, key):
 # prefill 32 x 128 at 1.800-1.994 against 1.806-1.819 (three alternating rounds).
 def _choose_algo(ctx, key, product):
     """The fastest of the shape's candidate algorithms on this call's operands, recorded for the
-    whole process: each candidate's TRIAL_REPEATS products captured in a graph, replayed once to
+    whole process (and, the first of its row bucket, in the GPU's algorithm file for the processes
+    after it: _keep_algo): each candidate's TRIAL_REPEATS products captured in a graph, replayed once to
     warm up and once between events (launched one by one from Python, a small product would
     measure the host's launch rate instead of the GPU)."""
     cupy = ctx.cupy
@@ -559,10 +596,14 @@ def _choose_algo(ctx, key, product):
         end.record(ctx.stream)
         end.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, end))
+    bucket = _row_bucket(key)
     with _ALGOS_LOCK:
         algo = _ALGOS.setdefault(key, candidates[int(np.argmin(times))])
-        _BUCKET_ALGOS.setdefault(_row_bucket(key), algo)
-        return algo
+        first = bucket not in _BUCKET_ALGOS
+        _BUCKET_ALGOS.setdefault(bucket, algo)
+    if first:
+        _keep_algo(ctx, bucket, algo)
+    return algo
 
 
 # The erf pass beside the products instead (H100, BERT-base FFN at 32,768 rows, fp16, 2026-11-25):
