@@ -19,8 +19,8 @@ ALGO = bytes(range(64))
 def test_saved_choices_are_read_by_the_next_process(tmp_path):
     first = AlgoCache(tmp_path, FINGERPRINT)
     assert first.load() == {}
-    first.save("a", ALGO)
-    first.save("b", ALGO[::-1])
+    first.save({"a": ALGO})
+    first.save({"b": ALGO[::-1]})
     later = AlgoCache(tmp_path, dict(FINGERPRINT))  # another process: another object, the same file
     assert later.path == first.path
     assert later.load() == {"a": ALGO, "b": ALGO[::-1]}
@@ -28,7 +28,7 @@ def test_saved_choices_are_read_by_the_next_process(tmp_path):
 
 
 def test_another_gpu_or_library_has_a_file_of_its_own(tmp_path):
-    AlgoCache(tmp_path, FINGERPRINT).save("a", ALGO)
+    AlgoCache(tmp_path, FINGERPRINT).save({"a": ALGO})
     for change in ({"sms": 114}, {"cublaslt": 130200}, {"device": "NVIDIA H200"}):
         other = AlgoCache(tmp_path, {**FINGERPRINT, **change})
         assert other.load() == {}
@@ -48,7 +48,7 @@ def test_a_file_not_ours_is_ignored_said_once_and_replaced(tmp_path, capsys, con
     assert cache.load() == {}
     err = capsys.readouterr().err
     assert err.count(f"ignoring the algorithm cache {cache.path}") == 1
-    cache.save("b", ALGO)
+    cache.save({"b": ALGO})
     assert AlgoCache(tmp_path, FINGERPRINT).load() == {"b": ALGO}
 
 
@@ -63,8 +63,8 @@ def test_an_unwritable_folder_is_said_once_and_nothing_fails(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     cache = AlgoCache(blocker / "cache", FINGERPRINT)  # a folder below a regular file cannot be made
-    cache.save("a", ALGO)
-    cache.save("b", ALGO)
+    cache.save({"a": ALGO})
+    cache.save({"b": ALGO})
     assert cache.load() == {}
     err = capsys.readouterr().err
     assert err.count(f"cannot keep cuBLASLt algorithm choices in {blocker / 'cache'}") == 1
@@ -75,7 +75,7 @@ def test_an_unwritable_folder_is_said_once_and_nothing_fails(tmp_path, capsys):
 def test_threads_saving_at_once_keep_every_entry(tmp_path):
     cache = AlgoCache(tmp_path, FINGERPRINT)
     names = [f"shape{i}" for i in range(16)]
-    threads = [threading.Thread(target=cache.save, args=(name, ALGO)) for name in names]
+    threads = [threading.Thread(target=cache.save, args=({name: ALGO},)) for name in names]
     for t in threads:
         t.start()
     for t in threads:
@@ -91,7 +91,7 @@ def test_the_folder_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV, "")
     assert cache_folder(str(tmp_path / "kernels")) is None
     memory_only = AlgoCache(None, FINGERPRINT)
-    memory_only.save("a", ALGO)
+    memory_only.save({"a": ALGO})
     assert memory_only.load() == {}
     assert sorted(os.listdir(tmp_path)) == []
 

@@ -357,8 +357,9 @@ def timed_product(cu, rng, monkeypatch, m, k, n):
 
 
 def test_matmul_algorithm_kept_on_disk_for_the_next_process(cu, rng, monkeypatch, tmp_path):
-    """The algorithm timed for a row bucket's first shape goes into the GPU's algorithm file; a later
-    process runs it for a shape of that bucket without a trial, and computes the right product."""
+    """The algorithm timed for a row bucket's first shape goes into the GPU's algorithm file, for
+    that shape and for its bucket; a later process runs it for that shape and for another shape of
+    the bucket without a trial, and computes the right products."""
     from ftengine.backends.cuda.algo_cache import ENV
     monkeypatch.setenv(ENV, str(tmp_path))
     k, n = 160, 224
@@ -367,11 +368,14 @@ def test_matmul_algorithm_kept_on_disk_for_the_next_process(cu, rng, monkeypatch
     assert len(trials) == 1
     cache = cu._algo_file(cu.context())[0]
     assert cache.path.parent == tmp_path
-    assert list(json.loads(cache.path.read_text())["algorithms"].values()) == [first.hex()]
+    saved = json.loads(cache.path.read_text())["algorithms"]
+    assert sorted(json.loads(name)[0] for name in saved) == ["bucket", "shape"]
+    assert set(saved.values()) == {first.hex()}
     as_new_process(cu, monkeypatch)
-    trials, later = timed_product(cu, rng, monkeypatch, cu.TRIAL_MIN_ROWS + 700, k, n)
-    assert trials == []
-    assert later == first
+    for m in (cu.TRIAL_MIN_ROWS + 700, cu.TRIAL_MIN_ROWS + 9):
+        trials, later = timed_product(cu, rng, monkeypatch, m, k, n)
+        assert trials == []
+        assert later == first
 
 
 def test_matmul_algorithm_file_not_ours_is_timed_again_and_replaced(cu, rng, monkeypatch, tmp_path, capsys):
@@ -386,7 +390,7 @@ def test_matmul_algorithm_file_not_ours_is_timed_again_and_replaced(cu, rng, mon
     trials, chosen = timed_product(cu, rng, monkeypatch, cu.TRIAL_MIN_ROWS + 11, 96, 352)
     assert len(trials) == 1
     assert f"ignoring the algorithm cache {cache.path}" in capsys.readouterr().err
-    assert list(json.loads(cache.path.read_text())["algorithms"].values()) == [chosen.hex()]
+    assert set(json.loads(cache.path.read_text())["algorithms"].values()) == {chosen.hex()}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

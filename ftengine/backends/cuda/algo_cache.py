@@ -1,10 +1,11 @@
 """cuBLASLt algorithm choices kept on disk between processes (ops.py times them).
 
-A process times the candidate algorithms of the first product shape of each row bucket once
-(ops._choose_algo); this file keeps those choices so that the next process on the same machine
-starts with them: its first batches skip the trial (about 0.1 s a bucket), and every process on
-the machine runs the same algorithm for a shape, so its results are the same bit for bit from
-one run to the next.
+A process times the candidate algorithms of a product shape once (ops._choose_algo: the first
+shape of each row bucket, and the bucket's shapes that cuBLASLt cannot run with the first one's
+algorithm); this file keeps those choices, the shapes' and the buckets', so that the next process
+on the same machine starts with them: its first batches skip the trials (about 0.1 s a bucket),
+and it runs each shape that an earlier process ran with the same algorithm, so its results are
+the same bit for bit from one run to the next.
 
 One JSON file per fingerprint (the GPU's name, compute capability and SMs, cuBLASLt's version,
 the workspace and the number of candidates: what cuBLASLt's heuristic and the trial depend on),
@@ -76,13 +77,13 @@ class AlgoCache:
             _say_once(f"ftengine: ignoring the algorithm cache {self.path} (not one of ours); it is written again")
             return {}
 
-    def save(self, name: str, algo: bytes):
-        """Add one entry (what the file holds now, plus this) and write the file whole."""
+    def save(self, new: dict):
+        """Add entries (name -> bytes) to what the file holds now, and write the file whole."""
         if self.path is None:
             return
         with _lock:
             entries = {k: v.hex() for k, v in self.load().items()}
-            entries[name] = algo.hex()
+            entries.update((k, v.hex()) for k, v in new.items())
             temporary = None
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)

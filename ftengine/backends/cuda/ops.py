@@ -76,7 +76,8 @@ _local = threading.local()
 # thread (so two engines compute a shape with the same algorithm, bit for bit): plan key -> algo;
 # and per row bucket (rows up to the next power of two, the other dimensions the same) the algorithm
 # timed fastest for the first shape of that bucket, which later shapes of it reuse where cuBLASLt
-# accepts it (a batch's padded shapes are many, their trials would cost more than they gain)
+# accepts it (a batch's padded shapes are many, their trials would cost more than they gain). Both
+# are kept on disk for later processes (algo_cache.py, _earlier_algo).
 _ALGOS = {}
 _BUCKET_ALGOS = {}
 _ALGOS_LOCK = threading.Lock()
@@ -490,7 +491,7 @@ def _lt_matmul(out, x, weight, bias=None, epilogue="none", scales=()):
     with ctx.stream:
         algo = _ALGOS.get(key)
         if algo is None and m >= TRIAL_MIN_ROWS and not ctx.stream.is_capturing():
-            algo = _bucket_algo(ctx, key)
+            algo = _earlier_algo(ctx, key)
             if algo is None:
                 if _planning():  # x holds what the skipped launches left (zeros in a new workspace): time on real-like values
                     _fill_random(x)
@@ -511,20 +512,30 @@ def _row_bucket(key):
     return key[:3] + (1 << (key[3] - 1).bit_length(),) + key[4:]
 
 
-def _bucket_algo(ctx, key):
-    """The algorithm timed for an earlier shape of key's row bucket (in this process, else in one
-    before it: algo_cache.py), now key's own, if cuBLASLt runs key with it; else None (key gets a
-    trial of its own)."""
+def _earlier_algo(ctx, key):
+    """The algorithm chosen before for key, now key's own, where cuBLASLt runs key with it: the one
+    an earlier process timed for key itself (the GPU's algorithm file, algo_cache.py), else the one
+    timed for the first shape of key's row bucket (in this process, else in an earlier one: a bucket
+    then holds the earlier process's algorithm, as it did there); None: key gets a trial of its own."""
     bucket = _row_bucket(key)
-    algo = _BUCKET_ALGOS.get(bucket)
-    if algo is None:
-        raw = _algo_file(ctx)[1].get(key_text(bucket))
-        algo = None if raw is None else cb.algo_from_bytes(raw)
+    entries = _algo_file(ctx)[1]
+    algo = _stored_algo(entries, "shape", key)
     if algo is None or not ctx.lt.supports(key, algo):
-        return None
+        stored = _stored_algo(entries, "bucket", bucket)
+        with _ALGOS_LOCK:
+            if bucket not in _BUCKET_ALGOS and stored is not None:
+                _BUCKET_ALGOS[bucket] = stored
+            algo = _BUCKET_ALGOS.get(bucket)
+        if algo is None or not ctx.lt.supports(key, algo):
+            return None
     with _ALGOS_LOCK:
-        _BUCKET_ALGOS.setdefault(bucket, algo)
         return _ALGOS.setdefault(key, algo)
+
+
+def _stored_algo(entries, kind: str, key):
+    """The algorithm file's entry for a shape's or a row bucket's plan key, None where it has none."""
+    raw = entries.get(key_text((kind, *key)))
+    return None if raw is None else cb.algo_from_bytes(raw)
 
 
 _ALGO_FILES = {}  # (folder, fingerprint) -> (AlgoCache, its entries: read once, then what this process adds)
@@ -542,15 +553,15 @@ def _algo_file(ctx) -> tuple:
         return _ALGO_FILES[where]
 
 
-def _keep_algo(ctx, bucket, algo):
-    """Add a bucket's timed algorithm to the GPU's algorithm file, unless it holds one for it."""
+def _keep_algos(ctx, chosen: dict):
+    """Add timed algorithms ((kind, *plan key) -> algo) to the GPU's algorithm file, but for entries
+    it holds already."""
     cache, entries = _algo_file(ctx)
-    name = key_text(bucket)
     with _ALGOS_LOCK:
-        if name in entries:
-            return
-        entries[name] = bytes(algo)
-    cache.save(name, bytes(algo))
+        new = {key_text(k): bytes(a) for k, a in chosen.items() if key_text(k) not in entries}
+        entries.update(new)
+    if new:
+        cache.save(new)
 
 
 # Known gap (H100, 2026-11-25, a scratch run): for BERT-base's FFN down-projection at
@@ -575,10 +586,10 @@ def _keep_algo(ctx, bucket, algo):
 # prefill 32 x 128 at 1.800-1.994 against 1.806-1.819 (three alternating rounds).
 def _choose_algo(ctx, key, product):
     """The fastest of the shape's candidate algorithms on this call's operands, recorded for the
-    whole process (and, the first of its row bucket, in the GPU's algorithm file for the processes
-    after it: _keep_algo): each candidate's TRIAL_REPEATS products captured in a graph, replayed once to
-    warm up and once between events (launched one by one from Python, a small product would
-    measure the host's launch rate instead of the GPU)."""
+    whole process and in the GPU's algorithm file for the processes after it (with the row bucket's
+    algorithm, where the file has none: _keep_algos): each candidate's TRIAL_REPEATS products
+    captured in a graph, replayed once to warm up and once between events (launched one by one
+    from Python, a small product would measure the host's launch rate instead of the GPU)."""
     cupy = ctx.cupy
     candidates = ctx.lt.candidates(key)
     times = []
@@ -599,10 +610,8 @@ def _choose_algo(ctx, key, product):
     bucket = _row_bucket(key)
     with _ALGOS_LOCK:
         algo = _ALGOS.setdefault(key, candidates[int(np.argmin(times))])
-        first = bucket not in _BUCKET_ALGOS
-        _BUCKET_ALGOS.setdefault(bucket, algo)
-    if first:
-        _keep_algo(ctx, bucket, algo)
+        bucket_algo = _BUCKET_ALGOS.setdefault(bucket, algo)
+    _keep_algos(ctx, {("shape", *key): algo, ("bucket", *bucket): bucket_algo})
     return algo
 
 
