@@ -318,42 +318,39 @@ def test_matmul_algorithm_timed_once_per_shape_and_shared_by_threads(cu, rng):
     assert_close_host(results[0], (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")
 
 
+def recorded_trials(cu, monkeypatch) -> list:
+    """The plan keys of the trials (cu._choose_algo) run from now on in the test."""
+    trials = []
+    choose = cu._choose_algo
+    monkeypatch.setattr(cu, "_choose_algo", lambda ctx, key, product: trials.append(key) or choose(ctx, key, product))
+    return trials
+
+
+def checked_product(cu, rng, m, k, n) -> bytes:
+    """cu.matmul of fresh fp16 (m, k) x (n, k)^T operands, checked against NumPy; the bytes of the
+    algorithm it ran."""
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, "fp16") for s in ((m, k), (n, k)))
+    out = poisoned(cu, (m, n), "fp16")
+    cu.matmul(out, x, w)
+    assert_close(cu, out, (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")
+    return bytes(next(algo for key, algo in cu._ALGOS.items() if key[2:5] == (n, m, k)))
+
+
 def test_matmul_shapes_of_one_row_bucket_share_one_trial(cu, rng, monkeypatch):
     """The first shape of a row bucket (rows up to the next power of two) is timed; a later shape of
     the same bucket runs the algorithm chosen for it, without a trial of its own, and computes
     the right product."""
     k, n = 192, 288
-    trials = []
-    choose = cu._choose_algo
-    monkeypatch.setattr(cu, "_choose_algo", lambda ctx, key, product: trials.append(key) or choose(ctx, key, product))
-    for m in (cu.TRIAL_MIN_ROWS + 5, cu.TRIAL_MIN_ROWS + 1000):
-        (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, "fp16") for s in ((m, k), (n, k)))
-        out = poisoned(cu, (m, n), "fp16")
-        cu.matmul(out, x, w)
-        assert_close(cu, out, (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")
+    trials = recorded_trials(cu, monkeypatch)
+    first, second = [checked_product(cu, rng, m, k, n) for m in (cu.TRIAL_MIN_ROWS + 5, cu.TRIAL_MIN_ROWS + 1000)]
     assert [key[3] for key in trials] == [cu.TRIAL_MIN_ROWS + 5]
-    first, second = ([key for key in cu._ALGOS if key[2:5] == (n, m, k)][0] for m in (cu.TRIAL_MIN_ROWS + 5,
-                                                                                      cu.TRIAL_MIN_ROWS + 1000))
-    assert bytes(cu._ALGOS[first]) == bytes(cu._ALGOS[second])
+    assert first == second
 
 
 def as_new_process(cu, monkeypatch):
     """The ops module's algorithm choices as a new process finds them: none in memory, no file read."""
     for name in ("_ALGOS", "_BUCKET_ALGOS", "_ALGO_FILES"):
         monkeypatch.setattr(cu, name, {})
-
-
-def timed_product(cu, rng, monkeypatch, m, k, n):
-    """cu.matmul of fresh (m, k) x (n, k)^T operands, checked against NumPy; returns the keys of the
-    trials it ran and the bytes of the algorithm it ran."""
-    trials = []
-    choose = cu._choose_algo
-    monkeypatch.setattr(cu, "_choose_algo", lambda ctx, key, product: trials.append(key) or choose(ctx, key, product))
-    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, "fp16") for s in ((m, k), (n, k)))
-    out = poisoned(cu, (m, n), "fp16")
-    cu.matmul(out, x, w)
-    assert_close(cu, out, (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")
-    return trials, bytes(next(algo for key, algo in cu._ALGOS.items() if key[2:5] == (n, m, k)))
 
 
 def test_matmul_algorithm_kept_on_disk_for_the_next_process(cu, rng, monkeypatch, tmp_path):
@@ -364,7 +361,8 @@ def test_matmul_algorithm_kept_on_disk_for_the_next_process(cu, rng, monkeypatch
     monkeypatch.setenv(ENV, str(tmp_path))
     k, n = 160, 224
     as_new_process(cu, monkeypatch)
-    trials, first = timed_product(cu, rng, monkeypatch, cu.TRIAL_MIN_ROWS + 9, k, n)
+    trials = recorded_trials(cu, monkeypatch)
+    first = checked_product(cu, rng, cu.TRIAL_MIN_ROWS + 9, k, n)
     assert len(trials) == 1
     cache = cu._algo_file(cu.context())[0]
     assert cache.path.parent == tmp_path
@@ -372,10 +370,10 @@ def test_matmul_algorithm_kept_on_disk_for_the_next_process(cu, rng, monkeypatch
     assert sorted(json.loads(name)[0] for name in saved) == ["bucket", "shape"]
     assert set(saved.values()) == {first.hex()}
     as_new_process(cu, monkeypatch)
+    trials.clear()
     for m in (cu.TRIAL_MIN_ROWS + 700, cu.TRIAL_MIN_ROWS + 9):
-        trials, later = timed_product(cu, rng, monkeypatch, m, k, n)
-        assert trials == []
-        assert later == first
+        assert checked_product(cu, rng, m, k, n) == first
+    assert trials == []
 
 
 def test_matmul_algorithm_file_not_ours_is_timed_again_and_replaced(cu, rng, monkeypatch, tmp_path, capsys):
@@ -387,7 +385,8 @@ def test_matmul_algorithm_file_not_ours_is_timed_again_and_replaced(cu, rng, mon
     cache = cu._algo_file(cu.context())[0]
     cache.path.write_text('{"fingerprint": {"sms": 1')
     as_new_process(cu, monkeypatch)
-    trials, chosen = timed_product(cu, rng, monkeypatch, cu.TRIAL_MIN_ROWS + 11, 96, 352)
+    trials = recorded_trials(cu, monkeypatch)
+    chosen = checked_product(cu, rng, cu.TRIAL_MIN_ROWS + 11, 96, 352)
     assert len(trials) == 1
     assert f"ignoring the algorithm cache {cache.path}" in capsys.readouterr().err
     assert set(json.loads(cache.path.read_text())["algorithms"].values()) == {chosen.hex()}
