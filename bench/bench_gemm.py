@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_encoder import graph_ms  # noqa: E402
 from ftengine.backends.cuda import cublas as cb  # noqa: E402
+from ftengine.backends.cuda import algos, gemm  # noqa: E402
 from ftengine.backends.cuda import ops as cuda_ops  # noqa: E402
 
 ROWS = (128, 4096, 32768)                                  # 1 x 128, 32 x 128, 256 x 128 tokens
@@ -54,7 +55,7 @@ def erf_gelu_row(rng, m, name, n, k) -> dict:
     bias + GELU pass, both timed as captured graphs."""
     x, w, bias, out = operands(rng, m, n, k)
     cuda_ops.matmul(out, x, w)  # the algorithm choice, outside a capture
-    tile = cuda_ops._wgmma_tile(out, x, w, bias)
+    tile = gemm._wgmma_tile(out, x, w, bias)
     row = {"product": name, "rows": m, "route": f"wgmma {tile}-column tiles" if tile else "cuBLASLt + pass",
            "ftengine_ms": graph_ms(lambda: cuda_ops.matmul_bias_gelu(out, x, w, bias, form="erf")),
            "product_then_pass_ms": graph_ms(lambda: (cuda_ops.matmul(out, x, w),
@@ -167,17 +168,17 @@ def main():
     lines += [f"| {r['product']} | {r['rows']} | {r['route']} | {r['ftengine_ms']:.4f} | "
               f"{r['product_then_layernorm_ms']:.4f} | {r['product_then_layernorm_ms'] / r['ftengine_ms']:.2f}x |"
               for r in ln_rows]
-    lines += ["", f"ftengine times products of {cuda_ops.TRIAL_MIN_ROWS:,} rows or more (`TRIAL_MIN_ROWS`), once "
+    lines += ["", f"ftengine times products of {algos.TRIAL_MIN_ROWS:,} rows or more (`TRIAL_MIN_ROWS`), once "
               "per process for the first shape of each row bucket (rows up to the next power of two; the bucket's "
               "other shapes reuse that algorithm where `cublasLtMatmulAlgoCheck` accepts it), so the `ftengine` column "
               "equals `Lt` below that and about `Lt best` past it. The erf bias + GELU pass is what separates the "
               "\"product, then the bias + erf GELU kernel\" column from the product. The last table's routes are "
-              "`ops._wgmma_tile`'s (compute capability 9.0): 256-column tiles from 4,096 x 3,072 outputs on, below "
+              "`gemm._wgmma_tile`'s (compute capability 9.0): 256-column tiles from 4,096 x 3,072 outputs on, below "
               "that narrow tiles where K <= 384 or the batch has at most 64 rows (the kernel then splits K between "
               "its two consumer warpgroups), else cuBLASLt and the pass (figures per tile: "
-              "`kernels_cu/dev/gemm_tiles.py`). The LayerNorm table's fused route is `ops.wgmma_ln_fits`' (compute "
+              "`bench/experiments/gemm_tiles.py`). The LayerNorm table's fused route is `ops.wgmma_ln_fits`' (compute "
               "capability 9.0): from 8,192 rows, rows of at most 2 x 192 columns (a cluster of two blocks), where it "
-              "measured faster (figures: `kernels.WGMMA_LN_TILE`); BERT-base's 768 columns keep the two kernels."]
+              "measured faster (figures: `gemm.WGMMA_LN_TILE`); BERT-base's 768 columns keep the two kernels."]
     (out / "gemm.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -23,7 +23,8 @@ from .encoder import DTYPES, ENCODER_DTYPES, EncodeStats
 from .errors import DeviceError, InputError
 from .output import PRECISIONS, calibration_ranges, needs_ranges, output_dtype
 from .records import INPUT_FORMATS, embed_records, input_format, open_records
-from .textio import FORMATS, EmbeddingWriter, check_writable, iter_lines, output_format, read_lines
+from .textio import iter_lines, read_lines
+from .writers import FORMATS, EmbeddingWriter, check_writable, output_format
 
 
 def _fail(message: str):
@@ -420,7 +421,7 @@ def warmup(dtypes):
     from .backends import cuda_available
     if not cuda_available():
         _fail("warmup compiles CUDA kernels and needs a usable GPU (CuPy and a CUDA device)")
-    from .backends.cuda import kernels, ops
+    from .backends.cuda import families, kernels, ops
     from .models.bert import FP8_FILES
     start = time.perf_counter()
     if "fp8" in dtypes:
@@ -435,7 +436,7 @@ def warmup(dtypes):
         except DeviceError:
             dtypes = DTYPES
     types = [kernels.CUDA_TYPES[np.dtype(ops.STORAGE[d]).name] for d in dtypes]
-    files = [f for f in sorted(kernels.FAMILIES) if (f not in FP8_FILES or "fp8" in dtypes)
+    files = [f for f in sorted(families.FAMILIES) if (f not in FP8_FILES or "fp8" in dtypes)
              and (f not in kernels.ARCH_SPECIFIC or ops.context().wgmma)]
     kernels.prepare(files, types)
     click.echo(f"ftengine: kernels compiled for {', '.join(dtypes)} in {time.perf_counter() - start:.1f} s", err=True)

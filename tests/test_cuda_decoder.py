@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from ftengine.backends import numpy_ops as ref
+from ftengine.backends.cuda import runtime, sampling
 from ftengine.checkpoint import load_gpt2_weights
 from ftengine.config import load_gpt2_config
 from ftengine.decoding.beam import beam_search
@@ -124,7 +125,7 @@ def test_prefetch_kv_runs_on_a_joined_branch_of_the_graph(cu, rng):
     decode attention after it equals the reference over the caches as stored; outside a capture it
     launches nothing."""
     heads, d, length, rows = 3, 32, 64, 4
-    big = max(cu.KV_PREFETCH_ROWS) + 1
+    big = max(runtime.KV_PREFETCH_ROWS) + 1
     shape = (big, heads, length, d)
     (k, k_ref), (v, v_ref) = (quantize(cu, rng.standard_normal(shape), "fp16") for _ in range(2))
     odd = cu.empty((big, heads, length, 3), np.float16)
@@ -579,12 +580,12 @@ def test_choose_tokens_sends_sampling_to_one_cluster_kernel_where_it_fits(cu, rn
         pytest.skip("thread-block clusters need sm_90+")
     assert cu.sample_clusters(50257) == (8, 6283) and cu.sample_clusters(6000) == (4, 1500)
     assert cu.sample_clusters(12) == (1, 12)
-    launched, real = [], cu._launch
+    launched, real = [], sampling._launch
 
     def recording(file, name, *args, **kwargs):
         launched.append(name)
         real(file, name, *args, **kwargs)
-    monkeypatch.setattr(cu, "_launch", recording)
+    monkeypatch.setattr(sampling, "_launch", recording)
     b, v = 5, 50257
     logits = (rng.standard_normal((b, v)) * 2).astype(np.float32)
     chosen_like_numpy(cu, logits, GenerationParams(max_new_tokens=2, seed=7, do_sample=True,

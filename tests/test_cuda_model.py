@@ -6,6 +6,7 @@ import pytest
 
 from ftengine import Encoder
 from ftengine.backends import numpy_ops
+from ftengine.backends.cuda import gemm
 from ftengine.checkpoint import load_bert_weights
 from ftengine.config import load_bert_config
 from ftengine.models.bert import Batch, BertRunner, padded_arrays
@@ -167,7 +168,7 @@ def test_large_batch_low_precision_error_at_most_twice_hf(checkpoints, cu, dtype
     runner = BertRunner(config, load_bert_weights(path, config), cu, dtype=dtype, max_batch_tokens=8192,
                         max_seq_len=128)
     batch = _batch(config, rng, [128] * 40)
-    assert 128 * 40 * config.intermediate_size >= cu.WGMMA_GELU_MIN_OUTPUTS
+    assert 128 * 40 * config.intermediate_size >= gemm.WGMMA_GELU_MIN_OUTPUTS
     exact = _hf_hidden(path, batch, "fp32")
     hf_err = _max_err(_hf_hidden(path, batch, dtype), exact)
     assert _max_err(runner.hidden_states(batch), exact) <= LOWP_ERROR_FACTOR * hf_err
@@ -185,7 +186,7 @@ def test_large_minilm_batch_low_precision_error_at_most_twice_hf(checkpoints, cu
     runner = BertRunner(config, load_bert_weights(path, config), cu, dtype=dtype, max_batch_tokens=65 * 128,
                         max_seq_len=128)
     batch = _batch(config, rng, [128] * 65)
-    assert 128 * 65 >= cu.WGMMA_LN_MIN_ROWS and config.hidden_size <= cu.LN_CLUSTER_MAX * cu.WGMMA_LN_TILE[0]
+    assert 128 * 65 >= gemm.WGMMA_LN_MIN_ROWS and config.hidden_size <= gemm.LN_CLUSTER_MAX * gemm.WGMMA_LN_TILE[0]
     exact = _hf_hidden(path, batch, "fp32")
     hf_err = _max_err(_hf_hidden(path, batch, dtype), exact)
     assert _max_err(runner.hidden_states(batch), exact) <= LOWP_ERROR_FACTOR * hf_err

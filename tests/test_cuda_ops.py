@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ftengine.backends import numpy_ops as ref
-from ftengine.backends.cuda.kernels import POOL_WARPS
+from ftengine.backends.cuda import algos, attention, families, gemm, pooling
+from ftengine.backends.cuda.pooling import POOL_WARPS
 from ftengine.errors import DeviceError
 from tests.tolerances import OPS
 
@@ -277,7 +278,7 @@ def test_matmul_bias_gelu_wgmma(cu, rng, dtype, m, k, n, tile):
     (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
     bias, biash = quantize(cu, rng.standard_normal(n), dtype)
     out, expected = poisoned(cu, (m, n), dtype), np.empty((m, n), np.float32)
-    assert cu._wgmma_tile(out, x, w, bias) == tile
+    assert gemm._wgmma_tile(out, x, w, bias) == tile
     cu.matmul_bias_gelu(out, x, w, bias, form="erf")
     ref.matmul_bias_gelu(expected, xh.astype(np.float64), wh.astype(np.float64), biash, form="erf")
     assert_close(cu, out, expected, dtype)
@@ -297,7 +298,7 @@ def test_matmul_algorithm_timed_once_per_shape_and_shared_by_threads(cu, rng):
     first call outside a capture; every thread then runs that one algorithm, so two threads'
     results are identical bit for bit."""
     import threading
-    m, k, n = cu.TRIAL_MIN_ROWS + 3, 256, 320
+    m, k, n = algos.TRIAL_MIN_ROWS + 3, 256, 320
     (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, "fp16") for s in ((m, k), (n, k)))
     x_host, w_host = cu.to_host(x), cu.to_host(w)
     results = {}
@@ -312,17 +313,17 @@ def test_matmul_algorithm_timed_once_per_shape_and_shared_by_threads(cu, rng):
         t.start()
     for t in threads:
         t.join()
-    keys = [key for key in cu._ALGOS if key[2:5] == (n, m, k)]
+    keys = [key for key in algos._ALGOS if key[2:5] == (n, m, k)]
     assert len(keys) == 1
     assert np.array_equal(results[0], results[1])
     assert_close_host(results[0], (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")
 
 
 def recorded_trials(cu, monkeypatch) -> list:
-    """The plan keys of the trials (cu._choose_algo) run from now on in the test."""
+    """The plan keys of the trials (algos._choose_algo) run from now on in the test."""
     trials = []
-    choose = cu._choose_algo
-    monkeypatch.setattr(cu, "_choose_algo", lambda ctx, key, product: trials.append(key) or choose(ctx, key, product))
+    choose = algos._choose_algo
+    monkeypatch.setattr(algos, "_choose_algo", lambda ctx, key, product: trials.append(key) or choose(ctx, key, product))
     return trials
 
 
@@ -333,7 +334,7 @@ def checked_product(cu, rng, m, k, n) -> bytes:
     out = poisoned(cu, (m, n), "fp16")
     cu.matmul(out, x, w)
     assert_close(cu, out, (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")
-    return bytes(next(algo for key, algo in cu._ALGOS.items() if key[2:5] == (n, m, k)))
+    return bytes(next(algo for key, algo in algos._ALGOS.items() if key[2:5] == (n, m, k)))
 
 
 def test_matmul_shapes_of_one_row_bucket_share_one_trial(cu, rng, monkeypatch):
@@ -342,15 +343,15 @@ def test_matmul_shapes_of_one_row_bucket_share_one_trial(cu, rng, monkeypatch):
     the right product."""
     k, n = 192, 288
     trials = recorded_trials(cu, monkeypatch)
-    first, second = [checked_product(cu, rng, m, k, n) for m in (cu.TRIAL_MIN_ROWS + 5, cu.TRIAL_MIN_ROWS + 1000)]
-    assert [key[3] for key in trials] == [cu.TRIAL_MIN_ROWS + 5]
+    first, second = [checked_product(cu, rng, m, k, n) for m in (algos.TRIAL_MIN_ROWS + 5, algos.TRIAL_MIN_ROWS + 1000)]
+    assert [key[3] for key in trials] == [algos.TRIAL_MIN_ROWS + 5]
     assert first == second
 
 
 def as_new_process(cu, monkeypatch):
-    """The ops module's algorithm choices as a new process finds them: none in memory, no file read."""
+    """algos.py's algorithm choices as a new process finds them: none in memory, no file read."""
     for name in ("_ALGOS", "_BUCKET_ALGOS", "_ALGO_FILES"):
-        monkeypatch.setattr(cu, name, {})
+        monkeypatch.setattr(algos, name, {})
 
 
 def test_matmul_algorithm_kept_on_disk_for_the_next_process(cu, rng, monkeypatch, tmp_path):
@@ -362,16 +363,16 @@ def test_matmul_algorithm_kept_on_disk_for_the_next_process(cu, rng, monkeypatch
     k, n = 160, 224
     as_new_process(cu, monkeypatch)
     trials = recorded_trials(cu, monkeypatch)
-    first = checked_product(cu, rng, cu.TRIAL_MIN_ROWS + 9, k, n)
+    first = checked_product(cu, rng, algos.TRIAL_MIN_ROWS + 9, k, n)
     assert len(trials) == 1
-    cache = cu._algo_file(cu.context())[0]
+    cache = algos._algo_file(cu.context())[0]
     assert cache.path.parent == tmp_path
     saved = json.loads(cache.path.read_text())["algorithms"]
     assert sorted(json.loads(name)[0] for name in saved) == ["bucket", "shape"]
     assert set(saved.values()) == {first.hex()}
     as_new_process(cu, monkeypatch)
     trials.clear()
-    for m in (cu.TRIAL_MIN_ROWS + 700, cu.TRIAL_MIN_ROWS + 9):
+    for m in (algos.TRIAL_MIN_ROWS + 700, algos.TRIAL_MIN_ROWS + 9):
         assert checked_product(cu, rng, m, k, n) == first
     assert trials == []
 
@@ -382,11 +383,11 @@ def test_matmul_algorithm_file_not_ours_is_timed_again_and_replaced(cu, rng, mon
     from ftengine.backends.cuda.algo_cache import ENV
     monkeypatch.setenv(ENV, str(tmp_path))
     as_new_process(cu, monkeypatch)
-    cache = cu._algo_file(cu.context())[0]
+    cache = algos._algo_file(cu.context())[0]
     cache.path.write_text('{"fingerprint": {"sms": 1')
     as_new_process(cu, monkeypatch)
     trials = recorded_trials(cu, monkeypatch)
-    chosen = checked_product(cu, rng, cu.TRIAL_MIN_ROWS + 11, 96, 352)
+    chosen = checked_product(cu, rng, algos.TRIAL_MIN_ROWS + 11, 96, 352)
     assert len(trials) == 1
     assert f"ignoring the algorithm cache {cache.path}" in capsys.readouterr().err
     assert set(json.loads(cache.path.read_text())["algorithms"].values()) == {chosen.hex()}
@@ -428,19 +429,19 @@ def test_few_row_matmul_and_fused_bias_gelu(cu, rng, dtype, m, k, n):
 @pytest.mark.parametrize("cols", [2, 4])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gemv_either_column_tile(cu, rng, dtype, cols, m):
-    """gemv.cu gemv with each of its column tiles (ops.GEMV_COLS), on columns that are not a multiple
+    """gemv.cu gemv with each of its column tiles (gemm.GEMV_COLS), on columns that are not a multiple
     of it: plain, into float32, with bias + GELU."""
-    assert cols in cu.GEMV_COLS
+    assert cols in gemm.GEMV_COLS
     k, n = 776, 1031
     (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
     expected = (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32)
     for out_dtype in dict.fromkeys((dtype, "fp32")):
         out = poisoned(cu, (m, n), out_dtype)
-        cu._gemv(out, x, w, None, 0, cols)
+        gemm._gemv(out, x, w, None, 0, cols)
         assert_close(cu, out, expected, dtype)
     bias, biash = quantize(cu, rng.standard_normal(n), dtype)
     out, fused = poisoned(cu, (m, n), dtype), np.empty((m, n), np.float32)
-    cu._gemv(out, x, w, bias, 1 + cu.GELU_FORMS["erf"], cols)
+    gemm._gemv(out, x, w, bias, 1 + cu.GELU_FORMS["erf"], cols)
     ref.matmul_bias_gelu(fused, xh, wh, biash, form="erf")
     assert_close(cu, out, fused, dtype)
 
@@ -456,12 +457,12 @@ def test_skinny_tensor_core_product(cu, rng, dtype, m, k, n):
     expected = (xh.astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32)
     for out_dtype in (dtype, "fp32"):
         out = poisoned(cu, (m, n), out_dtype)
-        cu._skinny(out, x, w, None, 0)
+        gemm._skinny(out, x, w, None, 0)
         assert_close(cu, out, expected, dtype)
     bias, biash = quantize(cu, rng.standard_normal(n), dtype)
     for form in ("erf", "tanh"):
         out, fused = poisoned(cu, (m, n), dtype), np.empty((m, n), np.float32)
-        cu._skinny(out, x, w, bias, 1 + cu.GELU_FORMS[form])
+        gemm._skinny(out, x, w, bias, 1 + cu.GELU_FORMS[form])
         ref.matmul_bias_gelu(fused, xh, wh, biash, form=form)
         assert_close(cu, out, fused, dtype)
 
@@ -471,22 +472,22 @@ def test_matmul_sends_the_skinny_kernel_only_what_it_fits(cu, rng):
     multiple of 32, 16-byte aligned: the skinny kernel; fewer rows (the gemv is faster), more rows, fewer columns,
     float32, a weight of another dtype, another K or a misaligned view: not; each routed product
     equals NumPy's."""
-    k, n = 256, cu.SKINNY_MIN_COLUMNS + 7
+    k, n = 256, gemm.SKINNY_MIN_COLUMNS + 7
     w16, wh = quantize(cu, rng.standard_normal((n, k)) / 4, "fp16")
     w32, _ = quantize(cu, wh, "fp32")
-    x16, xh = quantize(cu, rng.standard_normal((cu.SKINNY_ROWS + 2, k)) / 4, "fp16")
+    x16, xh = quantize(cu, rng.standard_normal((gemm.SKINNY_ROWS + 2, k)) / 4, "fp16")
     x32, _ = quantize(cu, xh, "fp32")
-    assert cu._skinny_fits(x16[:cu.SKINNY_MIN_ROWS], w16) and cu._skinny_fits(x16[:cu.SKINNY_ROWS], w16)
-    assert not cu._skinny_fits(x16[:cu.SKINNY_MIN_ROWS - 1], w16)
-    assert not cu._skinny_fits(x16[:cu.SKINNY_ROWS + 1], w16)
-    assert not cu._skinny_fits(x16[:8], w16[:cu.SKINNY_MIN_COLUMNS - 1])
-    assert not cu._skinny_fits(x32[:8], w32)
-    assert not cu._skinny_fits(x16[:8], quantize(cu, wh, "bf16")[0])
+    assert gemm._skinny_fits(x16[:gemm.SKINNY_MIN_ROWS], w16) and gemm._skinny_fits(x16[:gemm.SKINNY_ROWS], w16)
+    assert not gemm._skinny_fits(x16[:gemm.SKINNY_MIN_ROWS - 1], w16)
+    assert not gemm._skinny_fits(x16[:gemm.SKINNY_ROWS + 1], w16)
+    assert not gemm._skinny_fits(x16[:8], w16[:gemm.SKINNY_MIN_COLUMNS - 1])
+    assert not gemm._skinny_fits(x32[:8], w32)
+    assert not gemm._skinny_fits(x16[:8], quantize(cu, wh, "bf16")[0])
     x_odd_k, w_odd_k = (quantize(cu, rng.standard_normal(s), "fp16")[0] for s in ((8, k - 16), (n, k - 16)))
-    assert not cu._skinny_fits(x_odd_k, w_odd_k)
+    assert not gemm._skinny_fits(x_odd_k, w_odd_k)
     flat = cu.empty((8 * k + 1,), np.float16)
-    assert not cu._skinny_fits(flat[1:].reshape(8, k), w16)
-    for m in (1, 2, 3, 4, 9, cu.SKINNY_ROWS, cu.SKINNY_ROWS + 1):
+    assert not gemm._skinny_fits(flat[1:].reshape(8, k), w16)
+    for m in (1, 2, 3, 4, 9, gemm.SKINNY_ROWS, gemm.SKINNY_ROWS + 1):
         out = poisoned(cu, (m, n), "fp32")
         cu.matmul(out, x16[:m], w16)
         assert_close(cu, out, (xh[:m].astype(np.float64) @ wh.T.astype(np.float64)).astype(np.float32), "fp16")
@@ -508,9 +509,9 @@ def test_batched_matmul(cu, rng, dtype, transpose_b, nb, m, k, p):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch, seq, h", [(1, 1, 384), (3, 17, 768), (64, 9, 200), (2, 512, 1024)])
 @pytest.mark.parametrize("skip", [0, 4])  # a prompt's tokens left out (some sequences no longer than it)
-@pytest.mark.parametrize("warps", POOL_WARPS)  # each block size pooling.cu has, whatever ops._pool_warps picks
+@pytest.mark.parametrize("warps", POOL_WARPS)  # each block size pooling.cu has, whatever pooling._pool_warps picks
 def test_pool_and_normalize(cu, rng, monkeypatch, dtype, batch, seq, h, skip, warps):
-    monkeypatch.setattr(cu, "_pool_warps", lambda blocks: warps)
+    monkeypatch.setattr(pooling, "_pool_warps", lambda blocks: warps)
     modes = ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")
     lengths = rng.integers(1, seq + 1, batch)
     hidden, hh = quantize(cu, rng.standard_normal((batch * seq, h)), dtype)
@@ -566,7 +567,7 @@ def attention_path(request, cu, monkeypatch):
 @pytest.mark.parametrize("case", range(len(VARLEN)))
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_attention(cu, rng, dtype, d, case, causal, attention_path):
-    if attention_path == "mma" and (d not in cu.VARLEN_WG_HEAD_DIMS or dtype == "fp32"):
+    if attention_path == "mma" and (d not in attention.VARLEN_WG_HEAD_DIMS or dtype == "fp32"):
         pytest.skip("the wgmma kernel takes head dims 64 and 32 in 16-bit types only")
     lengths, heads = VARLEN[case]
     lengths = lengths(rng) if callable(lengths) else lengths
@@ -617,9 +618,9 @@ def test_varlen_attention_routes_head_dims_64_and_32_to_wgmma_on_sm90(cu, rng, m
     if not cu.context().wgmma:
         pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
     launches = []
-    launch = cu._launch
-    monkeypatch.setattr(cu, "_launch", lambda file, name, *a, **k: launches.append(name) or launch(file, name, *a, **k))
-    longest = cu.VARLEN_WG_TMA_MIN_SEQ
+    launch = attention._launch
+    monkeypatch.setattr(attention, "_launch", lambda file, name, *a, **k: launches.append(name) or launch(file, name, *a, **k))
+    longest = attention.VARLEN_WG_TMA_MIN_SEQ
     for dtype, d, window, max_seqlen in [("fp16", 64, 0, 70), ("bf16", 64, 0, 64), ("fp16", 32, 0, 70),
                                          ("bf16", 32, 0, 70), ("fp16", 128, 0, 70), ("fp16", 64, 8, 70),
                                          ("fp32", 64, 0, 70), ("fp16", 64, 0, longest), ("bf16", 64, 0, 512),
@@ -670,7 +671,7 @@ def test_prepare_kernels_compiles_the_wgmma_attention_for_its_head_dims_only(cu,
     if not cu.context().wgmma:
         pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
     compiled = []
-    monkeypatch.setattr(cu, "prepare", lambda files, types: compiled.append(tuple(files)))
+    monkeypatch.setattr(families, "prepare", lambda files, types: compiled.append(tuple(files)))
     for dtype, head_dim in [("fp16", 64), ("bf16", 64), ("fp16", 32), ("bf16", 128), ("fp32", 64)]:
         cu.prepare_kernels(("attention_varlen.cu",), dtype, head_dim=head_dim)
     assert compiled == [("attention_varlen.cu", "attention_sm90.cu")] * 3 + [("attention_varlen.cu",)] * 2
@@ -683,7 +684,7 @@ def test_prepare_kernels_compiles_the_wgmma_product_for_the_erf_form_only(cu, mo
     if not cu.context().wgmma:
         pytest.skip("the wgmma product runs on compute capability 9.0 only")
     compiled = []
-    monkeypatch.setattr(cu, "prepare", lambda files, types: compiled.append(tuple(files)))
+    monkeypatch.setattr(families, "prepare", lambda files, types: compiled.append(tuple(files)))
     for dtype, form, ln in [("fp16", "erf", False), ("bf16", "erf", False), ("fp16", "tanh", True), ("bf16", None, True),
                             ("fp16", "tanh", False), ("bf16", None, False), ("fp32", "erf", True)]:
         cu.prepare_kernels(("activation.cu",), dtype, head_dim=64, gelu_product=form, ln_product=ln)
@@ -730,7 +731,7 @@ def test_arch_specific_module_is_compiled_once_then_loaded_from_the_cache(cu, tm
 @pytest.mark.parametrize("skip", [0, 3])
 @pytest.mark.parametrize("warps", POOL_WARPS)
 def test_pool_packed(cu, rng, monkeypatch, dtype, lengths, h, skip, warps):
-    monkeypatch.setattr(cu, "_pool_warps", lambda blocks: warps)
+    monkeypatch.setattr(pooling, "_pool_warps", lambda blocks: warps)
     modes = ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")
     lengths = list(lengths) + [0, 0]  # two empty sequences: batch padding
     t = sum(lengths) + 3

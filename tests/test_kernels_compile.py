@@ -5,11 +5,13 @@ errors without a GPU); common.cuh's erf GELU coefficients meet the accuracy its 
 import importlib.util
 import re
 import shutil
+from pathlib import Path
 import subprocess
 
 import pytest
 
-from ftengine.backends.cuda.kernels import ARCH_SPECIFIC, FAMILIES, SHARED, all_instantiations, source
+from ftengine.backends.cuda.families import FAMILIES, SHARED
+from ftengine.backends.cuda.kernels import ARCH_SPECIFIC, all_instantiations, source
 from ftengine.backends.cuda import kernel_dir
 
 NVCC = shutil.which("nvcc")
@@ -53,8 +55,8 @@ def test_compiles_for_sm80_and_sm90(tmp_path, file):
 
 def test_erf_gelu_coefficients_meet_their_bounds():
     """common.cuh's erf GELU (a fitted 2^q(z) for erfc), evaluated as the kernel does, against the
-    exact GELU (math.erfc): the bounds its comment states (kernels_cu/dev/gelu_fit.py, CPU only)."""
-    spec = importlib.util.spec_from_file_location("gelu_fit", kernel_dir() / "dev" / "gelu_fit.py")
+    exact GELU (math.erfc): the bounds its comment states (bench/experiments/gelu_fit.py, CPU only)."""
+    spec = importlib.util.spec_from_file_location("gelu_fit", Path(__file__).resolve().parents[1] / "bench" / "experiments" / "gelu_fit.py")
     gelu_fit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gelu_fit)
     assert gelu_fit.check(gelu_fit.shipped()) == 0

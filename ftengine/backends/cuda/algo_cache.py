@@ -1,6 +1,6 @@
-"""cuBLASLt algorithm choices kept on disk between processes (ops.py times them).
+"""cuBLASLt algorithm choices kept on disk between processes (algos.py times them).
 
-A process times the candidate algorithms of a product shape once (ops._choose_algo: the first
+A process times the candidate algorithms of a product shape once (algos._choose_algo: the first
 shape of each row bucket, and the bucket's shapes that cuBLASLt cannot run with the first one's
 algorithm); this file keeps those choices, the shapes' and the buckets', so that the next process
 on the same machine starts with them: its first batches skip the trials (about 0.1 s a bucket),

@@ -1,0 +1,37 @@
+"""Launchers of kernels_cu/activation.cu: bias + GELU and gated GELU (GeGLU) passes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .runtime import _ctype, _launch, _threads, _vec
+
+
+GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
+GELU_FORMS = {"erf": 0, "tanh": 1}
+
+
+def _gelu_form(form: str) -> int:
+    """The kernels' code for a GELU form; an unknown one is refused."""
+    if form not in GELU_FORMS:
+        raise ValueError(f"unknown GELU form {form!r}")
+    return GELU_FORMS[form]
+
+
+def gated_gelu(out, x, bias, *, form):
+    """GeGLU: out (T, I) = GELU(x[:, :I] + bias[:I]) * (x[:, I:] + bias[I:]); one block per row,
+    VEC columns per thread at a time."""
+    t, i = out.shape
+    code = _gelu_form(form)
+    vec = _vec(out, i)
+    _launch("activation.cu", f"gated_gelu<{_ctype(out)}, {vec}>", (t,), (_threads(i // vec, 256),),
+            (out, x, bias, np.int32(i), np.int32(code)))
+
+
+def add_bias_gelu(out, x, bias, *, form):
+    """out (T, I) = GELU(x + bias), GELU_ROWS rows per block."""
+    t, i = out.shape
+    code = _gelu_form(form)
+    vec = _vec(out, i)
+    _launch("activation.cu", f"add_bias_gelu<{_ctype(out)}, {vec}>", (-(-t // GELU_ROWS),), (_threads(i // vec),),
+            (out, x, bias, np.int32(i), np.int32(t), np.int32(code)))

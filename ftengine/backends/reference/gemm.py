@@ -1,0 +1,70 @@
+"""Matrix products (float64 accumulation where the CUDA backend accumulates in float32), the head
+layers' dense + activation, and the products followed by residual + LayerNorm."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .activation import _gelu, add_bias_gelu
+from .norms import _layernorm, add_bias_residual_layernorm, residual_layernorm
+from .runtime import _WORKERS, PARALLEL_WORK, _one_blas_thread, _threads
+
+
+def matmul(out, x, weight):
+    """out (M, N) = x (M, K) @ weight (N, K)^T  -- weight in HF's (out, in) layout. Large
+    products are split by rows over the thread pool, one BLAS thread each."""
+    m = x.shape[0]
+    parts = min(_WORKERS, max(1, m // 64))
+    if parts <= 1 or m * weight.shape[0] * x.shape[1] < PARALLEL_WORK:
+        np.matmul(x, weight.T, out=out)
+        return
+    bounds = np.linspace(0, m, parts + 1).astype(int)
+    with _one_blas_thread:
+        for future in [_threads().submit(np.matmul, x[lo:hi], weight.T, out=out[lo:hi])
+                       for lo, hi in zip(bounds[:-1], bounds[1:])]:
+            future.result()
+
+
+def matmul_bias_gelu(out, x, weight, bias, *, form):
+    """out (M, N) = GELU(x @ weight^T + bias), erf or tanh form."""
+    matmul(out, x, weight)
+    add_bias_gelu(out, out, bias, form=form)
+
+
+def batched_matmul(out, a, b, *, transpose_b, alpha=1.0):
+    """out (N, M, P) = alpha * a (N, M, K) @ b (N, K, P), or b^T when b is (N, P, K)."""
+    out[...] = alpha * np.matmul(a, b.transpose(0, 2, 1) if transpose_b else b)
+
+
+def dense(out, x, weight, bias, *, activation, norm=()):
+    """out (M, N) = activation(x @ weight^T + bias), then LayerNorm with norm = (gamma, beta,
+    eps) if given: a layer of the head after pooling."""
+    y = x @ weight.T + bias
+    if activation == "tanh":
+        y = np.tanh(y)
+    elif activation == "relu":
+        y = np.maximum(y, 0.0)
+    elif activation == "gelu":
+        y = _gelu(y, "erf")
+    elif activation != "identity":
+        raise ValueError(f"unknown activation {activation!r}")
+    out[...] = _layernorm(y, *norm) if norm else y
+
+
+def partials_size(rows: int, n: int) -> int:
+    """0: matmul_residual_layernorm and matmul_bias_residual_layernorm split no product here."""
+    return 0
+
+
+def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials):
+    """hidden += x @ weight^T + bias; normed = LayerNorm(hidden), the product through `product`
+    (`partials` unused: see partials_size)."""
+    matmul(product, x, weight)
+    residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps)
+
+
+def matmul_bias_residual_layernorm(out, x, weight, bias, residual, gamma, beta, *, eps, product, partials):
+    """out = LayerNorm(x @ weight^T + bias + residual), the product through `product` (`partials`
+    unused: see partials_size). out may alias residual."""
+    matmul(product, x, weight)
+    add_bias_residual_layernorm(out, product, bias, residual, gamma, beta, eps=eps)
