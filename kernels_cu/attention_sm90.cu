@@ -28,7 +28,7 @@
 // Both: the score accumulators come back in mma.sync's layout, and O += P V takes P from them as a
 // register-A operand, V from its tile in shared memory (MN-major: rows of keys). H100: 1.06-1.18x
 // the speed of the mma.sync P V it replaces on sequences of 512 tokens and more, the same at 128; a
-// shared-memory P ran no faster (kernels_cu/dev/attention_wgmma.py). The online softmax, the query
+// shared-memory P ran no faster (bench/experiments/attention_wgmma.py). The online softmax, the query
 // staging and the stores are varlen_attention_mma's.
 // grid (ceil(max_seqlen / 64), B * heads), 128 threads; dynamic shared memory: 2 x (K, V) x
 // VARLEN_WG_KN x D elements, 64 x (D + 8) (the staged queries), 1024 (alignment); the second kernel
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(128) varlen_attention_wgmma(
 
         // S = Q K^T: K-major K tile, a k16 step is 32 bytes along its rows. The query fragments are
         // read again for each tile: held in registers across the loop, ptxas (CUDA 13.0) gave their
-        // registers to P once P V became a register-A wgmma too (kernels_cu/dev/attention_wgmma.py).
+        // registers to P once P V became a register-A wgmma too (bench/experiments/attention_wgmma.py).
         unsigned qa[D / 16][4];
         query_fragments<T, D, LDQ>(qa, qs, warp * 16, lane);
         fence_registers(qa);

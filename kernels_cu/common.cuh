@@ -107,7 +107,7 @@ __device__ __forceinline__ float from_order_key(unsigned k) {
 // GELU, `form` 0: erf (BERT "gelu"), 1: tanh approximation ("gelu_new", "gelu_pytorch_tanh").
 // The erf form: GELU(v) = v Phi(v), Phi(v) = 1 - t for v >= 0 and t below, t = erfc(|v| / sqrt(2)) / 2
 // = 2^q(y) for y = min(|v|, 4.25 sqrt(2)), q a degree-7 polynomial fitted to log2(erfc(y / sqrt(2)) / 2)
-// (kernels_cu/dev/gelu_fit.py: erfc within 1e-5 relative up to the clamp, GELU within 7e-7 absolute and
+// (bench/experiments/gelu_fit.py: erfc within 1e-5 relative up to the clamp, GELU within 7e-7 absolute and
 // 1e-5 relative wherever |GELU| > 1e-6; past the clamp t < 1.1e-9, so |GELU| < 7e-9 below -6.01 and
 // 1 - t is 1 in float32 above +6.01); then GELU(v) = max(v, 0) + v w, w = t with the sign bit set where
 // v's is clear (-t for v >= 0): one fused multiply-add. One MUFU operation (ex2) and 8 float32 ones

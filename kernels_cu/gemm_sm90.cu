@@ -1,9 +1,9 @@
 // Matrix products with the bias + GELU epilogue fused, on Hopper's warpgroup tensor cores (wgmma,
 // fed and drained by the tensor memory accelerator; sm_90a only: kernels.py ARCH_SPECIFIC):
 // out (M, N) = GELU(x (M, K) @ w (N, K)^T + bias (N,)), EPILOGUE 1: the erf form, 2: the tanh form
-// (gelu() in common.cuh), 0: the plain product (the last two for kernels_cu/dev/gemm_tiles.py).
+// (gelu() in common.cuh), 0: the plain product (the last two for bench/experiments/gemm_tiles.py).
 // Reference: ftengine/backends/numpy_ops.py matmul_bias_gelu. ops.py matmul_bias_gelu takes it for
-// the erf form where it beat cuBLASLt + the bias + GELU pass (figures in kernels_cu/dev/gemm_tiles.py).
+// the erf form where it beat cuBLASLt + the bias + GELU pass (figures in bench/experiments/gemm_tiles.py).
 //
 // Persistent: gridDim.x blocks (at most one per SM) take the GEMM_BM x BN tiles of out in turn
 // (tile blockIdx.x, then every gridDim.x-th; the tiles of a row band one after another, so that the
@@ -287,7 +287,7 @@ __device__ __forceinline__ int consume_tile(float (&acc)[BN / 2], int it, int k_
         // this step's products done, its stage is released at once. Keeping them in flight into the
         // next step (releasing each stage after the next step's issue, so after its copies had
         // arrived) left the producer one copy fewer in flight: 3-7% slower (H100, 2026-11-25); with
-        // 192-column tiles and four stages, no faster (kernels_cu/dev/gemm_tiles.py).
+        // 192-column tiles and four stages, no faster (bench/experiments/gemm_tiles.py).
         wgmma_wait<0>();
         if ((threadIdx.x & 31) == 0) mbar_arrive(empty + 8 * s);
     }

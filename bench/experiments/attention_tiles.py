@@ -5,7 +5,7 @@ the NumPy reference on a ragged batch (plain and causal), then timed on the enco
 attention shapes with torch SDPA in the same run. The winners are what
 ftengine/backends/cuda/kernels.py VARLEN_TILES lists (with the blocks per SM of varlen_mma_name).
 
-    PYTHONPATH=. python3 kernels_cu/dev/attention_tiles.py [--out results.json]
+    PYTHONPATH=. python3 bench/experiments/attention_tiles.py [--out results.json]
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ query fragments' addresses. The package's attention_sm90.cu varlen_attention_wgm
 copying each K/V tile by TMA, S from the queries in shared memory) runs 64 x 512 at 0.97x SDPA
 (figures there); this script times the cp.async kernel's variants only.
 
-    PYTHONPATH=. python3 kernels_cu/dev/attention_wgmma.py [--out results.json] [--probe]
+    PYTHONPATH=. python3 bench/experiments/attention_wgmma.py [--out results.json] [--probe]
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ import argparse
 import json
 
 import numpy as np
+from ftengine.backends.cuda import families, runtime  # noqa: E402
 
 SHAPES = [(64, 512, False), (256, 128, False), (16, 2048, False), (32, 128, False), (8, 128, False), (1, 128, False),
           (4, 512, False), (1, 512, True), (32, 128, True), (4, 1024, True)]
@@ -274,7 +275,7 @@ def use_patched(patches, extra_smem=0):
     returns puts the shipped source and launch back."""
     from ftengine.backends.cuda import kernels
     from ftengine.backends.cuda import ops as cu
-    shipped_source, shipped_launch = kernels.source, cu._launch
+    shipped_source, shipped_launch = kernels.source, runtime._launch
 
     def source(file):
         text = shipped_source(file)
@@ -289,14 +290,14 @@ def use_patched(patches, extra_smem=0):
         return shipped_launch(file, name, grid, block, largs, shared_mem=shared_mem + extra, cluster=cluster)
 
     # the patches are written for head dim 64: the patched module holds that instantiation alone
-    shipped_family = kernels.FAMILIES["attention_sm90.cu"]
+    shipped_family = families.FAMILIES["attention_sm90.cu"]
 
     def patched_family(ctype):
         return [name for name in shipped_family(ctype) if name.endswith(", 64>")]
 
     def install(source, launch, family):  # and drop the module and kernels built from the other source
-        kernels.source, cu._launch = source, launch
-        kernels.FAMILIES["attention_sm90.cu"] = family
+        kernels.source, runtime._launch = source, launch
+        families.FAMILIES["attention_sm90.cu"] = family
         kernels._modules.pop(("attention_sm90.cu", "__half"), None)
         kernels.kernel.cache_clear()
     install(source, launch, patched_family)

@@ -9,7 +9,7 @@ by under 0.3 us (3072 -> 768 at 8 and 32 rows: split-K 8, 6.71 / 6.77 against 6.
 costs 3.7-7 us against weight-read floors of 0.4-1.6 us, so what is left at these shapes is the
 kernels' fixed latency, not their configuration.
 
-    PYTHONPATH=. python3 kernels_cu/dev/cublaslt_configs.py
+    PYTHONPATH=. python3 bench/experiments/cublaslt_configs.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-// An experiment, not used by the package (kernels_cu/dev/decode_step.py compiles it after
+// An experiment, not used by the package (bench/experiments/decode_step.py compiles it after
 // common.cuh and decoder.cu, checks it and times it): the whole GPT-2 decode step in one kernel.
 // It computes what the layer-by-layer decode does (same errors against the NumPy reference) but
 // runs slower on the H100: see decode_step.py for the figures.

@@ -1,5 +1,5 @@
 """An experiment, not used by the package: GPT-2's whole decode step (embedding, every layer, the
-LM head) in one cooperative kernel (kernels_cu/dev/decode_step.cu), checked against the
+LM head) in one cooperative kernel (bench/experiments/decode_step.cu), checked against the
 layer-by-layer decode and the NumPy reference, then timed against the layer-by-layer decode's
 step graph.
 
@@ -40,7 +40,7 @@ the attention's last combine over 32 key groups (a serial loop) and its cache re
 barrier, the LayerNorm + product parts' latency (now 3 us over the cheapest part), the LM head
 streamed at full bandwidth (it reaches about 1.3 TB/s through the ring).
 
-    PYTHONPATH=. python3 kernels_cu/dev/decode_step.py
+    PYTHONPATH=. python3 bench/experiments/decode_step.py
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+from ftengine.backends.cuda import activation, runtime  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -65,7 +66,8 @@ def module():
     from ftengine.backends.cuda import kernel_dir
     from ftengine.backends.cuda.kernels import compile_options
     folder = kernel_dir()
-    code = "\n".join((folder / f).read_text() for f in ("common.cuh", "decoder.cu", "dev/decode_step.cu"))
+    code = "\n".join([*((folder / f).read_text() for f in ("common.cuh", "decoder.cu")),
+                      (Path(__file__).resolve().parent / "decode_step.cu").read_text()])
     return cupy.RawModule(code=code, options=compile_options(),
                           name_expressions=["decode_step<__half>", "decode_step<__nv_bfloat16>"])
 
@@ -104,10 +106,10 @@ def plan(runner):
 def launch(mod, runner, p, b: int):
     """One step of b rows from the runner's next_ids / next_pos, logits into its workspace."""
     from ftengine.backends.cuda import ops
-    from ftengine.backends.cuda.kernels import launch_ex
+    from ftengine.backends.cuda.launch import launch_ex
     c, ws = runner.config, runner.ws
     e = c.n_embd
-    k = mod.get_function(f"decode_step<{ops._ctype(runner.wte)}>")
+    k = mod.get_function(f"decode_step<{runtime._ctype(runner.wte)}>")
     if k.max_dynamic_shared_size_bytes < p["shared_mem"]:
         k.max_dynamic_shared_size_bytes = p["shared_mem"]
     ids, pos = ws.view("next_ids", (b,)), ws.view("next_pos", (b,))
@@ -118,7 +120,7 @@ def launch(mod, runner, p, b: int):
             np.int32(p["per_key"]), np.int32(p["slice"]), np.int32(p["nbuf"]), np.int32(p["lm_chunk"]),
             np.int32(p["x_offset"]), np.int32(p["red_offset"]), np.int32(p["params_offset"]),
             np.int32(p["params_size"]), np.int32(p["ring_offset"]), np.float32(c.layer_norm_epsilon),
-            np.int32(ops._gelu_form(c.gelu)), np.float32(1.0 / np.sqrt(c.head_dim)))
+            np.int32(activation._gelu_form(c.gelu)), np.float32(1.0 / np.sqrt(c.head_dim)))
     launch_ex(k, (p["grid"],), (STEP_THREADS,), args, p["shared_mem"], ops.context().stream.ptr,
               dependent=ops.context().stream.is_capturing(), cooperative=True)
 

@@ -12,7 +12,7 @@ CPU only.
 Measured (2026-11-25, NumPy 2), q in z = |v| / sqrt(2) and GELU = v - m (v >= 0) or m, m = v erfc / 2:
 erfc 8.0e-6 relative, GELU 6.3e-7 absolute and 7.7e-6 relative (the bounds leave room for
 ex2.approx's error, 2 ulp); the Abramowitz & Stegun 7.1.26 form that common.cuh computed before (and
-numpy_ops._gelu_block still does): 3.3e-7 absolute, 1.7e-4 relative where |GELU| > 1e-3 and 1.7e-3
+reference_activation._gelu_block still does): 3.3e-7 absolute, 1.7e-4 relative where |GELU| > 1e-3 and 1.7e-3
 where |GELU| > 1e-6. Since 2026-11-26, q in y = |v| with erfc's half folded into its constant and the
 select as one fused multiply-add (three float32 operations fewer a value; timings in common.cuh):
 erfc 8.7e-6 relative, GELU 6.3e-7 absolute and 6.6e-6 relative. Since 2026-11-26 (a later session),
@@ -21,7 +21,7 @@ rounding of v above it; two float32 operations fewer a value): erfc 6.2e-6 relat
 absolute and 4.6e-6 relative. Degree 6 misses the bounds at every clamp from z = 3.75 to 4.5
 (erfc 2.1e-5 to 6.8e-5 relative); degree 7 misses the absolute bound at 3.75 (9.5e-7).
 
-    python3 kernels_cu/dev/gelu_fit.py [--fit]
+    python3 bench/experiments/gelu_fit.py [--fit]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def fit() -> np.ndarray:
 
 def shipped() -> np.ndarray:
     """The coefficients in common.cuh's gelu, constant term first."""
-    text = (Path(__file__).resolve().parent.parent / "common.cuh").read_text()
+    text = (Path(__file__).resolve().parents[2] / "kernels_cu" / "common.cuh").read_text()
     body = text[text.index("__device__ __forceinline__ float gelu("):]
     body = body[:body.index("ex2.approx")]
     first = re.search(r"fmaf\(y, ([-+0-9.e]+)f, ([-+0-9.e]+)f\)", body)

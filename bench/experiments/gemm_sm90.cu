@@ -1,4 +1,4 @@
-// Experiments (kernels_cu/dev/gemm_tiles.py checks and times them; the package uses neither, figures
+// Experiments (bench/experiments/gemm_tiles.py checks and times them; the package uses neither, figures
 // there), compiled after common.cuh and kernels_cu/gemm_sm90.cu, whose helpers they share: the
 // non-persistent form of matmul_wgmma (slower than cuBLASLt + the bias + GELU pass), and below it a
 // ping-pong form (no faster than matmul_wgmma).

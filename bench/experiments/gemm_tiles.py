@@ -1,7 +1,7 @@
 """The wgmma product with the bias + GELU epilogue fused (sm_90a: TMA loads by a producer warp, two
 consumer warpgroups): the package's kernels_cu/gemm_sm90.cu matmul_wgmma (candidate PRODUCT, which
 ops.matmul_bias_gelu takes for the erf form on large batches) beside the experiments it grew from
-(kernels_cu/dev/gemm_sm90.cu), checked and timed against cuBLASLt.
+(bench/experiments/gemm_sm90.cu), checked and timed against cuBLASLt.
 
 Every candidate (gemm_wgmma's 128-column wgmma tiles NI, stages, blocks per SM; PRODUCT; ("pp",
 stages): gemm_wgmma_pingpong) is first checked against NumPy (float64) on shapes that are not
@@ -91,7 +91,7 @@ Plain products, against cuBLASLt: 32,768 x 2,304 x 768 193.0 against 159.4 (0.83
 768 64.9 against 59.0 (0.91x), 32,768 x 768 x 3,072 245.6 against 211.5 (0.86x). The package
 takes ("ps", 3, 1, "e") as kernels_cu/gemm_sm90.cu matmul_wgmma (without the cluster, runtime
 epilogue and plain-store paths of the experiment: candidate PRODUCT here), which
-ops.matmul_bias_gelu runs for the erf form from kernels.WGMMA_GELU_MIN_OUTPUTS outputs on (the
+ops.matmul_bias_gelu runs for the erf form from gemm.WGMMA_GELU_MIN_OUTPUTS outputs on (the
 tile count of 4,096 x 3,072): expected about 0.4 ms off BERT-base 256 x 128's 13.3 ms and 0.17 off
 all-MiniLM-L6-v2's 2.5.
 
@@ -104,7 +104,7 @@ against 17.5. In bench/bench_encoder.py the same day: BERT-base fp16 256 x 128 1
 end to end, 64 x 512 14.96 -> 14.34; all-MiniLM-L6-v2's 256 x 128 pass on the GPU 2.52 -> 2.28 ms.
 
 Measured on the H100 (2026-11-25, the same day), ping-pong (candidate ("pp", 4):
-dev/gemm_sm90.cu gemm_wgmma_pingpong, each consumer warpgroup on a 128 x 128 tile of its own, two
+bench/experiments/gemm_sm90.cu gemm_wgmma_pingpong, each consumer warpgroup on a 128 x 128 tile of its own, two
 m64n128k16 accumulators, so that one's bias + GELU epilogue runs while the other multiplies; the
 warpgroups take the ring's stages in tile order through a `done` mbarrier each): every check
 passes, but it is no faster than PRODUCT, us (PRODUCT, ping-pong, cuBLASLt + pass): bias + erf GELU
@@ -141,7 +141,7 @@ every check passes. Bias + erf GELU, us, cuBLASLt + the pass against (256, 3 sta
 its rows (16 or 256) or on the ring's depth: it is set by its K steps, about 0.33 us each for a 128
 x 64 tile, and by a fixed 2.5 us or so (launch, the first copies, the epilogue's stores). So at
 BERT-base's K = 768 the narrow tiles do not beat cuBLASLt's product + the pass, and at
-all-MiniLM-L6-v2's K = 384 they do by 5-16% (ops.py takes them there: kernels.WGMMA_NARROW_MAX_K).
+all-MiniLM-L6-v2's K = 384 they do by 5-16% (ops.py takes them there: gemm.WGMMA_NARROW_MAX_K).
 What would be needed at K = 768: fewer bytes a K step per SM (the x tile multicast over a cluster of
 the blocks that share it, or 64-row tiles for short batches) or split K with the epilogue after the
 partial sums.
@@ -152,7 +152,7 @@ to 0's through shared memory; before, the second warpgroup multiplied rows of ze
 passes. Us, cuBLASLt + the pass against (64, 4), (64, 8): BERT-base's 16 x 3,072 x 768 5.7 against
 6.5, 5.3; 64 rows 6.0 against 6.3, 5.3; all-MiniLM-L6-v2's 16 x 1,536 x 384 4.8 against 4.1, 3.8;
 64 rows 4.8 against 4.1, 3.9. Past 64 rows the figures are those above. So with the split, the
-deeper ring pays (kernels.WGMMA_TILES gives the 64-column tile 8 stages) and 64 rows or fewer take
+deeper ring pays (gemm.WGMMA_TILES gives the 64-column tile 8 stages) and 64 rows or fewer take
 the narrow tile at any K. Tried on top and not kept (a scratch A/B in one run, same bits): the
 producer prefetching both tensor maps' descriptors after its wait, and the last stores waited for
 reading only (`cp.async.bulk.wait_group.read`): 5.38 against 5.45 us at 16-64 x 3,072 x 768, 4.93
@@ -184,7 +184,7 @@ the next step's products, so only once the next stage's copies had arrived: the 
 one copy fewer in flight. Releasing the previous stage early while keeping the products in flight
 (a non-blocking test of the next stage's barrier, the products waited for where it was not full
 yet) was slower than the plain release (301-306 at 32,768 x 3,072 x 768). "GELU on one MUFU op":
-common.cuh's erf GELU as 2^q(z) for erfc (kernels_cu/dev/gelu_fit.py) instead of Abramowitz &
+common.cuh's erf GELU as 2^q(z) for erfc (bench/experiments/gelu_fit.py) instead of Abramowitz &
 Stegun 7.1.26's reciprocal and exponential: the epilogue was bound by the MUFU unit (16 results a
 clock an SM). Outputs: the same bits with the stage released; within one fp16 ulp with the new GELU.
 The narrow tiles gained nothing either way (512 x 1,536 x 384 5.2, 64 x 3,072 x 768 4.8-4.9).
@@ -266,7 +266,7 @@ load these products are bound by power, not by when their work is issued: overla
 with the products cannot hide energy the GELU still spends. What remains is less energy a product:
 fewer instructions a GELU, fewer bytes moved, or FP8's products.
 
-    PYTHONPATH=. python3 kernels_cu/dev/gemm_tiles.py [--small] [--out results.json]
+    PYTHONPATH=. python3 bench/experiments/gemm_tiles.py [--small] [--out results.json]
 """
 
 from __future__ import annotations
@@ -277,13 +277,14 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+from ftengine.backends.cuda import gemm, launch as cuda_launch, runtime  # noqa: E402
 
 PRODUCT = ("tma", 3, 256)  # the package's kernel: kernels_cu/gemm_sm90.cu matmul_wgmma, 3 stages, 256 columns
 # its narrower tiles (("tma", STAGES, BN)), which ops.matmul_bias_gelu takes below WGMMA_GELU_MIN_OUTPUTS outputs
 NARROW = [("tma", 4, 128), ("tma", 4, 64), ("tma", 5, 128), ("tma", 8, 64)]
 
 
-PP_BN = 128  # gemm_wgmma_pingpong's tile columns (dev/gemm_sm90.cu)
+PP_BN = 128  # gemm_wgmma_pingpong's tile columns (bench/experiments/gemm_sm90.cu)
 
 
 def name(ctype, tiles, epilogue):
@@ -297,14 +298,14 @@ def name(ctype, tiles, epilogue):
 
 
 def smem(itemsize, tiles):
-    from ftengine.backends.cuda.kernels import GEMM_BK, GEMM_BM, wgmma_shared_mem
+    from ftengine.backends.cuda.gemm import GEMM_BK, GEMM_BM, wgmma_shared_mem
     if tiles[0] == "tma":
         return wgmma_shared_mem(itemsize, tiles[2], tiles[1])
     if tiles[0] == "pp":
         return (tiles[1] * (GEMM_BM + PP_BN) * GEMM_BK + 2 * GEMM_BM * PP_BN) * itemsize + 1024
     return tiles[1] * (GEMM_BM + 128 * tiles[0]) * GEMM_BK * itemsize + 1024
 
-# (NI, STAGES, MIN_BLOCKS) of gemm_wgmma (dev/gemm_sm90.cu), and PRODUCT. The persistent kernels measured
+# (NI, STAGES, MIN_BLOCKS) of gemm_wgmma (bench/experiments/gemm_sm90.cu), and PRODUCT. The persistent kernels measured
 # above as ("p", ...) and ("ps", ...) are gone but for ("ps", 3, 1, "e"), which became PRODUCT.
 CANDIDATES = [(1, 3, 2), (1, 4, 1), (2, 4, 1), PRODUCT, ("pp", 4), *NARROW]
 # (M, N, K, epilogue): 0 plain, 1 bias + erf GELU, 2 bias + tanh GELU
@@ -367,30 +368,31 @@ def main():
     assert ctx.wgmma, "needs a compute capability 9.0 GPU"
     candidates, timed = ([PRODUCT, *NARROW], SMALL) if args.small else (CANDIDATES, TIMED + SMALL)
     names = sorted({name(t, c, e) for t in ("__half", "__nv_bfloat16") for c in candidates for e in (0, 1, 2)})
-    root = Path(__file__).resolve().parent.parent
-    code = "\n".join((root / f).read_text() for f in ("common.cuh", "gemm_sm90.cu", "dev/gemm_sm90.cu"))
+    root = Path(__file__).resolve().parents[2] / "kernels_cu"
+    code = "\n".join([*((root / f).read_text() for f in ("common.cuh", "gemm_sm90.cu")),
+                      (Path(__file__).resolve().parent / "gemm_sm90.cu").read_text()])
     mod = kernels.ArchModule(code, names, "sm_90a")
     rng = np.random.default_rng(0)
 
     def launch(cfg, out, x, w, bias, epi):
         (m, k), n = x.shape, w.shape[0]
-        k_ = mod.get_function(name(cu._ctype(x), cfg, epi))
+        k_ = mod.get_function(name(runtime._ctype(x), cfg, epi))
         size = smem(x.itemsize, cfg)
         if k_.max_dynamic_shared_size_bytes < size:
             k_.max_dynamic_shared_size_bytes = size
         sizes = (np.int32(m), np.int32(n), np.int32(k))
         # matmul_wgmma's x box holds 64 rows where M <= 64 (its split K steps)
-        x_map = kernels.TensorMap(x, kernels.GEMM_BK, kernels.wgmma_x_rows(m) if cfg[0] == "tma" else kernels.GEMM_BM)
+        x_map = cuda_launch.TensorMap(x, gemm.GEMM_BK, gemm.wgmma_x_rows(m) if cfg[0] == "tma" else gemm.GEMM_BM)
         if cfg[0] in ("tma", "pp"):
             bn = cfg[2] if cfg[0] == "tma" else PP_BN
-            tiles = kernels.wgmma_tiles(m, n, bn)
-            maps = (x_map, kernels.TensorMap(w, kernels.GEMM_BK, bn), kernels.TensorMap(out, 64, 64))
-            kernels.launch_ex(k_, (min(ctx.sm_count, tiles),), (kernels.GEMM_THREADS,), (bias, *maps, *sizes), size,
+            tiles = gemm.wgmma_tiles(m, n, bn)
+            maps = (x_map, cuda_launch.TensorMap(w, gemm.GEMM_BK, bn), cuda_launch.TensorMap(out, 64, 64))
+            cuda_launch.launch_ex(k_, (min(ctx.sm_count, tiles),), (gemm.GEMM_THREADS,), (bias, *maps, *sizes), size,
                               ctx.stream.ptr, dependent=False)
         else:
-            grid = (-(-n // (128 * cfg[0])), -(-m // kernels.GEMM_BM))
-            kernels.launch_ex(k_, grid, (kernels.GEMM_THREADS,),
-                              (out, bias, x_map, kernels.TensorMap(w, kernels.GEMM_BK, 128 * cfg[0]), *sizes,
+            grid = (-(-n // (128 * cfg[0])), -(-m // gemm.GEMM_BM))
+            cuda_launch.launch_ex(k_, grid, (gemm.GEMM_THREADS,),
+                              (out, bias, x_map, cuda_launch.TensorMap(w, gemm.GEMM_BK, 128 * cfg[0]), *sizes,
                                np.int32(epi)), size, ctx.stream.ptr, dependent=False)
 
     failures = check_candidates(candidates, CHECKS, launch, rng)
@@ -402,16 +404,16 @@ def main():
         w = cu.to_device(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k) ** 0.5, np.float16)
         b = cu.to_device(rng.standard_normal(n).astype(np.float32), np.float16)
         out = cu.empty((m, n), np.float16)
-        cu._lt_matmul(out, x, w)  # times cuBLASLt's candidates for this shape once, outside a capture
+        gemm._lt_matmul(out, x, w)  # times cuBLASLt's candidates for this shape once, outside a capture
         flop = 2 * m * n * k
 
         def baseline():
-            cu._lt_matmul(out, x, w)
+            gemm._lt_matmul(out, x, w)
             if epi:
                 cu.add_bias_gelu(out, out, b, form="erf" if epi == 1 else "tanh")
         row = {"m": m, "n": n, "k": k, "epilogue": epi, "cublaslt_ms": graph_ms(baseline)}
         if epi:
-            row["cublaslt_product_ms"] = graph_ms(lambda: cu._lt_matmul(out, x, w))
+            row["cublaslt_product_ms"] = graph_ms(lambda: gemm._lt_matmul(out, x, w))
         for cfg in candidates:
             row[str(cfg)] = graph_ms(lambda cfg=cfg: launch(cfg, out, x, w, b, epi))
         best = min(candidates, key=lambda c: row[str(c)])

@@ -12,7 +12,7 @@ bit for bit, but none is faster. 768 -> 768: product 59.5 + LayerNorm 51.1; whol
 258.8, chunks 264.0, 268.2, 276.3. The chunks' products lose more (fewer tiles a wave at N = 768)
 than their LayerNorms gain from the L2.
 
-    PYTHONPATH=. python3 kernels_cu/dev/ln_chunks.py [--out results.json]
+    PYTHONPATH=. python3 bench/experiments/ln_chunks.py [--out results.json]
 """
 
 from __future__ import annotations

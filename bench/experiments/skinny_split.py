@@ -17,7 +17,7 @@ ops.py split_k use. Not split (qkv, FFN up + GELU), the skinny kernel lost to cu
 rows on (5.5 against 4.3 us at 32 rows) and was within 0.3 us of it either way at 4-8 rows: those
 products stay on cuBLASLt and the gemv.
 
-    PYTHONPATH=. python3 kernels_cu/dev/skinny_split.py [--out results.json]
+    PYTHONPATH=. python3 bench/experiments/skinny_split.py [--out results.json]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import argparse
 import json
 
 import numpy as np
+from ftengine.backends.cuda import kernels, launch as cuda_launch, runtime  # noqa: E402
 
 CONFIGS = [(t, w, u) for t in (1, 2) for w in (2, 4, 8) for u in (2, 4)]
 SPLITS = (1, 2, 4, 8)
@@ -53,7 +54,7 @@ def build():
 def launch(k, grid, block, args):
     from ftengine.backends.cuda import kernels, ops
     ctx = ops.context()
-    kernels.launch_ex(k, grid, block, args, 0, ctx.stream.ptr, dependent=ctx.stream.is_capturing())
+    cuda_launch.launch_ex(k, grid, block, args, 0, ctx.stream.ptr, dependent=ctx.stream.is_capturing())
 
 
 def skinny(mod, cfg, out, x, w, bias, epilogue, splits):
@@ -67,9 +68,9 @@ def skinny(mod, cfg, out, x, w, bias, epilogue, splits):
 def residual_split(hidden, normed, partials, bias, gamma, beta):
     from ftengine.backends.cuda import ops
     splits, t, h = partials.shape
-    vec, items, threads = ops._row_kernel_shape(hidden, h)
+    vec, items, threads = runtime._row_kernel_shape(hidden, h)
     kname = f"residual_layernorm<__half, float, {splits}, {vec}, {items}>"
-    launch(ops.kernel("decoder.cu", kname), (t,), (threads,),
+    launch(kernels.kernel("decoder.cu", kname), (t,), (threads,),
            (hidden, normed, partials, bias, gamma, beta, np.int32(h), np.float32(1e-5)))
 
 

@@ -7,7 +7,7 @@ small's decode-step products (fp16, random operands): each product captured 20 t
 (programmatic dependent launches, as ops.py captures them), replayed between events, median of 5.
 The winners are what ftengine/backends/cuda/kernels.py SKINNY_TILES lists.
 
-    PYTHONPATH=. python3 kernels_cu/dev/skinny_tiles.py [--out results.json]
+    PYTHONPATH=. python3 bench/experiments/skinny_tiles.py [--out results.json]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import statistics
 
 import numpy as np
+from ftengine.backends.cuda import gemm, launch as cuda_launch  # noqa: E402
 
 CANDIDATES = [(t, w, u) for t in (1, 2, 4, 8) for w in (2, 4, 8) if t * w <= 16 for u in (1, 2, 4) if t * u <= 8]
 # name -> (N, K, epilogue, logits in float)
@@ -45,7 +46,7 @@ def launch(mod, kname, grid, block, out, x, w, bias, epilogue, dependent):
     k = mod.get_function(kname)
     args = (out, x, w, bias, np.int32(x.shape[0]), np.int32(w.shape[0]), np.int32(x.shape[1]), np.int32(epilogue))
     if dependent:
-        kernels.launch_ex(k, grid, block, args, 0, ops.context().stream.ptr)
+        cuda_launch.launch_ex(k, grid, block, args, 0, ops.context().stream.ptr)
     else:
         k(grid, block, args)
 
@@ -123,7 +124,7 @@ def profile(mod, cfg):
                 gemv(mod, out, x, w, w, 0)
             skinny(mod, cfg, out, x, w, w, 0)
             if m == 32:
-                ops._lt_matmul(out, x, w)
+                gemm._lt_matmul(out, x, w)
             cupy.cuda.Device().synchronize()
 
 
@@ -155,7 +156,7 @@ def main():
             out = cupy.empty((m, n), np.float32 if logits else np.float16)
             cupy.cuda.Device().synchronize()
             row = {"product": label, "rows": m, "floor_us": floor_us}
-            row["cublaslt_us"] = graph_ms(lambda: ops._lt_matmul(out, x, w))
+            row["cublaslt_us"] = graph_ms(lambda: gemm._lt_matmul(out, x, w))
             if m <= 4:
                 row["gemv_us"] = graph_ms(lambda: gemv(mod, out, x, w, bias, epilogue, True))
             for cfg in CANDIDATES:

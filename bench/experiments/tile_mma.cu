@@ -1,4 +1,4 @@
-// An experiment (kernels_cu/dev/tile_mma.py checks and times it; the package does not use it: it
+// An experiment (bench/experiments/tile_mma.py checks and times it; the package does not use it: it
 // ran slower than cuBLASLt + the bias + GELU pass at every shape tried, figures there).
 // Compiled after common.cuh.
 

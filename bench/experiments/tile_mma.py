@@ -1,5 +1,5 @@
 """An experiment, not used by the package: a tensor-core product for a few hundred rows with the
-bias + GELU epilogue fused (kernels_cu/dev/tile_mma.cu: mma.sync from cp.async stages, small
+bias + GELU epilogue fused (bench/experiments/tile_mma.cu: mma.sync from cp.async stages, small
 tiles, the K steps optionally shared by several warp groups), checked and timed against what
 ftengine runs instead (cuBLASLt, then the bias + GELU pass; the tanh form: cuBLASLt's GELU_BIAS
 epilogue; plain products: ops.matmul).
@@ -30,7 +30,7 @@ cuBLASLt's kernels take 3-4 us for the whole product. The first version (BK 32, 
 split, fragments not loaded ahead) took 12.3 us at 128 x 3072 x 768. Fusing the GELU into a
 product pays only in a kernel at cuBLASLt's speed: see gemm_tiles.py for the wgmma one.
 
-    PYTHONPATH=. python3 kernels_cu/dev/tile_mma.py [--out results.json]
+    PYTHONPATH=. python3 bench/experiments/tile_mma.py [--out results.json]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from ftengine.backends.cuda import runtime  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -79,7 +80,7 @@ def main():
     args = p.parse_args()
     folder = Path(__file__).resolve().parent
     names = [name(t, c) for t in ("__half", "__nv_bfloat16") for c in CANDIDATES]
-    code = (folder.parent / "common.cuh").read_text() + "\n" + (folder / "tile_mma.cu").read_text()
+    code = (folder.parents[1] / "kernels_cu" / "common.cuh").read_text() + "\n" + (folder / "tile_mma.cu").read_text()
     module = cupy.RawModule(code=code, options=kernels.compile_options(), name_expressions=names)
     ctx = cu.context()
     rng = np.random.default_rng(0)
@@ -89,7 +90,7 @@ def main():
         m, k = x.shape
         n = w.shape[0]
         bm, bn, wm, wn, ks = tiles[:5]
-        kernel = module.get_function(name(cu._ctype(x), tiles))
+        kernel = module.get_function(name(runtime._ctype(x), tiles))
         size = shared_bytes(tiles, x.itemsize)
         if kernel.max_dynamic_shared_size_bytes < size:
             kernel.max_dynamic_shared_size_bytes = size
