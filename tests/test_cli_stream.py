@@ -200,7 +200,7 @@ def test_failed_rename_is_a_clear_error_and_leaves_no_temp(st_model, tmp_path):
     """The rename into place fails (the target became a non-empty directory mid-run): a clear
     error, the temporary file removed."""
     from ftengine.errors import OutputError
-    from ftengine.textio import EmbeddingWriter
+    from ftengine.writers import EmbeddingWriter
     target = tmp_path / "out.npy"
     writer = EmbeddingWriter(str(target), "npy", 4)
     writer.write(np.ones((3, 4), np.float32))

@@ -208,8 +208,8 @@ def test_parquet_output_on_stdout_is_refused(st_model, tmp_path):
 
 def test_large_parquet_output_in_row_groups(st_model, tmp_path, monkeypatch):
     """More rows than one row group holds: every row group in order, nothing lost between them."""
-    import ftengine.textio
-    monkeypatch.setattr(ftengine.textio, "PARQUET_ROW_GROUP_BYTES", 32 * 4 * 100)  # 100 rows a group
+    import ftengine.writers
+    monkeypatch.setattr(ftengine.writers, "PARQUET_ROW_GROUP_BYTES", 32 * 4 * 100)  # 100 rows a group
     texts = [f"text number {i} " + "word " * (i % 7) for i in range(1000)]
     source = tmp_path / "many.parquet"
     pq.write_table(pa.table({"text": texts, "key": [f"k{i}" for i in range(1000)]}), source, row_group_size=64)

@@ -28,7 +28,7 @@ import numpy as np
 from ..encoder import Encoder, EncodeStats
 from ..errors import FtengineError, InputError
 from ..records import embed_records, open_records
-from ..textio import EmbeddingWriter
+from ..writers import EmbeddingWriter
 
 PATH_COLUMN = "path"  # the source file of each row, where the dataset was read with include_paths=True
 
