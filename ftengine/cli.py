@@ -23,13 +23,47 @@ from .encoder import DTYPES, ENCODER_DTYPES, EncodeStats
 from .errors import DeviceError, InputError
 from .output import PRECISIONS, calibration_ranges, needs_ranges, output_dtype
 from .records import INPUT_FORMATS, embed_records, input_format, open_records
-from .textio import iter_lines, read_lines
+from .textio import iter_lines, read_lines, unicode_text
 from .writers import FORMATS, EmbeddingWriter, check_writable, output_format
 
 
 def _fail(message: str):
     click.echo(f"ftengine: error: {message}", err=True)
     sys.exit(1)
+
+
+BROKEN_PIPE_EXIT = 128 + 13  # as a process killed by SIGPIPE, the way `yes | head` ends for the shell
+
+
+class _Commands(click.Group):
+    """The command group: a reader that goes away (`ftengine encode ... | head`) stops any command
+    quietly with BROKEN_PIPE_EXIT, as Unix filters do."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            try:  # the interpreter's last flush of stdout must not fail again
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+            sys.exit(BROKEN_PIPE_EXIT)
+
+
+def _text_option(value, name: str, *, empty: bool = False):
+    """A text option's value, refused where it is not valid Unicode (invalid UTF-8 on the command
+    line reaches Python as lone surrogates), or empty (white space alone) unless `empty`."""
+    if value is not None:
+        if not empty and not value.strip():
+            raise InputError(f"{name} is empty")
+        unicode_text(value, name, "strict", hint=" (the command line's bytes are not valid UTF-8)")
+    return value
+
+
+def _rate(count: float, seconds: float) -> str:
+    """count / seconds for a summary: whole numbers, three significant digits below 100."""
+    rate = count / seconds if seconds > 0 else 0.0
+    return f"{rate:.0f}" if rate >= 100 else f"{rate:.3g}"
 
 
 class _Terminated(BaseException):
@@ -89,7 +123,7 @@ def _exits_when_stopped(*, lead: str = "", note: str = "", on_stop=None):
         sys.exit(143 if terminated else 130)
 
 
-@click.group()
+@click.group(cls=_Commands)
 @click.version_option(package_name="ftengine")
 def main():
     """ftengine: transformer inference on raw CUDA kernels (NumPy reference on the CPU)."""
@@ -160,6 +194,10 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
             if in_fmt == "txt" and (text_field is not None or id_field is not None):
                 raise InputError("--text-field and --id-field apply to jsonl, csv, tsv and parquet input; "
                                  f"{input_path} is read as text lines (see --input-format)")
+            if fmt == "npy" and id_field is not None:
+                raise InputError(f"--id-field: {output} is .npy output, which holds the embeddings alone (in input "
+                                 "order); write .jsonl or .parquet to keep the ids")
+            _text_option(prompt, "--prompt", empty=True)
             check_writable(output)
             records = open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field,
                                    errors=errors)
@@ -183,13 +221,15 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
     except FtengineError as e:
         _close(encoder)
         _fail(str(e))
+    except BrokenPipeError:
+        _close(encoder)
+        raise
     if not quiet:
-        rate = stats.lines / stats.seconds if stats.seconds > 0 else 0.0
         busy = stats.device_seconds / stats.seconds if stats.seconds > 0 else 0.0
         click.echo(
             f"ftengine: {stats.lines} lines, {stats.tokens} tokens, {stats.truncated} truncated, "
             f"{encoder.output_dim(pooling)}-dim on {encoder.device} ({encoder.dtype}), "
-            f"{stats.seconds:.2f} s, {rate:.0f} lines/s, device busy {100 * busy:.0f}% "
+            f"{stats.seconds:.2f} s, {_rate(stats.lines, stats.seconds)} lines/s, device busy {100 * busy:.0f}% "
             f"-> {'stdout' if output == '-' else output}",
             err=True,
         )
@@ -220,6 +260,8 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
 @click.option("--prompt", default=None, help="Put this text before each text.")
 @click.option("--dimensions", type=click.IntRange(min=1), default=None,
               help="Keep the first N values of each embedding (Matryoshka models).")
+@click.option("--errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True,
+              help="Text that is not valid UTF-8 / Unicode: fail naming the file and row, or replace with U+FFFD.")
 @click.option("--ray-address", default=None,
               help="The Ray cluster to run on (host:port, or 'auto'). Default: the cluster last started on this "
                    "machine (ray start), else a new local one.")
@@ -233,7 +275,7 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
                    "machine's CPUs (CPUs x gpus-per-worker / GPUs), 1 for CPU workers.")
 @click.option("--quiet", is_flag=True, help="No progress and no summary.")
 def encode_dataset(input_path, output_dir, input_format_name, text_column, id_column, model_path, dtype,
-                   batch_tokens, max_length, pooling, normalize, prompt_name, prompt, dimensions, ray_address,
+                   batch_tokens, max_length, pooling, normalize, prompt_name, prompt, dimensions, errors, ray_address,
                    workers, gpus_per_worker, cpus_per_worker, quiet):
     """Embed a dataset of Parquet, JSONL, CSV or TSV files (a folder, a glob, or one file) on a Ray
     cluster, one Parquet file out per file in, each written by the worker that embeds it (the
@@ -243,13 +285,14 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
     pip install 'ftengine[ray]'."""
     try:
         import ray
-        from .integrations.ray import (check_shards, default_cpus_per_worker, encode_dataset as run_job,
-                                       ftengine_error_in, plan_shards)
+        from .integrations.ray import (check_resources, check_shards, default_cpus_per_worker,
+                                       encode_dataset as run_job, ftengine_error_in, plan_shards)
     except ImportError as e:
         _fail(f"ftengine encode-dataset needs the ray extra (pip install 'ftengine[ray]'): {e}")
     try:
+        _text_option(prompt, "--prompt", empty=True)
         fmt, shards = plan_shards(input_path, output_dir, input_format_name)
-        check_shards(shards, fmt, text_column, id_column)
+        check_shards(shards, fmt, text_column, id_column, errors=errors)
         if not os.path.isdir(output_dir):
             os.makedirs(output_dir, exist_ok=True)
         if model_path is not None:
@@ -264,7 +307,8 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
     if todo and not ray.is_initialized():
         import logging
         try:
-            ray.init(address=ray_address, logging_level=logging.WARNING, log_to_driver=not quiet)
+            ray.init(address=ray_address, logging_level=logging.ERROR if quiet else logging.WARNING,
+                     log_to_driver=not quiet)
         except (ConnectionError, ValueError) as e:
             _fail(f"cannot join the Ray cluster{f' at {ray_address}' if ray_address else ''}: {e}")
     if todo:
@@ -278,13 +322,18 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
                   f"cluster has {gpus:g} (see --workers, --gpus-per-worker)")
         if cpus_per_worker is None:
             cpus_per_worker = default_cpus_per_worker(gpus_per_worker)
+        try:
+            check_resources(min(workers, todo), cpus_per_worker, gpus_per_worker)
+        except FtengineError as e:
+            _fail(str(e))
     embedder = dict(model=model_path, dtype=dtype, batch_tokens=batch_tokens, max_length=max_length, pooling=pooling,
                     normalize=normalize, prompt_name=prompt_name, prompt=prompt, dimensions=dimensions)
     from tqdm import tqdm
     with _exits_when_stopped(note=" (finished files are kept; run again to do the rest)"), \
             tqdm(unit="row", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar:
         try:
-            stats = run_job(shards, fmt, text_column=text_column, id_column=id_column, workers=workers or 1,
+            stats = run_job(shards, fmt, text_column=text_column, id_column=id_column, errors=errors,
+                            workers=workers or 1,
                             gpus_per_worker=gpus_per_worker or 0.0,
                             cpus_per_worker=1.0 if cpus_per_worker is None else cpus_per_worker,
                             embedder=embedder, progress=bar.update)
@@ -294,9 +343,9 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
                 raise
             _fail(str(cause).splitlines()[0])  # Ray appends retry advice that does not apply to bad input
     if not quiet:
-        rate = stats.rows / stats.seconds if stats.seconds > 0 else 0.0
         click.echo(f"ftengine: {stats.rows} rows from {stats.shards_written} files, {stats.shards_skipped} files "
-                   f"already done, {stats.seconds:.2f} s, {rate:.0f} rows/s -> {output_dir}", err=True)
+                   f"already done, {stats.seconds:.2f} s, {_rate(stats.rows, stats.seconds)} rows/s -> {output_dir}",
+                   err=True)
 
 
 def _ranges(precision: str, ranges_path, calibration_path):
@@ -314,8 +363,13 @@ def _ranges(precision: str, ranges_path, calibration_path):
     path = ranges_path or calibration_path
     try:
         array = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise InputError(f"cannot read {path} as a .npy array: {e}") from None
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError:  # NumPy's advice (allow_pickle) does not apply: only a plain array will do
+        raise InputError(f"{path} is not a .npy array file (--ranges and --calibration take one, from numpy.save)") \
+            from None
+    if not isinstance(array, np.ndarray):
+        raise InputError(f"{path} is a .npz archive, not a .npy array file (--ranges and --calibration take one)")
     if ranges_path:
         return array
     try:
@@ -395,6 +449,7 @@ def rerank(input_path, query, model_path, top_k, device, dtype, max_length, batc
     reranker = None
     try:
         with _exits_when_stopped(on_stop=lambda: _close(reranker)):
+            _text_option(query, "--query")
             lines = iter_lines(input_path, errors=errors)
             reranker = Reranker.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
             if reranker.num_labels != 1:
@@ -404,12 +459,20 @@ def rerank(input_path, query, model_path, top_k, device, dtype, max_length, batc
             while window := list(islice(lines, RERANK_WINDOW)):
                 parts.append(reranker.predict([(query, d) for d in window], batch_tokens=batch_tokens))
             reranker.close()
+            if not parts:
+                raise InputError(f"no documents in {'<stdin>' if input_path == '-' else input_path}: rerank scores "
+                                 "one document a line")
     except FtengineError as e:
         _close(reranker)
         _fail(str(e))
+    except BrokenPipeError:
+        _close(reranker)
+        raise
     scores = np.concatenate(parts) if parts else np.zeros(0, np.float32)
     order = np.argsort(-scores, kind="stable")[:top_k]
-    sys.stdout.write("".join(json.dumps({"index": int(i), "score": float(scores[i])}) + "\n" for i in order))
+    for i in order:  # line by line: one huge write to a pipe whose reader left can end without an error
+        sys.stdout.write(json.dumps({"index": int(i), "score": float(scores[i])}) + "\n")
+    sys.stdout.flush()
 
 
 @main.command()
@@ -489,7 +552,7 @@ def _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json,
     try:
         if (prompt is None) == (input_path is None):
             raise FtengineError("give exactly one of --prompt and --input")
-        prompts = [prompt] if prompt is not None else read_lines(input_path)
+        prompts = [_text_option(prompt, "--prompt", empty=True)] if prompt is not None else read_lines(input_path)
         if stream and (len(prompts) != 1 or as_json):
             raise FtengineError("--stream prints one prompt's text as it comes: give one prompt, without --json")
         if stream and options["num_beams"] > 1:

@@ -259,6 +259,10 @@ class EncodeEngine:
             i = int(np.flatnonzero(tokens.truncated)[0])
             raise TooLongError(f"text {r.first + i} is longer than max_length {self.max_length} tokens",
                                index=i, max_length=self.max_length)
+        if (tokens.lengths > self.max_length).any():  # a tokenizer that cannot cut its special tokens
+            i = int(np.flatnonzero(tokens.lengths > self.max_length)[0])
+            raise InputError(f"input {r.first + i} has {int(tokens.lengths[i])} tokens after truncation, more than "
+                             f"max_length {self.max_length}: the tokenizer cannot cut it shorter (its special tokens)")
         for values, limit, what in ((tokens.ids, self.vocab_size, "token id"),
                                     (tokens.type_ids, self.type_vocab_size, "token type")):
             bad = np.flatnonzero((values < 0) | (values >= limit))

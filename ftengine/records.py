@@ -1,8 +1,11 @@
 """Texts with their keys from .txt, .jsonl, .csv/.tsv and .parquet inputs, read as a stream.
 
 Each record is (key, text). The key is the value of the id field/column when one is named,
-otherwise the record's place in the file: `line` (1-based line number) for .txt and .jsonl,
-`row` (1-based data row) for .csv, .tsv and .parquet. Errors name the file and the line or row.
+otherwise the record's place in the file: `line` (1-based line number) for .txt and .jsonl (.json
+files are read as JSON Lines, one object a line, as encode-dataset reads them), `row` (1-based data
+row) for .csv, .tsv and .parquet. Errors name the file and the line or row (Parquet: the row group
+too, for a damaged one); text that is not valid Unicode follows --errors (strict: an error naming
+where; replace: U+FFFD in its place).
 CSV, TSV and Parquet are read with pyarrow (the `data` extra), in blocks, so memory does not
 grow with the file; JSONL is read line by line with the standard json module.
 """
@@ -16,12 +19,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .errors import InputError
-from .textio import iter_lines
+from .textio import REPLACE_HINT, iter_lines, unicode_text
 
 INPUT_FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
-_EXTENSIONS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv",
-               ".parquet": "parquet"}
+_EXTENSIONS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
+               ".tsv": "tsv", ".parquet": "parquet"}
 CSV_BLOCK_BYTES = 1 << 20
+# pyarrow's CSV reader needs a row within one block: a file with longer rows is read again with
+# blocks this many times larger, up to CSV_MAX_BLOCK_BYTES
+CSV_BLOCK_GROWTH, CSV_MAX_BLOCK_BYTES = 8, 1 << 30
 PARQUET_BATCH_ROWS = 8192
 
 
@@ -75,12 +81,12 @@ def open_records(path: str, fmt: str, *, text_field: str = "text", id_field: str
     if fmt == "jsonl":
         lines = iter_lines(path, errors=errors)
         records = Records(None, id_field or "line")
-        records.texts = _jsonl(lines, _source(path), text_field, id_field, records.keys)
+        records.texts = _jsonl(lines, _source(path), text_field, id_field, records.keys, errors)
         return records
     if fmt in ("csv", "tsv"):
         return _csv(path, fmt, text_field, id_field, errors)
     if fmt == "parquet":
-        return _parquet(path, text_field, id_field)
+        return _parquet(path, text_field, id_field, errors)
     raise InputError(f"input format {fmt!r} is not one of {', '.join(INPUT_FORMATS)}")
 
 
@@ -98,7 +104,7 @@ _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a bo
                float: "a number", type(None): "null"}
 
 
-def _jsonl(lines, source: str, text_field: str, id_field: str | None, keys: deque):
+def _jsonl(lines, source: str, text_field: str, id_field: str | None, keys: deque, errors: str):
     id_kind = None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -107,12 +113,14 @@ def _jsonl(lines, source: str, text_field: str, id_field: str | None, keys: dequ
         try:
             record = json.loads(line)
         except ValueError as e:
-            raise InputError(f"{where}: not valid JSON ({e})") from None
+            raise InputError(f"{where}: not valid JSON ({e}){_json_lines_note(source)}") from None
         if not isinstance(record, dict):
-            raise InputError(f"{where}: expected a JSON object, found {_JSON_TYPES[type(record)]}")
+            raise InputError(f"{where}: expected a JSON object, found {_JSON_TYPES[type(record)]}"
+                             f"{_json_lines_note(source)}")
         text = _field(record, text_field, where)
         if not isinstance(text, str):
             raise InputError(f"{where}: field {text_field!r} is {_JSON_TYPES[type(text)]}, not a string")
+        text = unicode_text(text, f"{where}: field {text_field!r}", errors)
         if id_field is None:
             keys.append(number)
         else:
@@ -127,8 +135,12 @@ def _jsonl(lines, source: str, text_field: str, id_field: str | None, keys: dequ
                 raise InputError(f"{where}: id field {id_field!r} is {_JSON_TYPES[kind]}, earlier ids are "
                                  f"{'strings' if id_kind is str else 'integers'}")
             id_kind = kind
-            keys.append(key)
+            keys.append(unicode_text(key, f"{where}: id field {id_field!r}", "strict", hint="") if kind is str else key)
         yield text
+
+
+def _json_lines_note(source: str) -> str:
+    return " (a .json file is read as JSON Lines: one object a line)" if source.lower().endswith(".json") else ""
 
 
 def _field(record: dict, name: str, where: str):
@@ -145,30 +157,62 @@ def _columns_error(path: str, kind: str, name: str, columns) -> InputError:
 def _csv(path: str, fmt: str, text_field: str, id_field: str | None, errors: str) -> Records:
     pa = require_pyarrow(f"{fmt} input")
     from pyarrow import csv
-    if path == "-":
-        source = sys.stdin.buffer
-    elif os.path.isdir(path):
+    if path != "-" and os.path.isdir(path):
         raise InputError(f"cannot read input {path}: it is a directory")
-    else:
-        try:
-            source = open(path, "rb")
-        except OSError as e:
-            raise InputError(f"cannot read input {path}: {e.strerror}") from None
     wanted = [text_field] + ([id_field] if id_field is not None and id_field != text_field else [])
     # every value as bytes: texts are decoded here (naming the row), ids kept as written
     convert = csv.ConvertOptions(include_columns=wanted, column_types={c: pa.binary() for c in wanted},
                                  strings_can_be_null=False, quoted_strings_can_be_null=False)
     parse = csv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", newlines_in_values=True)
-    try:
-        reader = csv.open_csv(source, read_options=csv.ReadOptions(block_size=CSV_BLOCK_BYTES),
-                              parse_options=parse, convert_options=convert)
-    except (pa.ArrowInvalid, pa.ArrowKeyError, KeyError) as e:
-        if source is not sys.stdin.buffer:
-            source.close()
-        raise _csv_open_error(path, e, wanted, parse) from None
+    if path != "-":
+        _check_unique_columns(path, parse.delimiter, wanted)
+
+    def open_reader(block: int):
+        """(source, reader) with blocks of `block` bytes; a row longer than a block is reopened
+        with larger ones where the input can be read again (a file, not stdin)."""
+        while True:
+            if path == "-":
+                source = sys.stdin.buffer
+            else:
+                try:
+                    source = open(path, "rb")
+                except OSError as e:
+                    raise InputError(f"cannot read input {path}: {e.strerror}") from None
+            try:
+                return source, block, csv.open_csv(source, read_options=csv.ReadOptions(block_size=block),
+                                                   parse_options=parse, convert_options=convert)
+            except (pa.ArrowInvalid, pa.ArrowKeyError, KeyError) as e:
+                if source is not sys.stdin.buffer:
+                    source.close()
+                if not _longer_than_block(e, path, block):
+                    raise _csv_open_error(path, e, wanted, parse) from None
+                block *= CSV_BLOCK_GROWTH
+
+    opened = open_reader(CSV_BLOCK_BYTES)
     records = Records(None, id_field or "row", None if id_field is None else pa.string())
-    records.texts = _csv_texts(reader, source, _source(path), text_field, id_field, errors, records.keys)
+    records.texts = _csv_texts(opened, open_reader, path, text_field, id_field, errors, records.keys)
     return records
+
+
+def _longer_than_block(error, path: str, block: int) -> bool:
+    """Whether pyarrow refused a row longer than its block and the file can be read again with larger ones."""
+    return "straddl" in str(error) and path != "-" and block * CSV_BLOCK_GROWTH <= CSV_MAX_BLOCK_BYTES
+
+
+def _check_unique_columns(path: str, delimiter: str, wanted: list):
+    """Refuse a file whose header names a wanted column twice (pyarrow would read the first silently)."""
+    import csv as header_csv
+    import io
+    try:
+        with open(path, "rb") as f:
+            header = next(header_csv.reader(io.TextIOWrapper(f, encoding="utf-8-sig", errors="replace", newline=""),
+                                            delimiter=delimiter), [])
+    except (OSError, header_csv.Error):
+        return  # pyarrow's open reports an unreadable file
+    for name in wanted:
+        if header.count(name) > 1:
+            raise InputError(f"{path}: {header.count(name)} columns are named {name!r}; rename all but the one to "
+                             "read")
 
 
 def _csv_open_error(path: str, error, wanted: list, parse) -> InputError:
@@ -186,12 +230,23 @@ def _csv_open_error(path: str, error, wanted: list, parse) -> InputError:
             if name not in header:
                 kind = "text" if name == wanted[0] else "id"
                 return _columns_error(path, kind, name, header)
+    if "straddl" in str(error):
+        return InputError(f"cannot read {_source(path)} as CSV: {_long_row(path)}")
     return InputError(f"cannot read {_source(path)} as CSV: {error}")
 
 
-def _csv_texts(reader, source, where: str, text_field: str, id_field: str | None, errors: str, keys: deque):
+def _long_row(path: str) -> str:
+    if path == "-":
+        return ("a row is longer than pyarrow's read block; give the file by name (a file is read again with larger "
+                "blocks), or convert it to JSONL")
+    return f"a row is longer than {CSV_MAX_BLOCK_BYTES >> 20} MiB"
+
+
+def _csv_texts(opened, open_reader, path: str, text_field: str, id_field: str | None, errors: str, keys: deque):
     import pyarrow as pa
-    row = 0
+    where = _source(path)
+    source, block, reader = opened
+    row = skip = 0  # skip: rows already read before a reopen with larger blocks
     try:
         while True:
             try:
@@ -199,7 +254,17 @@ def _csv_texts(reader, source, where: str, text_field: str, id_field: str | None
             except StopIteration:
                 return
             except pa.ArrowInvalid as e:
-                raise InputError(f"cannot read {where} as CSV after row {row}: {e}") from None
+                if not _longer_than_block(e, path, block):
+                    detail = _long_row(path) if "straddl" in str(e) else e
+                    raise InputError(f"cannot read {where} as CSV after row {row}: {detail}") from None
+                reader.close()
+                source.close()
+                source, block, reader = open_reader(block * CSV_BLOCK_GROWTH)
+                skip = row
+                continue
+            if skip:
+                drop = min(skip, batch.num_rows)
+                batch, skip = batch.slice(drop), skip - drop
             texts = batch.column(text_field).to_pylist()
             ids = batch.column(id_field).to_pylist() if id_field is not None else None
             for i, raw in enumerate(texts):
@@ -222,7 +287,7 @@ def _csv_texts(reader, source, where: str, text_field: str, id_field: str | None
             source.close()
 
 
-def _parquet(path: str, text_field: str, id_field: str | None) -> Records:
+def _parquet(path: str, text_field: str, id_field: str | None, errors: str = "strict") -> Records:
     pa = require_pyarrow("parquet input")
     import pyarrow.parquet as pq
     if path == "-":
@@ -247,7 +312,7 @@ def _parquet(path: str, text_field: str, id_field: str | None) -> Records:
         source.close()
         raise
     records = Records(None, id_field or "row", schema.field(id_field).type if id_field else None)
-    records.texts = _parquet_texts(file, source, path, text_field, id_field, records.keys)
+    records.texts = _parquet_texts(file, source, path, text_field, id_field, errors, records.keys)
     return records
 
 
@@ -267,21 +332,60 @@ def _is_string_view(kind) -> bool:
     return bool(check and check(kind))
 
 
-def _parquet_texts(file, source, where: str, text_field: str, id_field: str | None, keys: deque):
+def _parquet_texts(file, source, where: str, text_field: str, id_field: str | None, errors: str, keys: deque):
+    """The texts of `file` row group by row group (so that a damaged one is named), in batches."""
+    import pyarrow as pa
     columns = [text_field] + ([id_field] if id_field is not None and id_field != text_field else [])
     row = 0
+    groups = file.num_row_groups
     try:
-        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
-            texts = batch.column(text_field)
-            if texts.null_count:
-                first = next(i for i, valid in enumerate(texts.is_valid().to_pylist()) if not valid)
-                raise InputError(f"{where}, row {row + first + 1}: column {text_field!r} is null, not a string")
-            ids = batch.column(id_field).to_pylist() if id_field is not None else None
-            for i, text in enumerate(texts.to_pylist()):
-                row += 1
-                keys.append(row if ids is None else ids[i])
-                yield text
+        for group in range(groups):
+            batches = file.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=columns)
+            while True:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
+                except (OSError, pa.ArrowException) as e:
+                    size = file.metadata.row_group(group).num_rows
+                    raise InputError(f"cannot read {where} as Parquet: row group {group + 1} of {groups} (rows "
+                                     f"{row + 1}..{row + size}) is damaged: {e}") from None
+                texts = batch.column(text_field)
+                if texts.null_count:
+                    first = next(i for i, valid in enumerate(texts.is_valid().to_pylist()) if not valid)
+                    raise InputError(f"{where}, row {row + first + 1}: column {text_field!r} is null, not a string")
+                texts = _parquet_strings(texts, where, row, f"column {text_field!r}", errors)
+                ids = batch.column(id_field) if id_field is not None else None
+                if ids is not None and (pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type)
+                                        or _is_string_view(ids.type)):
+                    ids = _parquet_strings(ids, where, row, f"id column {id_field!r}", "strict")
+                elif ids is not None:
+                    ids = ids.to_pylist()
+                for i, text in enumerate(texts):
+                    row += 1
+                    keys.append(row if ids is None else ids[i])
+                    yield text
     finally:
         file.close()
         source.close()
 
+
+def _parquet_strings(array, where: str, row: int, what: str, errors: str) -> list:
+    """A string array's values (nulls as None); invalid UTF-8 (which Parquet writers do not always
+    refuse) refused naming the row (`row`: the rows before the array), or replaced by U+FFFD."""
+    import pyarrow as pa
+    try:
+        return array.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    kind = array.type
+    raw = array.view(pa.large_binary() if pa.types.is_large_string(kind) else
+                     pa.binary_view() if _is_string_view(kind) else pa.binary()).to_pylist()
+    out = []
+    for i, value in enumerate(raw):
+        try:
+            out.append(None if value is None else value.decode("utf-8", errors=errors))
+        except UnicodeDecodeError as e:
+            hint = REPLACE_HINT if what.startswith("column") else ""
+            raise InputError(f"{where}, row {row + i + 1}: invalid UTF-8 in {what} at byte {e.start}{hint}") from None
+    return out

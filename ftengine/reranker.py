@@ -23,6 +23,11 @@ class Reranker:
                                 layout=layout, classifier=True)
         self.path, self.device, self.dtype = self._encoder.path, self._encoder.device, self._encoder.dtype
         self.max_length = self._encoder.max_length
+        least = self._encoder.tokenizer.special_tokens(pair=True) + 2  # a token of each text, at least
+        if self.max_length < least:
+            self._encoder.close()
+            raise InputError(f"max_length {self.max_length} is too short for a pair: this model's pair format adds "
+                             f"{least - 2} special tokens, so at least {least} leave one token of each text")
         self.num_labels = self._encoder.dim
         self.activation = _activation(self._encoder.config_path, self.num_labels)
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import __version__
 from .errors import FtengineError, InputError, TooLongError
+from .tokenizer import PREFIX_CHARS_PER_TOKEN
 
 log = logging.getLogger("ftengine.serve")
 MAX_BODY_BYTES = 16 << 20
@@ -177,10 +178,15 @@ class Service:
                                                  prompt_name=prompt_name)
             return await asyncio.wrap_future(future)
         except TooLongError as e:
-            count = (self.encoder.tokenizer.untruncated_length(self.encoder.prompt_text(prompt_name) + texts[e.index])
-                     if token_ids is None else len(token_ids[e.index]))
-            raise HTTPFailure(413, f"input {e.index} has {count} tokens, more than the maximum input length "
-                                   f"{e.max_length}; send truncate: true to cut it", "Validation") from None
+            if token_ids is not None:
+                count = f"{len(token_ids[e.index])} tokens"
+            elif len(texts[e.index]) > e.max_length * PREFIX_CHARS_PER_TOKEN:  # counted whole, it would stall the loop
+                count = f"{len(texts[e.index])} characters"
+            else:
+                text = self.encoder.prompt_text(prompt_name) + texts[e.index]
+                count = f"{self.encoder.tokenizer.untruncated_length(text)} tokens"
+            raise HTTPFailure(413, f"input {e.index} has {count}, more than the maximum input length "
+                                   f"{e.max_length} tokens; send truncate: true to cut it", "Validation") from None
         except InputError as e:
             raise _validation(str(e)) from None
 

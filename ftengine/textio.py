@@ -4,6 +4,7 @@ UTF-8 with --errors' rule (strict: an error naming the file and line; replace: U
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from .errors import InputError
@@ -68,3 +69,23 @@ def _lines_of(f, path: str, errors: str):
 def read_lines(path: str, *, errors: str = "strict") -> list[str]:
     """Every line of a file (or stdin for '-')."""
     return list(iter_lines(path, errors=errors))
+
+
+REPLACE_HINT = " (use --errors replace to substitute U+FFFD)"
+
+
+def unicode_text(text: str, where: str, errors: str, *, hint: str = REPLACE_HINT) -> str:
+    """text, where it is valid Unicode; a lone surrogate (which JSON's \\udXXX escapes and
+    invalid UTF-8 in command-line arguments produce) refused naming `where`, or with
+    errors='replace' replaced by U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError as e:
+        if errors == "replace":
+            return _SURROGATES.sub("\ufffd", text)
+        raise InputError(f"{where} holds a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start + 1}: "
+                         f"not valid Unicode{hint}") from None
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")

@@ -10,6 +10,7 @@ A plain BERT folder without them: mean pooling, no normalisation, max length = m
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 
 from .config import read_json
 from .errors import ConfigError, InputError
+from .textio import unicode_text
 
 # sentence-transformers concatenates pooled vectors in this order.
 POOLING_ORDER = ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")  # sentence-transformers' order
@@ -254,6 +256,13 @@ def _sentencepiece_whitespace(text: str) -> str:
     return json.dumps(data)
 
 
+# a text longer than max_length x PREFIX_CHARS_PER_TOKEN characters is tokenised from a prefix
+# (Tokenizer._bounded): a bound on the characters a kept token and the white space before it take,
+# not a mean, so that the prefix nearly always holds the kept tokens at the first try
+PREFIX_CHARS_PER_TOKEN = 32
+_WHITE_SPACE = re.compile(r"\s")
+
+
 class Tokenizer:
     """`tokenizer.json` through HF `tokenizers`, or a WordPiece `vocab.txt` as a fallback."""
 
@@ -293,6 +302,27 @@ class Tokenizer:
             self._prompt_lengths[prompt] = len(encoding.ids) - (1 if special and special[-1] else 0)
         return self._prompt_lengths[prompt]
 
+    def _bounded(self, text: str, limit: int) -> str:
+        """A prefix of `text` whose first max_length tokens are the whole text's, so that a huge text
+        costs the tokenizer (time and memory) what its kept tokens do: tokenised from `limit`
+        characters on, doubled until the prefix overflows max_length with a white space after its
+        last kept token (the pre-tokenisers split words there, so no later character changes a kept
+        token); the whole text where none does."""
+        cut = limit
+        while cut < len(text):
+            encoding = self._tok.encode(text[:cut])  # truncated to max_length, with offsets into the text
+            if encoding.overflowing:
+                ends = [end for (_, end), special in zip(encoding.offsets, encoding.special_tokens_mask) if not special]
+                if _WHITE_SPACE.search(text, max(ends, default=0), cut - 1):
+                    return text[:cut]
+            cut *= 2
+        return text
+
+    def special_tokens(self, *, pair: bool) -> int:
+        """How many special tokens the post-processor adds to one text, or to a pair."""
+        processor = self._tok.post_processor
+        return 0 if processor is None else processor.num_special_tokens_to_add(pair)
+
     def untruncated_length(self, text: str) -> int:
         """Tokens in `text` (prepared as encode does, special tokens included) without truncation."""
         if self._untruncated is None:  # built on first use: only error messages need it
@@ -322,7 +352,7 @@ class Tokenizer:
         outlives the call. `first`: the 1-based number of texts[0], for error messages."""
         check_texts(texts, first=first)
         prepared = [t.lower() for t in texts] if self.lowercase_text else texts
-        return self._arrays(self._encode_batch(prepared), zero_types=self._zero_types)
+        return self._arrays(self._encoded(prepared, first), zero_types=self._zero_types)
 
     def encode_pairs(self, pairs: list, *, first: int = 1) -> TokenizedTexts:
         """Tokenise (text, text) pairs as the model's tokenizer joins them (BERT: [CLS] a [SEP] b
@@ -332,7 +362,23 @@ class Tokenizer:
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
                 raise InputError(f"pair {first + i} must be two strings, found {pair!r}"[:200])
         prepared = [(a.lower(), b.lower()) if self.lowercase_text else (a, b) for a, b in pairs]
-        return self._arrays(self._encode_batch(prepared), zero_types=False)
+        return self._arrays(self._encoded(prepared, first, what="pair"), zero_types=False)
+
+    def _encoded(self, prepared: list, first: int, *, what: str = "text") -> list:
+        """encode_batch of texts or pairs, each very long text cut first to a prefix that gives its
+        kept tokens (_bounded); a text that is not valid Unicode (a lone surrogate, which
+        `tokenizers` refuses with a message naming no text) refused naming it."""
+        limit = self.max_length * PREFIX_CHARS_PER_TOKEN
+        if any(len(item) > limit if isinstance(item, str) else max(map(len, item)) > limit for item in prepared):
+            prepared = [self._bounded(item, limit) if isinstance(item, str) else
+                        tuple(self._bounded(text, limit) for text in item) for item in prepared]
+        try:
+            return self._encode_batch(prepared)
+        except Exception:
+            for i, item in enumerate(prepared):
+                for text in (item if isinstance(item, tuple) else (item,)):
+                    unicode_text(text, f"{what} {first + i}", "strict", hint="")
+            raise
 
     def _arrays(self, encodings, *, zero_types: bool) -> TokenizedTexts:
         n = len(encodings)

@@ -47,7 +47,7 @@ def _target(path: str) -> tuple[Path, bool]:
     except FileNotFoundError:
         return Path(os.path.realpath(path)), True
     except OSError as e:
-        raise OutputError(f"cannot write output {path}: {e.strerror}") from None
+        raise _output_error(path, e, e.strerror) from None
     if stat.S_ISDIR(st.st_mode):
         raise OutputError(f"output {path} is a directory")
     if stat.S_ISREG(st.st_mode):
@@ -115,7 +115,7 @@ class EmbeddingWriter:
                     self._spool = tempfile.TemporaryFile()
         except OSError as e:
             self._discard()
-            raise OutputError(f"cannot write output {path}: {e.strerror}") from None
+            raise _output_error(path, e, e.strerror) from None
         if fmt == "npy" and self._spool is None:
             self._write(self._header(0), spool=False)  # the row count is patched in commit()
 
@@ -130,7 +130,7 @@ class EmbeddingWriter:
         try:
             f.write(data)
         except OSError as e:
-            raise OutputError(f"cannot write output {self.path}: {e.strerror}") from None
+            raise _output_error(self.path, e, e.strerror) from None
 
     def write(self, embeddings: np.ndarray, keys=None):
         """Append (n, dim) rows; `keys`: their n keys (default: their line numbers)."""
@@ -169,7 +169,7 @@ class EmbeddingWriter:
                 self._parquet = pq.ParquetWriter(self._file, schema, use_dictionary=[self.key_name],
                                                  write_statistics=[self.key_name])
             except OSError as e:
-                raise OutputError(f"cannot write output {self.path}: {e}") from None
+                raise _output_error(self.path, e, e) from None
         schema = self._schema
         try:
             column = pa.array(keys, type=schema.field(0).type)
@@ -182,13 +182,13 @@ class EmbeddingWriter:
             self._parquet.write_table(table, row_group_size=max(1, PARQUET_ROW_GROUP_BYTES // values[:1].nbytes)
                                       if len(values) else None)
         except OSError as e:
-            raise OutputError(f"cannot write output {self.path}: {e}") from None
+            raise _output_error(self.path, e, e) from None
 
     def _flush(self):
         try:
             self._file.flush()
         except OSError as e:
-            raise OutputError(f"cannot write output {self.path}: {e.strerror}") from None
+            raise _output_error(self.path, e, e.strerror) from None
 
     def commit(self):
         """Finish the file: the npy header's row count or the Parquet footer, then the rename into place."""
@@ -198,7 +198,7 @@ class EmbeddingWriter:
             try:
                 self._parquet.close()
             except OSError as e:
-                raise OutputError(f"cannot write output {self.path}: {e}") from None
+                raise _output_error(self.path, e, e) from None
         if self.fmt == "npy":
             if self._spool is not None:
                 self._write(self._header(self.rows), spool=False)
@@ -209,7 +209,7 @@ class EmbeddingWriter:
                 try:
                     self._file.seek(0)
                 except OSError as e:
-                    raise OutputError(f"cannot write output {self.path}: {e.strerror}") from None
+                    raise _output_error(self.path, e, e.strerror) from None
                 self._write(self._header(self.rows), spool=False)
         self._flush()
         if self._target is None:
@@ -223,7 +223,7 @@ class EmbeddingWriter:
                 os.replace(self._tmp, self._target)
                 self._tmp = None
         except OSError as e:
-            raise OutputError(f"cannot write output {self.path}: {e.strerror}") from None
+            raise _output_error(self.path, e, e.strerror) from None
 
     def _discard(self):
         if self._parquet is not None and self._parquet.is_open:  # its footer goes to the file removed below
@@ -260,3 +260,11 @@ def write_embeddings(path: str, fmt: str, embeddings: np.ndarray):
     """Write (N, dim) float32 embeddings in one go (atomically, as EmbeddingWriter)."""
     with EmbeddingWriter(path, fmt, embeddings.shape[1]) as writer:
         writer.write(embeddings)
+
+
+def _output_error(path: str, error: OSError, detail) -> Exception:
+    """The error to raise for a failed write: a broken pipe as itself (the reader went away: the
+    command stops quietly, as Unix filters do), anything else as an OutputError naming the output."""
+    if isinstance(error, BrokenPipeError):
+        return error
+    return OutputError(f"cannot write output {path}: {detail}")

@@ -295,3 +295,89 @@ def test_gpu_workers_equal_single_process(st_model, tmp_path, workers):
     assert r.returncode == 0, r.stderr
     assert "7000 rows from 4 files" in r.stderr
     check_against_single_process(st_model, out, shards, cosine=EMBEDDING_COSINE_LOWP, device="cuda")
+
+
+def test_workers_the_cluster_cannot_hold_are_refused_before_starting(ray_cluster, st_model, tmp_path):
+    write_shards(tmp_path / "in", [20, 20, 20])
+    for args in (["--workers", "3", "--gpus-per-worker", "0"], ["--workers", "1", "--cpus-per-worker", "4"]):
+        start = time.monotonic()
+        r = encode_dataset(ray_cluster, tmp_path / "in", "-o", tmp_path / "out", "--model", st_model, *args)
+        assert r.returncode == 1 and "do not fit in the Ray cluster (2 CPUs, 0 GPUs" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and time.monotonic() - start < 60
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_sigterm_stops_a_job_whose_workers_wait_for_resources(ray_cluster, st_model, tmp_path):
+    """Another job holds the cluster's CPUs: the worker cannot start, no file is handed to it, and
+    SIGTERM still ends the job at once, leaving no worker behind."""
+    write_shards(tmp_path / "in", [20, 20])
+    class Holder:  # defined here: Ray ships a local class by value (this module is not importable there)
+        def ready(self):
+            return True
+
+    ray.init(address=ray_cluster, logging_level="ERROR", log_to_driver=False)
+    try:
+        holder = ray.remote(num_cpus=2)(Holder).remote()
+        ray.get(holder.ready.remote())
+        proc = encode_dataset(ray_cluster, tmp_path / "in", "-o", tmp_path / "out", "--model", st_model,
+                              "--workers", "1", "--gpus-per-worker", "0", wait=False)
+        try:
+            time.sleep(8)  # the job is up and waits for its worker
+            assert proc.poll() is None
+            stopped = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 143 and "terminated" in stderr, stderr
+        assert time.monotonic() - stopped < 30
+        assert _wait_for(lambda: not _worker_pids(), 30, subprocess.Popen(["sleep", "30"]))
+        assert not list((tmp_path / "out").glob("*.parquet"))
+    finally:
+        ray.shutdown()
+
+
+def test_output_folder_inside_the_input_folder_is_not_read_as_input(ray_cluster, st_model, tmp_path):
+    folder = tmp_path / "g3c"
+    shards = write_shards(folder, [30, 40], fmt="jsonl")
+    args = (folder, "-o", folder / "emb", "--model", st_model, "--id-column", "doc", *CPU_WORKERS)
+    r = encode_dataset(ray_cluster, *args)
+    assert r.returncode == 0 and "70 rows from 2 files" in r.stderr, r.stderr
+    r = encode_dataset(ray_cluster, *args)  # the advertised resume: nothing left to do
+    assert r.returncode == 0 and "0 rows from 0 files, 2 files already done" in r.stderr, r.stderr
+    check_against_single_process(st_model, folder / "emb", shards)
+
+
+def test_damaged_and_invalid_parquet_shards(ray_cluster, st_model, tmp_path):
+    from tests.test_bad_input import damaged_parquet, invalid_utf8_parquet
+    folder = tmp_path / "in"
+    folder.mkdir()
+    damaged_parquet(folder / "a.parquet", group=0)
+    r = encode_dataset(ray_cluster, folder, "-o", tmp_path / "out", "--model", st_model, *CPU_WORKERS)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "a.parquet as Parquet: row group 1 of 5" in r.stderr
+    damaged_parquet(folder / "a.parquet", group=3)  # past the rows checked before the job: a worker finds it
+    r = encode_dataset(ray_cluster, folder, "-o", tmp_path / "out", "--model", st_model, *CPU_WORKERS)
+    assert r.returncode == 1 and "row group 4 of 5 (rows 3001..4000) is damaged" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "RayTaskError" not in r.stderr
+    (folder / "a.parquet").unlink()
+    invalid_utf8_parquet(folder / "b.parquet")
+    r = encode_dataset(ray_cluster, folder, "-o", tmp_path / "out", "--model", st_model, *CPU_WORKERS)
+    assert r.returncode == 1 and "b.parquet, row 3: invalid UTF-8 in column 'text'" in r.stderr, r.stderr
+    r = encode_dataset(ray_cluster, folder, "-o", tmp_path / "out", "--model", st_model, "--errors", "replace",
+                       "--id-column", "id", *CPU_WORKERS)
+    assert r.returncode == 0, r.stderr
+    ids, got = read_output(tmp_path / "out" / "b.parquet", "id")
+    with Encoder.from_pretrained(st_model, device="cpu") as encoder:
+        expected = encoder.encode(["alpha beta", "gamma", "bad \ufffd\ufffd bytes", "delta"])
+    assert ids == ["a", "b", "c", "d"] and np.abs(got - expected).max() <= BATCHING_INVARIANCE_FP32
+
+
+def test_quiet_prints_nothing_on_a_new_local_cluster(st_model, tmp_path):
+    write_shards(tmp_path / "in", [10])
+    env = {k: v for k, v in _env().items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    r = encode_dataset("local", tmp_path / "in", "-o", tmp_path / "out", "--model", st_model, "--quiet",
+                       "--gpus-per-worker", "0", env=env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert (tmp_path / "out" / "part-0.parquet").exists()

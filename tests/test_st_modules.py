@@ -171,7 +171,7 @@ def test_cli_prompt_dimensions_precision(folder, reference, tmp_path):
     (["--precision", "int8"], "--precision int8 needs --ranges FILE.npy or --calibration FILE.npy"),
     (["--precision", "binary", "--ranges", "r.npy"], "--ranges and --calibration apply to int8 and uint8 only"),
     (["--prompt-name", "doc"], "prompt_name 'doc' is not one of this model's prompts"),
-    (["--precision", "uint8", "--ranges", "missing.npy"], "cannot read missing.npy as a .npy array"),
+    (["--precision", "uint8", "--ranges", "missing.npy"], "cannot read missing.npy: No such file"),
 ])
 def test_cli_refusals(folder, tmp_path, args, message):
     src = tmp_path / "in.txt"

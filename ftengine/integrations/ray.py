@@ -144,15 +144,20 @@ def plan_shards(input_path: str, output_dir: str, fmt: str | None) -> tuple[str,
     path, extension .parquet)."""
     if fmt is not None and fmt not in DATASET_FORMATS:
         raise InputError(f"input format {fmt!r} is not one of {', '.join(DATASET_FORMATS)}")
+    out = os.path.abspath(output_dir)
+    # an output folder inside the input folder holds the outputs of an earlier run, not inputs (the
+    # input folder itself as the output is refused below, file by file)
+    skip = out if os.path.abspath(input_path) != out else None
     if os.path.isdir(input_path):
         base = input_path
-        files = [str(p) for p in Path(input_path).rglob("*") if p.is_file() and not p.name.startswith((".", "_"))]
+        files = [str(p) for p in Path(input_path).rglob("*") if p.is_file() and not p.name.startswith((".", "_"))
+                 and not _inside(str(p), skip)]
         files = [f for f in files if _shard_format(f) is not None and (fmt is None or _shard_format(f) == fmt)]
         if not files:
             wanted = fmt or "/".join(sorted(set(_SHARD_EXTENSIONS)))
             raise InputError(f"no {wanted} files in {input_path}")
     else:
-        files = [f for f in glob.glob(input_path, recursive=True) if os.path.isfile(f)]
+        files = [f for f in glob.glob(input_path, recursive=True) if os.path.isfile(f) and not _inside(f, skip)]
         if not files:
             raise InputError(f"no input files match {input_path}")
         base = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
@@ -163,7 +168,7 @@ def plan_shards(input_path: str, output_dir: str, fmt: str | None) -> tuple[str,
         raise InputError(f"cannot tell the format of {unknown} from its name: give --input-format")
     if len(formats) > 1:
         raise InputError(f"the input mixes formats ({', '.join(sorted(formats))}): give one with --input-format")
-    base, out = os.path.abspath(base), os.path.abspath(output_dir)
+    base = os.path.abspath(base)
     shards, targets = [], {}
     for f in files:
         target = os.path.join(out, os.path.splitext(os.path.relpath(f, base))[0] + ".parquet")
@@ -176,14 +181,19 @@ def plan_shards(input_path: str, output_dir: str, fmt: str | None) -> tuple[str,
     return formats.pop(), shards
 
 
-def check_shards(shards: list[Shard], fmt: str, text_column: str, id_column: str | None):
+def check_shards(shards: list[Shard], fmt: str, text_column: str, id_column: str | None, *, errors: str = "strict"):
     """Refuse, before any worker starts, a shard still to do whose columns (CSV, Parquet) or
     first record (JSONL) lack the text or id column."""
     for shard in shards:
         if not shard.done:
-            records = open_records(shard.source, fmt, text_field=text_column, id_field=id_column)
+            records = open_records(shard.source, fmt, text_field=text_column, id_field=id_column, errors=errors)
             next(iter(records.texts), None)
             records.texts.close()
+
+
+def _inside(path: str, folder: str | None) -> bool:
+    """Whether `path` lies inside the absolute `folder` (None: no folder)."""
+    return folder is not None and os.path.commonpath([os.path.abspath(path), folder]) == folder
 
 
 def _shard_format(path: str) -> str | None:
@@ -197,20 +207,25 @@ class ShardEncoder:
     place when complete), so a worker's tokeniser and device stay busy for a whole file and
     its rows never cross the object store."""
 
-    def __init__(self, fmt: str, text_column: str, id_column: str | None, embedder: dict):
-        self.fmt, self.text_column, self.id_column = fmt, text_column, id_column
+    def __init__(self, fmt: str, text_column: str, id_column: str | None, embedder: dict, errors: str = "strict"):
+        self.fmt, self.text_column, self.id_column, self.errors = fmt, text_column, id_column, errors
         self.error = None
         try:
             self.embedder = FtengineEmbedder(**embedder, text_column=text_column)
         except FtengineError as e:  # raised by each call: an actor whose constructor fails dies without its message
             self.error = e
 
+    def ready(self) -> bool:
+        """Answered once the worker runs: the driver hands files only to workers that do."""
+        return True
+
     def encode_shard(self, source: str, target: str) -> tuple[int, int]:
         """Embed `source` into the Parquet file `target`; (rows, tokens)."""
         if self.error is not None:
             raise self.error
         e = self.embedder
-        records = open_records(source, self.fmt, text_field=self.text_column, id_field=self.id_column)
+        records = open_records(source, self.fmt, text_field=self.text_column, id_field=self.id_column,
+                               errors=self.errors)
         stats = EncodeStats()
         with EmbeddingWriter(target, "parquet", e.dim, key_name=records.key_name, key_type=records.key_type) as writer:
             embed_records(e.encoder, records, writer, truncate=e.truncate, stats=stats, **e.options)
@@ -218,6 +233,34 @@ class ShardEncoder:
 
 
 STOP_WAIT_SECONDS = 30  # after a failure or an interruption, how long the driver waits for killed workers to go
+WAIT_SLICE_SECONDS = 0.5  # the driver waits on Ray in slices this long, so that Ctrl-C and SIGTERM act at once
+START_WAIT_SECONDS = 600  # how long the job waits for a first worker to start (a model to load) before giving up
+
+
+def placeable_workers(nodes: list, cpus_per_worker: float, gpus_per_worker: float) -> int:
+    """How many workers of these CPUs and GPUs the live nodes (ray.nodes()) hold at once."""
+    total = 0
+    for node in nodes:
+        if not node.get("Alive"):
+            continue
+        resources = node.get("Resources", {})
+        fits = [resources.get(name, 0) / need for name, need in (("CPU", cpus_per_worker), ("GPU", gpus_per_worker))
+                if need > 0]
+        total += int(min(fits) + 1e-9) if fits else 1 << 30
+    return total
+
+
+def check_resources(workers: int, cpus_per_worker: float, gpus_per_worker: float):
+    """Refuse, before any worker starts, workers the Ray cluster cannot run at once: each would wait
+    for resources that never come."""
+    import ray
+    fit = placeable_workers(ray.nodes(), cpus_per_worker, gpus_per_worker)
+    if workers > fit:
+        have = ray.cluster_resources()
+        need = f"{cpus_per_worker:g} CPUs" + (f" and {gpus_per_worker:g} GPUs" if gpus_per_worker else "")
+        raise InputError(f"{workers} workers of {need} each do not fit in the Ray cluster ({have.get('CPU', 0):g} CPUs, "
+                         f"{have.get('GPU', 0):g} GPUs; room for {fit} such workers at once): see --workers, "
+                         "--cpus-per-worker, --gpus-per-worker")
 
 
 def default_cpus_per_worker(gpus_per_worker: float) -> float:
@@ -232,7 +275,7 @@ def default_cpus_per_worker(gpus_per_worker: float) -> float:
 
 
 def encode_dataset(shards: list[Shard], fmt: str, *, text_column: str = "text", id_column: str | None = None,
-                   workers: int = 1, gpus_per_worker: float = 1.0, cpus_per_worker: float = 1.0,
+                   errors: str = "strict", workers: int = 1, gpus_per_worker: float = 1.0, cpus_per_worker: float = 1.0,
                    embedder: dict | None = None, progress=None) -> DatasetStats:
     """Embed the shards not yet done on the Ray cluster this process is connected to: `workers`
     ShardEncoder actors, each with `gpus_per_worker` GPUs (0: on the CPU) and `cpus_per_worker`
@@ -257,14 +300,28 @@ def encode_dataset(shards: list[Shard], fmt: str, *, text_column: str = "text", 
     worker = ray.remote(ShardEncoder).options(
         num_gpus=gpus_per_worker, num_cpus=cpus_per_worker, max_restarts=-1, max_task_retries=-1,
         runtime_env={"env_vars": {"RAYON_NUM_THREADS": threads}})
-    actors = [worker.remote(fmt, text_column, id_column, kwargs) for _ in range(min(workers, len(pending)))]
-    idle, todo, running = list(actors), list(reversed(pending)), {}
+    actors = [worker.remote(fmt, text_column, id_column, kwargs, errors) for _ in range(min(workers, len(pending)))]
+    starting = {actor.ready.remote(): actor for actor in actors}
+    idle, todo, running = [], list(reversed(pending)), {}
+    waited = 0.0
     try:
         while todo or running:
             while idle and todo:
                 shard, actor = todo.pop(), idle.pop()
                 running[actor.encode_shard.remote(shard.source, shard.target)] = actor
-            (ref,), _ = ray.wait(list(running), num_returns=1)
+            done, _ = ray.wait([*running, *(starting if todo else ())], num_returns=1, timeout=WAIT_SLICE_SECONDS)
+            if not done:
+                waited = 0.0 if running else waited + WAIT_SLICE_SECONDS
+                if waited > START_WAIT_SECONDS:
+                    raise InputError(f"no worker started in {START_WAIT_SECONDS} s: the Ray cluster has "
+                                     f"{ray.available_resources()} free (see --workers, --cpus-per-worker, "
+                                     "--gpus-per-worker)")
+                continue
+            ref = done[0]
+            if ref in starting:
+                ray.get(ref)
+                idle.append(starting.pop(ref))
+                continue
             idle.append(running.pop(ref))
             rows, _tokens = ray.get(ref)
             stats.rows += rows
