@@ -9,11 +9,14 @@ Public API:
     Reranker.predict(pairs) -> np.ndarray; Reranker.rank(query, documents, top_k=None) -> list[dict]
     Generator.from_pretrained(path, device="auto", dtype=None)
     Generator.generate(prompts, *, max_new_tokens, ...) -> list[GenerationResult]
+    Translator.from_pretrained(path, device="auto", dtype=None)
+    Translator.translate(texts, *, tgt_lang=None, num_beams=..., ...) -> list[TranslationResult]
 """
 
 from .encoder import EncodeStats, Encoder
 from .generator import GenerationResult, Generator
 from .reranker import Reranker
+from .translator import TranslationResult, Translator
 from .errors import CheckpointError, ConfigError, DeviceError, FtengineError, InputError, OutputError
 
 __all__ = [
@@ -22,6 +25,8 @@ __all__ = [
     "Reranker",
     "Generator",
     "GenerationResult",
+    "Translator",
+    "TranslationResult",
     "FtengineError",
     "ConfigError",
     "CheckpointError",

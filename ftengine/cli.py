@@ -24,7 +24,7 @@ from .errors import DeviceError, InputError
 from .output import PRECISIONS, calibration_ranges, needs_ranges, output_dtype
 from .records import INPUT_FORMATS, embed_records, input_format, open_records
 from .textio import iter_lines, read_lines, unicode_text
-from .writers import FORMATS, EmbeddingWriter, check_writable, output_format
+from .writers import FORMATS, EmbeddingWriter, LineWriter, check_writable, output_format
 
 
 def _fail(message: str):
@@ -577,6 +577,104 @@ def _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json,
         _fail(str(e))
     for r in results:
         click.echo(json.dumps(r.to_json(), ensure_ascii=False) if as_json else r.prompt + r.text)
+
+
+TRANSLATE_WINDOW = 512  # sources read, translated (sorted by length into batches) and written at a time
+
+
+@main.command()
+@click.argument("input_path", metavar="[INPUT|-]", default="-")
+@click.option("-o", "--output", default="-", show_default=True,
+              help="Output file: one translation a line, or with --json (or a .jsonl name) one JSON object a "
+                   "source; '-' writes to stdout.")
+@click.option("--model", "model_path", required=True, help="Encoder-decoder checkpoint folder (Marian / opus-mt).")
+@click.option("--input-format", "input_format_name", type=click.Choice(INPUT_FORMATS), default=None,
+              help="Input format. Default: from the input's file name; text lines on stdin.")
+@click.option("--text-field", "--text-column", "text_field", default=None,
+              help="The JSONL field or CSV/TSV/Parquet column holding the source text. Default: text.")
+@click.option("--src-lang", default=None, help="The source language, for multilingual models that take one.")
+@click.option("--tgt-lang", default=None, help="The target language (a multilingual Marian model's >>lang<< code).")
+@click.option("--num-beams", type=click.IntRange(min=1), default=None, help="Beam search width (default: the model's).")
+@click.option("--num-return-sequences", type=click.IntRange(min=1), default=None,
+              help="Hypotheses per source in --json candidates (at most --num-beams).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+              help="Most tokens generated per source (default: the model's max_length less the start token).")
+@click.option("--min-new-tokens", type=click.IntRange(min=0), default=None)
+@click.option("--length-penalty", type=float, default=None)
+@click.option("--early-stopping", type=click.Choice(["true", "false", "never"]), default=None)
+@click.option("--no-repeat-ngram-size", type=click.IntRange(min=0), default=None)
+@click.option("--repetition-penalty", type=float, default=None)
+@click.option("--do-sample", is_flag=True, default=None, help="Sample instead of greedy decoding or beam search.")
+@click.option("--top-k", type=click.IntRange(min=0), default=None)
+@click.option("--top-p", type=float, default=None)
+@click.option("--temperature", type=float, default=None)
+@click.option("--seed", type=int, default=None, help="Seed of the counter-based RNG (sampling).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per source (also chosen by a .jsonl output).")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=None)
+@click.option("--max-batch", type=click.IntRange(min=1), default=None,
+              help="Most decoder rows (sources x beams) translated at once.")
+@click.option("--errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True,
+              help="Text that is not valid UTF-8 / Unicode: fail naming the line, or replace with U+FFFD.")
+@click.option("--truncate/--no-truncate", default=True, show_default=True,
+              help="Cut sources longer than the model takes, or fail naming the source.")
+@click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
+def translate(input_path, output, model_path, input_format_name, text_field, src_lang, tgt_lang, num_beams,
+              num_return_sequences, max_new_tokens, min_new_tokens, length_penalty, early_stopping,
+              no_repeat_ngram_size, repetition_penalty, do_sample, top_k, top_p, temperature, seed, as_json, device,
+              dtype, max_batch, errors, truncate, quiet):
+    """Translate each record of INPUT (text lines, or the text field of a JSONL, CSV, TSV or Parquet
+    file) with an encoder-decoder model: one output per record, in order, as the work goes."""
+    from .translator import Translator
+    options = dict(num_beams=num_beams, num_return_sequences=num_return_sequences, max_new_tokens=max_new_tokens,
+                   min_new_tokens=min_new_tokens, length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                   repetition_penalty=repetition_penalty, do_sample=do_sample, top_k=top_k, top_p=top_p,
+                   temperature=temperature, seed=seed,
+                   early_stopping=None if early_stopping is None else
+                   {"true": True, "false": False, "never": "never"}[early_stopping])
+    translator = None
+    try:
+        with _exits_when_stopped():
+            in_fmt = input_format(input_path, input_format_name)
+            if in_fmt == "txt" and text_field is not None:
+                raise InputError(f"--text-field applies to jsonl, csv, tsv and parquet input; {input_path} is read "
+                                 "as text lines (see --input-format)")
+            as_json = as_json or output.lower().endswith(".jsonl")
+            check_writable(output)
+            records = open_records(input_path, in_fmt, text_field=text_field or "text", errors=errors)
+            translator = Translator.from_pretrained(model_path, device=device, dtype=dtype)
+            if src_lang is not None:
+                raise InputError(f"--src-lang: {model_path} translates from one source language "
+                                 f"({translator.config.model_type}); leave the option out")
+            translator.params(**options)  # every option checked before the first source is read
+            translator.text.check_language(tgt_lang, "--tgt-lang")
+            start, lines, tokens = time.perf_counter(), 0, 0
+            from tqdm import tqdm
+            texts = iter(records.texts)
+            with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
+                    LineWriter(output) as writer:
+                while window := list(islice(texts, TRANSLATE_WINDOW)):
+                    keys = records.take_keys(len(window))
+                    results = translator.translate(window, tgt_lang=tgt_lang, max_batch=max_batch,
+                                                   truncate=truncate, **options)
+                    writer.write_lines([json.dumps({records.key_name: key, **r.to_json()}, ensure_ascii=False)
+                                        if as_json else r.text.replace("\n", " ") for key, r in zip(keys, results)])
+                    lines += len(window)
+                    tokens += sum(len(c.token_ids) for r in results for c in r.candidates[:1])
+                    bar.update(len(window))
+            seconds = time.perf_counter() - start
+            translator.close()
+    except FtengineError as e:
+        if translator is not None:
+            translator.close()
+        _fail(str(e))
+    except BrokenPipeError:
+        translator.close()
+        raise
+    if not quiet:
+        click.echo(f"ftengine: {lines} lines, {tokens} tokens generated, on {translator.device} ({translator.dtype}), "
+                   f"{seconds:.2f} s, {_rate(lines, seconds)} lines/s, {_rate(tokens, seconds)} tokens/s "
+                   f"-> {'stdout' if output == '-' else output}", err=True)
 
 
 if __name__ == "__main__":

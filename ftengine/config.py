@@ -340,3 +340,86 @@ def load_gpt2_config(model_dir: Path) -> GPT2Config:
     gen_path = Path(model_dir) / "generation_config.json"
     generation = read_json(gen_path, "generation config") if gen_path.is_file() else None
     return GPT2Config.from_dict(read_json(path, "model config"), path, generation)
+
+
+# encoder-decoder activation_function -> the feed-forward's activation (add_bias_act / erf GELU)
+SEQ2SEQ_ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}
+SEQ2SEQ_FAMILIES = ("marian",)
+# generation_config.json fields the encoder-decoders use, read as the defaults of each call
+GENERATION_FIELDS = ("num_beams", "max_length", "max_new_tokens", "min_length", "min_new_tokens", "length_penalty",
+                     "no_repeat_ngram_size", "early_stopping", "repetition_penalty", "do_sample", "temperature",
+                     "top_k", "top_p", "num_return_sequences", "bad_words_ids", "forced_eos_token_id",
+                     "renormalize_logits")
+
+
+@dataclass(frozen=True)
+class Seq2SeqConfig:
+    model_type: str                # "marian" (Helsinki-NLP opus-mt-*)
+    vocab_size: int                # 58101 (opus-mt-en-de): one vocabulary for both sides
+    d_model: int                   # 512
+    encoder_layers: int            # 6
+    decoder_layers: int            # 6
+    encoder_heads: int             # 8
+    decoder_heads: int             # 8
+    encoder_ffn: int               # 2048
+    decoder_ffn: int               # 2048
+    activation: str                # "silu" (Marian's swish), "relu" or "gelu" (erf)
+    max_positions: int             # 512: the longest source and target
+    scale_embedding: bool          # True: token embeddings x sqrt(d_model)
+    layer_norm_eps: float          # 1e-5 (torch.nn.LayerNorm's default)
+    tie_word_embeddings: bool      # True: the LM head is the shared embedding table
+    pad_token_id: int              # 58100
+    eos_token_id: int              # 0
+    decoder_start_token_id: int    # 58100 (the pad token)
+    generation: dict               # generation_config.json's GENERATION_FIELDS, e.g. {"num_beams": 4}
+
+    @property
+    def n_positions(self) -> int:  # the target's room, as the generation loop checks it
+        return self.max_positions
+
+    @classmethod
+    def from_dict(cls, data: dict, path: Path, generation: dict | None = None) -> "Seq2SeqConfig":
+        keys = _Keys(data, path)
+        model_type = keys.required("model_type", str)
+        if model_type not in SEQ2SEQ_FAMILIES:
+            raise ConfigError(f"{path}: model_type {model_type!r} is not supported by the translator; supported: "
+                              f"{', '.join(SEQ2SEQ_FAMILIES)}")
+        if data.get("share_encoder_decoder_embeddings") is False:
+            raise ConfigError(f"{path}: separate source and target vocabularies (share_encoder_decoder_embeddings "
+                              "false) are not supported")
+        if data.get("normalize_before") or data.get("add_final_layer_norm"):
+            raise ConfigError(f"{path}: pre-LayerNorm Marian variants (normalize_before) are not supported")
+        d_model, encoder_heads = keys.width_and_heads("d_model", "encoder_attention_heads")
+        _, decoder_heads = keys.width_and_heads("d_model", "decoder_attention_heads")
+        act = keys.one_of("activation_function", tuple(SEQ2SEQ_ACTIVATIONS), "gelu")
+        ids = {name: keys.at_least(name, 0) for name in ("pad_token_id", "eos_token_id")}
+        start = (generation or {}).get("decoder_start_token_id", data.get("decoder_start_token_id", ids["pad_token_id"]))
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise ConfigError(f"{path}: decoder_start_token_id must be a non-negative int, found {start!r}")
+        defaults = {k: v for k, v in (generation or {}).items() if k in GENERATION_FIELDS and v is not None}
+        return cls(
+            model_type=model_type,
+            vocab_size=keys.positive("vocab_size"),
+            d_model=d_model,
+            encoder_layers=keys.positive("encoder_layers"),
+            decoder_layers=keys.positive("decoder_layers"),
+            encoder_heads=encoder_heads,
+            decoder_heads=decoder_heads,
+            encoder_ffn=keys.positive("encoder_ffn_dim"),
+            decoder_ffn=keys.positive("decoder_ffn_dim"),
+            activation=SEQ2SEQ_ACTIVATIONS[act],
+            max_positions=keys.positive("max_position_embeddings"),
+            scale_embedding=bool(data.get("scale_embedding", False)),
+            layer_norm_eps=1e-5,
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", True)),
+            decoder_start_token_id=start,
+            generation=defaults,
+            **ids,
+        )
+
+
+def load_seq2seq_config(model_dir: Path) -> Seq2SeqConfig:
+    path = Path(model_dir) / "config.json"
+    gen_path = Path(model_dir) / "generation_config.json"
+    generation = read_json(gen_path, "generation config") if gen_path.is_file() else None
+    return Seq2SeqConfig.from_dict(read_json(path, "model config"), path, generation)

@@ -256,6 +256,21 @@ class EmbeddingWriter:
         return False
 
 
+class LineWriter(EmbeddingWriter):
+    """Lines of text (a translation, or a JSON object, a line) written as they come, committed or
+    removed as EmbeddingWriter's are: to a temporary file renamed into place at the end, or to
+    stdout ('-') and other targets that are not regular files directly, flushed each time."""
+
+    def __init__(self, path: str):
+        super().__init__(path, "text", 0)
+
+    def write_lines(self, lines: list):
+        self._write("".join(line + "\n" for line in lines).encode("utf-8"))
+        if self._target is None:
+            self._flush()
+        self.rows += len(lines)
+
+
 def write_embeddings(path: str, fmt: str, embeddings: np.ndarray):
     """Write (N, dim) float32 embeddings in one go (atomically, as EmbeddingWriter)."""
     with EmbeddingWriter(path, fmt, embeddings.shape[1]) as writer:

@@ -46,10 +46,11 @@ __global__ void gated_gelu(T* __restrict__ out, const T* __restrict__ x, const T
     }
 }
 
-// Bias + activation on the float32 rows of a head after pooling (sentence-transformers Dense
-// modules, classification heads): 0 identity, 1 tanh, 2 relu, 3 gelu (erf); then, where `norm`
-// is 1, LayerNorm(gamma, beta, eps) of the row (ModernBERT's head).
-// Reference: ftengine/backends/numpy_ops.py dense. grid (rows), `out` may alias `x`.
+// Bias + activation, a block a row: 0 identity, 1 tanh, 2 relu, 3 gelu (erf), 4 silu (swish); then,
+// where `norm` is 1, LayerNorm(gamma, beta, eps) of the row. The float32 rows of a head after pooling
+// (sentence-transformers Dense modules, classification heads; ModernBERT's norm), and the relu / silu
+// feed-forward of the encoder-decoders. Reference: ftengine/backends/reference dense, add_bias_act.
+// grid (rows), `out` may alias `x`.
 template <typename T>
 __global__ void add_bias_act(T* out, const T* x, const T* __restrict__ bias, int N, int act, int norm,
                              const float* __restrict__ gamma, const float* __restrict__ beta, float eps) {
@@ -62,6 +63,7 @@ __global__ void add_bias_act(T* out, const T* x, const T* __restrict__ bias, int
         if (act == 1) v = tanhf(v);
         else if (act == 2) v = fmaxf(v, 0.0f);
         else if (act == 3) v = gelu(v, 0);
+        else if (act == 4) v = v / (1.0f + expf(-v));
         out[base + col] = from_float<T>(v);
         sum += v;
     }

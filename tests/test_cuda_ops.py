@@ -178,6 +178,19 @@ def test_add_bias_gelu(cu, rng, dtype, form, inter):
     assert_close(cu, out, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["identity", "relu", "silu"])
+@pytest.mark.parametrize("n", [37, 2048, 58101])
+def test_add_bias_act(cu, rng, dtype, act, n):
+    t = 9
+    (x, xh), (b, bh) = (quantize(cu, 3 * rng.standard_normal(s), dtype) for s in ((t, n), (n,)))
+    out = poisoned(cu, (t, n), dtype)
+    expected = np.empty((t, n), np.float32)
+    ref.add_bias_act(expected, xh, bh, act=act)
+    cu.add_bias_act(out, x, b, act=act)
+    assert_close(cu, out, expected, dtype)
+
+
 SPLITS = [(1, 1, 12, 64), (3, 17, 6, 64), (2, 128, 16, 64), (5, 33, 4, 50), (64, 8, 12, 32)]
 
 

@@ -504,3 +504,78 @@ def write_gpt2_checkpoint(folder, *, seed: int = 0, **config_args) -> Path:
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     save_file(random_gpt2_tensors(config, seed=seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
+
+
+# ---------------------------------------------------------------- encoder-decoders
+
+MARIAN_CORPUS = [" ".join(WORDS[i:i + 7]) for i in range(len(WORDS) - 7)] + ["hello world, the quick brown fox!"] * 3
+
+
+def write_marian_tokenizer(folder: Path, *, vocab_size: int = 72) -> dict:
+    """Marian's tokenizer files: source.spm / target.spm (one unigram sentencepiece model, trained on
+    MARIAN_CORPUS) and vocab.json ("</s>" 0, "<unk>" 1, the model's pieces, "<pad>" last, two
+    >>lang<< codes); returns the vocabulary."""
+    import io
+
+    import sentencepiece
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(MARIAN_CORPUS), model_writer=model,
+                                             vocab_size=vocab_size, model_type="unigram", character_coverage=1.0,
+                                             minloglevel=2)
+    for name in ("source.spm", "target.spm"):
+        (folder / name).write_bytes(model.getvalue())
+    processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+    pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+    vocab = {"</s>": 0, "<unk>": 1}
+    for piece in [">>deu<<", ">>fra<<"] + [p for p in pieces if p not in ("<unk>", "<s>", "</s>")]:
+        vocab.setdefault(piece, len(vocab))
+    vocab["<pad>"] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"source_lang": "en", "target_lang": "de",
+                                                              "model_max_length": 512, "separate_vocabs": False}))
+    return vocab
+
+
+def write_marian_checkpoint(folder, *, seed: int = 0, d_model=32, layers=2, heads=4, ffn=37, max_positions=64,
+                            activation="swish", generation: dict | None = None) -> Path:
+    """A random MarianMTModel folder in HF's format (opus-mt's settings: scaled embeddings, swish,
+    the pad token as the decoder's start) with its sentencepiece tokenizer; weights scaled so that
+    every sub-layer shows in the logits."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_marian_tokenizer(folder)
+    v, pad = len(vocab), vocab["<pad>"]
+    config = {"model_type": "marian", "architectures": ["MarianMTModel"], "vocab_size": v, "decoder_vocab_size": v,
+              "d_model": d_model, "encoder_layers": layers, "decoder_layers": layers,
+              "encoder_attention_heads": heads, "decoder_attention_heads": heads, "encoder_ffn_dim": ffn,
+              "decoder_ffn_dim": ffn, "activation_function": activation, "max_position_embeddings": max_positions,
+              "scale_embedding": True, "share_encoder_decoder_embeddings": True, "tie_word_embeddings": True,
+              "pad_token_id": pad, "eos_token_id": 0, "decoder_start_token_id": pad, "forced_eos_token_id": 0,
+              "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "is_encoder_decoder": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    gen = {"decoder_start_token_id": pad, "eos_token_id": 0, "pad_token_id": pad, "forced_eos_token_id": 0,
+           "bad_words_ids": [[pad]], "renormalize_logits": True, "max_length": 24, "num_beams": 1}
+    gen.update(generation or {})
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    rng = np.random.default_rng(seed)
+    tensors = {"model.shared.weight": rng.normal(0, 1.0, (v, d_model)),
+               "final_logits_bias": rng.normal(0, 0.3, (1, v))}
+    for side in ("encoder", "decoder"):
+        for i in range(layers):
+            base = f"model.{side}.layers.{i}"
+            attentions = ["self_attn"] + (["encoder_attn"] if side == "decoder" else [])
+            for attention in attentions:
+                for proj in ("q", "k", "v", "out"):
+                    tensors[f"{base}.{attention}.{proj}_proj.weight"] = rng.normal(0, 0.4, (d_model, d_model))
+                    tensors[f"{base}.{attention}.{proj}_proj.bias"] = rng.normal(0, 0.2, d_model)
+            norms = ["self_attn_layer_norm", "final_layer_norm"] + (["encoder_attn_layer_norm"] if side == "decoder"
+                                                                    else [])
+            for norm in norms:
+                tensors[f"{base}.{norm}.weight"] = 1.0 + rng.normal(0, 0.2, d_model)
+                tensors[f"{base}.{norm}.bias"] = rng.normal(0, 0.2, d_model)
+            tensors[f"{base}.fc1.weight"] = rng.normal(0, 0.4, (ffn, d_model))
+            tensors[f"{base}.fc1.bias"] = rng.normal(0, 0.2, ffn)
+            tensors[f"{base}.fc2.weight"] = rng.normal(0, 0.4, (d_model, ffn))
+            tensors[f"{base}.fc2.bias"] = rng.normal(0, 0.2, d_model)
+    save_file({k: np.ascontiguousarray(a, np.float32) for k, a in tensors.items()}, str(folder / "model.safetensors"))
+    return folder

@@ -12,7 +12,7 @@ op family as in backends/cuda/ (docs/gpu-internals.md has the op table).
 
 from __future__ import annotations
 
-from .reference.activation import add_bias_gelu, gated_gelu
+from .reference.activation import add_bias_act, add_bias_gelu, gated_gelu
 from .reference.attention import (add_qkv_bias_split_heads, add_relative_bias, cached_attention, decode_attention,
                                   masked_softmax, merge_heads, rotary_qkv, varlen_attention, write_kv_cache)
 from .reference.fp8 import (E4M3_MAX, add_bias_gelu_quantize, add_bias_residual_layernorm_quantize, check_fp8,
@@ -32,7 +32,7 @@ name = "numpy"
 __all__ = [
     "name", "STORAGE", "storage_dtype", "empty", "pinned_empty", "to_device", "copy_from_host", "to_host",
     "synchronize", "prepare_kernels", "DeviceTimer", "GraphCache", "prefetch_l2", "prefetch_kv", "join_beside", "zero",
-    "HostSlot", "copy_to_host_async", "gated_gelu", "add_bias_gelu", "embed_layernorm", "add_bias_residual_layernorm",
+    "HostSlot", "copy_to_host_async", "gated_gelu", "add_bias_act", "add_bias_gelu", "embed_layernorm", "add_bias_residual_layernorm",
     "embed_positions", "layernorm", "add_bias_residual", "residual_layernorm", "gather_rows", "matmul",
     "matmul_bias_gelu", "batched_matmul", "dense", "partials_size", "matmul_residual_layernorm",
     "matmul_bias_residual_layernorm", "add_qkv_bias_split_heads", "add_relative_bias", "masked_softmax",

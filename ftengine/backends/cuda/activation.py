@@ -6,6 +6,9 @@ import numpy as np
 
 from .runtime import _ctype, _launch, _threads, _vec
 
+# activation.cu add_bias_act's codes
+ACTIVATIONS = {"identity": 0, "tanh": 1, "relu": 2, "gelu": 3, "silu": 4}
+
 
 GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
 GELU_FORMS = {"erf": 0, "tanh": 1}
@@ -35,3 +38,10 @@ def add_bias_gelu(out, x, bias, *, form):
     vec = _vec(out, i)
     _launch("activation.cu", f"add_bias_gelu<{_ctype(out)}, {vec}>", (-(-t // GELU_ROWS),), (_threads(i // vec),),
             (out, x, bias, np.int32(i), np.int32(t), np.int32(code)))
+
+
+def add_bias_act(out, x, bias, *, act):
+    """out (T, N) = act(x + bias) for act in ACTIVATIONS, a block a row; out may alias x."""
+    t, n = out.shape
+    _launch("activation.cu", f"add_bias_act<{_ctype(out)}>", (t,), (_threads(n, 256),),
+            (out, x, bias, np.int32(n), np.int32(ACTIVATIONS[act]), np.int32(0), bias, bias, np.float32(0.0)))

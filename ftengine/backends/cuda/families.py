@@ -49,7 +49,8 @@ FAMILIES = {
     "embedding.cu": lambda t: _row_variants("embed_layernorm", t),
     "layernorm.cu": lambda t: _after_product_variants("add_bias_residual_layernorm", t, BLAS_SPLITS)
     + [f"add_bias_residual_layernorm<{t}, {t}, 1, {VECS[t][0]}, {i}, {LN_ROW_WARPS}>" for i in ROW_WARP_ITEMS],
-    "activation.cu": lambda t: _vec_variants("add_bias_gelu", t) + _vec_variants("gated_gelu", t),
+    "activation.cu": lambda t: (_vec_variants("add_bias_gelu", t) + _vec_variants("gated_gelu", t)
+                                + ([] if t == "float" else [f"add_bias_act<{t}>"])),
     "rotary.cu": lambda t: [f"rotary_qkv<{t}>"],
     "attention.cu": lambda t: (_vec_variants("add_qkv_bias_split_heads", t) + _vec_variants("merge_heads", t)
                                + _softmax_variants(t) + [f"add_relative_bias<{t}>"]),

@@ -13,7 +13,7 @@ import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
-from .activation import _gelu_form, add_bias_gelu
+from .activation import ACTIVATIONS, _gelu_form, add_bias_gelu
 from .algos import algorithm
 from .kernels import kernel
 from .launch import TensorMap, max_active_clusters
@@ -262,9 +262,6 @@ def _matmul_wgmma(out, x, weight, bias, epilogue: int, bn: int):
             shared_mem=wgmma_shared_mem(x.itemsize, bn))
 
 
-HEAD_ACTIVATIONS = {"identity": 0, "tanh": 1, "relu": 2, "gelu": 3}
-
-
 def dense(out, x, weight, bias, *, activation, norm=()):
     """out (M, N) = activation(x (M, K) @ weight (N, K)^T + bias), then LayerNorm with norm =
     (gamma, beta, eps) if given, all float32: the layers of a head after pooling (cuBLAS, then
@@ -277,7 +274,7 @@ def dense(out, x, weight, bias, *, activation, norm=()):
                                 cb.DATA_TYPES["float32"], k, out.data.ptr, cb.DATA_TYPES["float32"], n)
     gamma, beta, eps = norm or (bias, bias, 0.0)
     _launch("activation.cu", "add_bias_act<float>", (m,), (_threads(n, 256),),
-            (out, out, bias, np.int32(n), np.int32(HEAD_ACTIVATIONS[activation]), np.int32(bool(norm)), gamma, beta,
+            (out, out, bias, np.int32(n), np.int32(ACTIVATIONS[activation]), np.int32(bool(norm)), gamma, beta,
              np.float32(eps)))
 
 

@@ -18,7 +18,7 @@ file -> launcher module -> NumPy function). Model code calls ops through this mo
 
 from __future__ import annotations
 
-from .activation import GELU_FORMS, add_bias_gelu, gated_gelu
+from .activation import GELU_FORMS, add_bias_act, add_bias_gelu, gated_gelu
 from .attention import (add_qkv_bias_split_heads, add_relative_bias, cached_attention, decode_attention,
                         masked_softmax, merge_heads, rotary_qkv, varlen_attention, write_kv_cache)
 from .families import prepare_kernels
@@ -37,7 +37,7 @@ from .sampling import CHOICE_STATE_WORDS, append_tokens, beam_select, choice_sli
 name = "cuda"
 
 __all__ = [
-    "name", "GELU_FORMS", "add_bias_gelu", "gated_gelu", "add_qkv_bias_split_heads", "add_relative_bias",
+    "name", "GELU_FORMS", "add_bias_act", "add_bias_gelu", "gated_gelu", "add_qkv_bias_split_heads", "add_relative_bias",
     "cached_attention", "decode_attention", "masked_softmax", "merge_heads", "rotary_qkv", "varlen_attention",
     "write_kv_cache", "prepare_kernels", "add_bias_gelu_quantize", "add_bias_residual_layernorm_quantize",
     "check_fp8", "matmul_fp8", "quantize_rows", "batched_matmul", "blas_split_k", "dense", "matmul",

@@ -82,3 +82,23 @@ def add_bias_gelu(out, x, bias, *, form):
         y = x[lo:hi] + bias
         _gelu_block(out[lo:hi], y, form)
     _by_row_blocks(block, out.shape[0], out.shape[1])
+
+
+def activate(y, act: str):
+    """act(y) for the activations of activation.cu add_bias_act: identity, tanh, relu, gelu (erf), silu."""
+    if act == "tanh":
+        return np.tanh(y)
+    if act == "relu":
+        return np.maximum(y, np.float32(0.0))
+    if act == "gelu":
+        return _gelu(y, "erf")
+    if act == "silu":
+        return y / (np.float32(1.0) + np.exp(-y))
+    if act != "identity":
+        raise ValueError(f"unknown activation {act!r}")
+    return y
+
+
+def add_bias_act(out, x, bias, *, act):
+    """out (T, N) = act(x + bias); out may alias x."""
+    out[...] = activate(x + bias, act)

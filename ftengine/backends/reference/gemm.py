@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .activation import _gelu, add_bias_gelu
+from .activation import activate, add_bias_gelu
 from .norms import _layernorm, add_bias_residual_layernorm, residual_layernorm
 from .runtime import _WORKERS, PARALLEL_WORK, _one_blas_thread, _threads
 
@@ -39,15 +39,7 @@ def batched_matmul(out, a, b, *, transpose_b, alpha=1.0):
 def dense(out, x, weight, bias, *, activation, norm=()):
     """out (M, N) = activation(x @ weight^T + bias), then LayerNorm with norm = (gamma, beta,
     eps) if given: a layer of the head after pooling."""
-    y = x @ weight.T + bias
-    if activation == "tanh":
-        y = np.tanh(y)
-    elif activation == "relu":
-        y = np.maximum(y, 0.0)
-    elif activation == "gelu":
-        y = _gelu(y, "erf")
-    elif activation != "identity":
-        raise ValueError(f"unknown activation {activation!r}")
+    y = activate(x @ weight.T + bias, activation)
     out[...] = _layernorm(y, *norm) if norm else y
 
 

@@ -1,0 +1,292 @@
+"""The encoder-decoders (Marian; the BART family next), written once against the ops interface:
+an encoder pass over the sources, each decoder layer's cross-attention keys and values projected
+once per source, then GPT-2's generation steps (models/generation.py) over the decoder.
+
+Tokens are rows, as in GPT-2. The sources are packed back to back (no padding) through the
+encoder and the fused variable-length attention. Their memory lives in a per-layer cache of
+(sources, heads, S, D), which decoder row r reads through its source index: a source's beams
+share its memory, nothing is copied per beam. The decoder's self-attention keeps a KV cache per
+row; cross-attention is cached_attention over the memory up to the source's last position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import Seq2SeqConfig
+from ..decoding.beam import CANDIDATE_CHUNK, NEG
+from ..errors import ConfigError, InputError
+from ..seq2seq_checkpoint import Seq2SeqWeights
+from ..workspace import Workspace
+from .bert import PACKED_HEAD_DIMS
+from .generation import GenerationRunner, generation_table
+
+KERNEL_FILES = ("embedding.cu", "layernorm.cu", "decoder.cu", "sampling.cu", "gemv.cu", "attention_varlen.cu",
+                "activation.cu")
+PROMPT_MAX = 4  # decoder prompt tokens a row may have (the start token, a forced first token)
+
+
+class Seq2SeqRunner(GenerationRunner):
+    """Weights uploaded once; the sources' memory, the decoder's KV cache, the generation state and
+    every activation in one Workspace, for max_batch decoder rows (sources x beams) of up to max_len
+    target positions and max_batch sources of up to max_source tokens."""
+
+    def __init__(self, config: Seq2SeqConfig, weights: Seq2SeqWeights, ops, *, dtype: str, max_batch: int,
+                 max_len: int, max_source: int, graphs: bool = True):
+        for what, length in (("max_len", max_len), ("max_source", max_source)):
+            if length > config.max_positions:
+                raise InputError(f"{what} {length} exceeds the model's max_position_embeddings {config.max_positions}")
+        c = self.config = config
+        self.ops = ops
+        if ops.name == "cuda" and {c.d_model // c.encoder_heads, c.d_model // c.decoder_heads} - set(PACKED_HEAD_DIMS):
+            raise ConfigError(f"the CUDA encoder-decoder takes head sizes {PACKED_HEAD_DIMS} (the fused attention's); "
+                              f"this model's are {c.d_model // c.encoder_heads} and {c.d_model // c.decoder_heads}")
+        self.dtype = ops.storage_dtype(dtype)
+        self.max_batch, self.max_len, self.max_source = max_batch, max_len, max_source
+        gelu = "erf" if c.activation == "gelu" else None
+        ops.prepare_kernels(KERNEL_FILES, dtype, head_dim=c.d_model // c.encoder_heads, gelu_product=gelu,
+                            ln_product=True)
+        self.graphs = ops.GraphCache(enabled=graphs)  # decode steps: kind, rows, GenerationParams.graph_key
+        up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
+        self.embed, self.lm_head = up(weights.embed), up(weights.lm_head)   # (V, E) each
+        self.encoder_positions, self.decoder_positions = up(weights.encoder_positions), up(weights.decoder_positions)
+        self.encoder = [{k: up(v) for k, v in layer.items()} for layer in weights.encoder]
+        self.decoder = [{k: up(v) for k, v in layer.items()} for layer in weights.decoder]
+        b, e, v = max_batch, c.d_model, c.vocab_size
+        src, dec = max_batch * max_source, max_batch * PROMPT_MAX  # encoder rows, decoder prefill rows
+        rows = max(src, dec)
+        ffn = max(c.encoder_ffn, c.decoder_ffn)
+        self.beam_slices = -(-v // CANDIDATE_CHUNK)
+        self.partials_size = max(1, ops.partials_size(rows, e))
+        heads, d = c.decoder_heads, e // c.decoder_heads
+        cache, memory = b * heads * max_len * d, b * heads * max_source * d
+        table = {f"{kind}{i}": (cache, self.dtype) for i in range(c.decoder_layers) for kind in ("k", "v")}
+        table.update({f"mem_{kind}{i}": (memory, self.dtype) for i in range(c.decoder_layers) for kind in ("k", "v")})
+        table.update({
+            # sources: ids, positions, source index (T each), offsets (B + 1)
+            "source_inputs": (3 * src + b + 1, np.int32),
+            # decoder prefill: ids, row index, position, source index and its last position (T each),
+            # each row's last token (B), offsets (B + 1)
+            "prefill_inputs": (5 * dec + 2 * b + 1, np.int32),
+            "mem_rows": (b, np.int32),           # (B,): each decoder row's source
+            "mem_last": (b, np.int32),           # (B,): its source's last position
+            "hidden": (rows * e, self.dtype),    # (T, E)
+            "qkv": (rows * 3 * e, self.dtype),   # (T, 3E)
+            "ctx": (rows * e, self.dtype),       # (T, E)
+            "proj": (rows * e, self.dtype),      # (T, E)
+            "partials": (self.partials_size, np.float32),
+            "inter": (rows * ffn, self.dtype),   # (T, F)
+            "last": (b * e, self.dtype),         # (B, E): the rows whose logits are wanted
+            "logits_bias": (v, np.float32),      # (V,): final_logits_bias + banned tokens
+        })
+        table.update(generation_table(ops, b, b * max_len, v, self.beam_slices))
+        self.ws = Workspace(ops, table)
+        ops.zero(self.ws.view("choice", (b * ops.CHOICE_STATE_WORDS,)))
+        self._bias = weights.logits_bias.astype(np.float32)
+        self.set_constraints(banned=(), forced_eos=None)
+        self._step = 0  # steps queued in the current generation (the forced eos goes on the last)
+        self._mem_rows = self._mem_last = np.zeros(0, np.int64)  # host copies of ws mem_rows / mem_last
+
+    def set_constraints(self, *, banned, forced_eos):
+        """Tokens the decoder never chooses (generation's single-token bad_words_ids) and the token
+        forced at the last step (forced_eos_token_id, None: none), as biases on the logits after
+        final_logits_bias: NEG on a banned token, and on every token but the forced one at the last
+        step. Beam scores equal HF's where it renormalises the logits after its processors."""
+        self._constrained = self._bias.copy()
+        self._constrained[list(banned)] += NEG
+        self._forced = None
+        if forced_eos is not None:
+            self._forced = self._constrained + NEG
+            self._forced[forced_eos] = self._constrained[forced_eos]
+        self._upload("logits_bias", self._constrained, np.float32)
+
+    def _next_step(self, params):
+        """Before queueing a step (0: the first token's choice): the last one takes the forced token's
+        bias, the others the plain one (each upload queued in order with the steps)."""
+        if self._forced is not None and self._step in (0, params.max_new_tokens - 1):
+            last = self._step == params.max_new_tokens - 1
+            self._upload("logits_bias", self._forced if last else self._constrained, np.float32)
+        self._step += 1
+
+    def start(self, prompts: list, params):
+        self._step = 0
+        self._next_step(params)
+        super().start(prompts, params)
+
+    def steps(self, b: int, count: int, params):
+        for _ in range(count):
+            self._next_step(params)
+            super().steps(b, 1, params)
+
+    def beam_start(self, prompts: list, params):
+        self._step = 0
+        self._next_step(params)
+        super().beam_start(prompts, params)
+
+    def beam_steps(self, batch: int, count: int, params):
+        for _ in range(count):
+            self._next_step(params)
+            super().beam_steps(batch, 1, params)
+
+    def _caches(self, i: int):
+        c = self.config
+        shape = (self.max_batch, c.decoder_heads, self.max_len, c.d_model // c.decoder_heads)
+        return self.ws.view(f"k{i}", shape), self.ws.view(f"v{i}", shape)
+
+    def _memory(self, i: int):
+        c = self.config
+        shape = (self.max_batch, c.decoder_heads, self.max_source, c.d_model // c.decoder_heads)
+        return self.ws.view(f"mem_k{i}", shape), self.ws.view(f"mem_v{i}", shape)
+
+    # ------------------------------------------------------------------ the encoder
+
+    def encode(self, sources: list, *, copies: int = 1):
+        """The sources (token id lists) through the encoder; each decoder layer's cross-attention
+        keys and values of them into its memory. Decoder row r then reads source r // copies."""
+        ops, c, ws = self.ops, self.config, self.ws
+        n = len(sources)
+        if not 1 <= n * copies <= self.max_batch:
+            raise InputError(f"{n} sources x {copies} rows exceed this runner's {self.max_batch} rows")
+        sizes = np.array([len(s) for s in sources])
+        if sizes.min() < 1 or sizes.max() > self.max_source:
+            raise InputError(f"a source of {int(sizes.min() if sizes.min() < 1 else sizes.max())} tokens: this runner "
+                             f"takes 1..{self.max_source}")
+        ids = np.fromiter((t for s in sources for t in s), np.int64, int(sizes.sum()))
+        self._check_ids(ids)
+        t, e = len(ids), c.d_model
+        ends = np.cumsum(sizes)
+        inputs = np.empty(3 * t + n + 1, np.int32)
+        inputs[:t] = ids
+        inputs[t:2 * t] = np.arange(t) - np.repeat(ends - sizes, sizes)
+        inputs[2 * t:3 * t] = np.repeat(np.arange(n), sizes)
+        inputs[3 * t:] = np.concatenate([[0], ends])
+        self._upload("source_inputs", inputs)
+        d_in = ws.view("source_inputs", (3 * t + n + 1,))
+        d_ids, d_pos, d_seq, cu_seqlens = d_in[:t], d_in[t:2 * t], d_in[2 * t:3 * t], d_in[3 * t:]
+        hidden = ws.view("hidden", (t, e))
+        ops.embed_positions(hidden, d_ids, d_pos, self.embed, self.encoder_positions)
+        longest = int(sizes.max())
+
+        def attend(i, qkv, ctx):
+            ops.varlen_attention(ctx, qkv, self.encoder[i]["qkv_bias"], cu_seqlens, heads=c.encoder_heads,
+                                 max_seqlen=longest)
+        for i, w in enumerate(self.encoder):
+            self._self_attention(t, w, lambda qkv, ctx, i=i: attend(i, qkv, ctx))
+            self._feed_forward(t, w, c.encoder_ffn)
+        qkv = ws.view("qkv", (t, 3 * e))
+        for i, w in enumerate(self.decoder):  # each layer's memory: keys and values of the encoder's output
+            ops.matmul(qkv, hidden, w["cross_kv_weight"])
+            ops.write_kv_cache(*self._memory(i), qkv, w["cross_kv_bias"], d_seq, d_pos, heads=c.decoder_heads)
+        self._mem_rows = np.arange(n * copies) // copies
+        self._mem_last = sizes[self._mem_rows] - 1
+        self._upload("mem_rows", self._mem_rows)
+        self._upload("mem_last", self._mem_last)
+
+    # ------------------------------------------------------------------ layers
+
+    def _self_attention(self, t: int, w: dict, attend):
+        """hidden = LayerNorm(hidden + attention(hidden)) over t rows (post-LayerNorm)."""
+        ops, c, ws = self.ops, self.config, self.ws
+        e = c.d_model
+        hidden, qkv, ctx = ws.view("hidden", (t, e)), ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e))
+        ops.matmul(qkv, hidden, w["qkv_weight"])
+        attend(qkv, ctx)
+        self._add_norm(t, ctx, w["attn_out_weight"], w["attn_out_bias"], w["ln1_gamma"], w["ln1_beta"])
+
+    def _add_norm(self, t: int, x, weight, bias, gamma, beta):
+        ws = self.ws
+        e = self.config.d_model
+        hidden = ws.view("hidden", (t, e))
+        self.ops.matmul_bias_residual_layernorm(hidden, x, weight, bias, hidden, gamma, beta,
+                                                eps=self.config.layer_norm_eps, product=ws.view("proj", (t, e)),
+                                                partials=ws.view("partials", (self.partials_size,)))
+
+    def _feed_forward(self, t: int, w: dict, ffn: int):
+        """hidden = LayerNorm(hidden + fc2(act(fc1(hidden))))."""
+        ops, ws = self.ops, self.ws
+        hidden, inter = ws.view("hidden", (t, self.config.d_model)), ws.view("inter", (t, ffn))
+        if self.config.activation == "gelu":
+            ops.matmul_bias_gelu(inter, hidden, w["fc1_weight"], w["fc1_bias"], form="erf")
+        else:
+            ops.matmul(inter, hidden, w["fc1_weight"])
+            ops.add_bias_act(inter, inter, w["fc1_bias"], act=self.config.activation)
+        self._add_norm(t, inter, w["fc2_weight"], w["fc2_bias"], w["ln3_gamma"], w["ln3_beta"])
+
+    def _decoder_layers(self, t: int, attend_self, mem_seq, mem_last):
+        """The decoder's layers over t rows (ws hidden, from the embedding); cross-attention of row j
+        over the memory of source mem_seq[j], positions 0..mem_last[j]."""
+        ops, c, ws = self.ops, self.config, self.ws
+        e = c.d_model
+        qkv, ctx = ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e))
+        for i, w in enumerate(self.decoder):
+            self._self_attention(t, w, lambda q, x, i=i: attend_self(i, q, x))
+            ops.matmul(qkv, ws.view("hidden", (t, e)), w["cross_q_weight"])
+            ops.cached_attention(ctx, qkv, w["cross_q_bias"], *self._memory(i), mem_seq, mem_last, heads=c.decoder_heads)
+            self._add_norm(t, ctx, w["cross_out_weight"], w["cross_out_bias"], w["ln2_gamma"], w["ln2_beta"])
+            self._feed_forward(t, w, c.decoder_ffn)
+
+    def _logits(self, rows: int, hidden):
+        ops, ws, v = self.ops, self.ws, self.config.vocab_size
+        logits = ws.view("logits", (rows, v))
+        ops.matmul(logits, hidden, self.lm_head)
+        ops.add_bias_act(logits, logits, ws.view("logits_bias", (v,)), act="identity")
+
+    # ------------------------------------------------------------------ GenerationRunner's passes
+
+    def prefill(self, prompts: list):
+        """The decoder prompts (row r's prompt after encode(), whose source it reads) through the
+        decoder; leaves the logits of each row's last token on the device."""
+        ops, c, ws = self.ops, self.config, self.ws
+        n = len(prompts)
+        if n != len(self._mem_rows):
+            raise InputError(f"{n} decoder rows for {len(self._mem_rows)} encoded rows")
+        sizes = np.array([len(p) for p in prompts])
+        if sizes.min() < 1 or sizes.max() > min(PROMPT_MAX, self.max_len):
+            raise InputError(f"decoder prompts take 1..{min(PROMPT_MAX, self.max_len)} tokens")
+        ids = np.fromiter((t for p in prompts for t in p), np.int64, int(sizes.sum()))
+        self._check_ids(ids)
+        t, e = len(ids), c.d_model
+        ends = np.cumsum(sizes)
+        row_of = np.repeat(np.arange(n), sizes)
+        inputs = np.empty(5 * t + 2 * n + 1, np.int32)
+        parts = (ids, row_of, np.arange(t) - np.repeat(ends - sizes, sizes), self._mem_rows[row_of],
+                 self._mem_last[row_of])
+        for k, values in enumerate(parts):
+            inputs[k * t:(k + 1) * t] = values
+        inputs[5 * t:5 * t + n] = ends - 1
+        inputs[5 * t + n:] = np.concatenate([[0], ends])
+        self._upload("prefill_inputs", inputs)
+        d_in = ws.view("prefill_inputs", (5 * t + 2 * n + 1,))
+        d_ids, d_row, d_pos, d_mem, d_last = (d_in[k * t:(k + 1) * t] for k in range(5))
+        last_rows, cu_seqlens = d_in[5 * t:5 * t + n], d_in[5 * t + n:]
+        seen = ws.view("seen", (self.max_batch, c.vocab_size))
+        ops.zero(seen)
+        ops.mark_seen(seen, d_ids, d_row)
+        ops.embed_positions(ws.view("hidden", (t, e)), d_ids, d_pos, self.embed, self.decoder_positions)
+        longest = int(sizes.max())
+
+        def attend(i, qkv, ctx):
+            k_cache, v_cache = self._caches(i)
+            bias = self.decoder[i]["qkv_bias"]
+            ops.write_kv_cache(k_cache, v_cache, qkv, bias, d_row, d_pos, heads=c.decoder_heads)
+            if e // c.decoder_heads in PACKED_HEAD_DIMS:
+                ops.varlen_attention(ctx, qkv, bias, cu_seqlens, heads=c.decoder_heads, max_seqlen=longest, causal=True)
+            else:
+                ops.cached_attention(ctx, qkv, bias, k_cache, v_cache, d_row, d_pos, heads=c.decoder_heads)
+        self._decoder_layers(t, attend, d_mem, d_last)
+        last = ws.view("last", (n, e))
+        ops.gather_rows(last, ws.view("hidden", (t, e)), last_rows)
+        self._logits(n, last)
+
+    def _decode_launches(self, b: int, indirect: bool = False):
+        """One token per row from ws next_ids / next_pos; logits of all b rows."""
+        ops, c, ws = self.ops, self.config, self.ws
+        ids, pos = ws.view("next_ids", (b,)), ws.view("next_pos", (b,))
+        indir = ws.view("indir", (b, self.max_len)) if indirect else None
+        ops.embed_positions(ws.view("hidden", (b, c.d_model)), ids, pos, self.embed, self.decoder_positions)
+
+        def attend(i, qkv, ctx):
+            ops.decode_attention(ctx, qkv, self.decoder[i]["qkv_bias"], *self._caches(i), pos, indir,
+                                 heads=c.decoder_heads)
+        self._decoder_layers(b, attend, ws.view("mem_rows", (b,)), ws.view("mem_last", (b,)))
+        self._logits(b, ws.view("hidden", (b, c.d_model)))

@@ -1,0 +1,125 @@
+"""The encoder-decoders' weight-name tables (checkpoint.py reads the files): HF names -> slots,
+every tensor consumed or named as ignored, each layer's projections fused for the ops that read
+them (self-attention Q, K, V as one (3E, E) product; cross-attention K, V projected from the
+encoder's output once per source)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import SafetensorsFiles, _collect, _expected, _slots
+from .config import Seq2SeqConfig
+
+_E = lambda c: (c.d_model,)  # noqa: E731
+_EE = lambda c: (c.d_model, c.d_model)  # noqa: E731
+
+
+def _attention_names(prefix: str, slot: str) -> dict:
+    names = {}
+    for proj in ("q", "k", "v", "out"):
+        names[f"{prefix}.{proj}_proj.weight"] = (f"{slot}_{proj}_weight", _EE)
+        names[f"{prefix}.{proj}_proj.bias"] = (f"{slot}_{proj}_bias", _E)
+    return names
+
+
+def _layer_names(side: str, ffn) -> dict:
+    base = f"model.{side}.layers.{{i}}"
+    names = {**_attention_names(f"{base}.self_attn", "self"),
+             f"{base}.self_attn_layer_norm.weight": ("ln1_gamma", _E),
+             f"{base}.self_attn_layer_norm.bias": ("ln1_beta", _E),
+             f"{base}.fc1.weight": ("fc1_weight", lambda c: (ffn(c), c.d_model)),
+             f"{base}.fc1.bias": ("fc1_bias", lambda c: (ffn(c),)),
+             f"{base}.fc2.weight": ("fc2_weight", lambda c: (c.d_model, ffn(c))),
+             f"{base}.fc2.bias": ("fc2_bias", _E),
+             f"{base}.final_layer_norm.weight": ("ln3_gamma", _E),
+             f"{base}.final_layer_norm.bias": ("ln3_beta", _E)}
+    if side == "decoder":
+        names.update(_attention_names(f"{base}.encoder_attn", "cross"))
+        names[f"{base}.encoder_attn_layer_norm.weight"] = ("ln2_gamma", _E)
+        names[f"{base}.encoder_attn_layer_norm.bias"] = ("ln2_beta", _E)
+    return names
+
+
+MARIAN_ENCODER_LAYER = _layer_names("encoder", lambda c: c.encoder_ffn)
+MARIAN_DECODER_LAYER = _layer_names("decoder", lambda c: c.decoder_ffn)
+MARIAN_SHARED = "model.shared.weight"
+MARIAN_OPTIONAL = {"final_logits_bias": ("final_logits_bias", lambda c: (1, c.vocab_size)),
+                   "model.encoder.embed_positions.weight": ("encoder_positions", lambda c: (c.max_positions, c.d_model)),
+                   "model.decoder.embed_positions.weight": ("decoder_positions", lambda c: (c.max_positions, c.d_model))}
+MARIAN_HEAD = "lm_head.weight"
+# copies of the shared table that older checkpoints also saved (tied: the same values)
+MARIAN_TIED_COPIES = [re.compile(p) for p in (r"model\.(encoder|decoder)\.embed_tokens\.weight",)]
+
+
+@dataclass
+class Seq2SeqWeights:
+    embed: np.ndarray              # (V, E): the shared token table, x sqrt(E) where scale_embedding
+    lm_head: np.ndarray            # (V, E)
+    logits_bias: np.ndarray        # (V,) float32: final_logits_bias
+    encoder_positions: np.ndarray  # (P, E)
+    decoder_positions: np.ndarray  # (P, E)
+    encoder: list                  # per layer: {slot: array} (qkv_weight (3E, E), ...)
+    decoder: list                  # per layer, with cross_q_weight (3E, E: Q then zeros), cross_kv_weight (3E, E)
+
+
+def sinusoidal_positions(n: int, dim: int) -> np.ndarray:
+    """Marian's static positions (n, dim): sin of position / 10000^(2j / dim) in the first half of the
+    features, cos in the second (not interleaved), as HF MarianSinusoidalPositionalEmbedding."""
+    j = np.arange(dim)
+    angles = np.arange(n)[:, None] / np.power(10000.0, 2 * (j // 2) / dim)[None, :]
+    half = dim // 2 + dim % 2
+    out = np.empty((n, dim), np.float32)
+    out[:, :half] = np.sin(angles[:, 0::2])
+    out[:, half:] = np.cos(angles[:, 1::2])
+    return out
+
+
+def load_seq2seq_weights(model_dir: Path, config: Seq2SeqConfig) -> Seq2SeqWeights:
+    files = SafetensorsFiles(model_dir)
+    stored = set(files.names())
+    top_names = {MARIAN_SHARED: ("embed", lambda c: (c.vocab_size, c.d_model))}
+    top_names.update({name: slot for name, slot in MARIAN_OPTIONAL.items() if name in stored})
+    ignored = list(MARIAN_TIED_COPIES)
+    if MARIAN_HEAD in stored and not config.tie_word_embeddings:
+        top_names[MARIAN_HEAD] = ("lm_head", lambda c: (c.vocab_size, c.d_model))
+    elif MARIAN_HEAD in stored:
+        ignored.append(re.compile(re.escape(MARIAN_HEAD)))
+    encoder = _expected(top_names, MARIAN_ENCODER_LAYER, config.encoder_layers, config)
+    decoder = _expected({}, MARIAN_DECODER_LAYER, config.decoder_layers, config)
+    expected = {**encoder, **decoder}
+    what = f"a {config.model_type} model of {config.encoder_layers} + {config.decoder_layers} layers"
+    arrays = _collect(Path(model_dir), files, expected, ignored, lambda name: name, what)
+    top, encoder_layers = _slots({k: v for k, v in arrays.items() if k in encoder}, encoder, config.encoder_layers)
+    _, decoder_layers = _slots({k: v for k, v in arrays.items() if k in decoder}, decoder, config.decoder_layers)
+    table = top["embed"]
+    scale = np.float32(math.sqrt(config.d_model)) if config.scale_embedding else np.float32(1.0)
+    positions = sinusoidal_positions(config.max_positions, config.d_model)
+    return Seq2SeqWeights(
+        embed=table * scale, lm_head=top.get("lm_head", table),
+        logits_bias=top["final_logits_bias"].reshape(-1) if "final_logits_bias" in top
+        else np.zeros(config.vocab_size, np.float32),
+        encoder_positions=top.get("encoder_positions", positions),
+        decoder_positions=top.get("decoder_positions", positions),
+        encoder=[_fuse(p) for p in encoder_layers], decoder=[_fuse(p) for p in decoder_layers])
+
+
+def _fuse(p: dict) -> dict:
+    """A layer's slots as the runner reads them: Q, K, V fused; the cross-attention's query padded to
+    the (3E, E) layout cached_attention reads (K, V rows zero), its keys and values likewise (Q rows zero)."""
+    out = {"qkv_weight": np.concatenate([p.pop(f"self_{x}_weight") for x in "qkv"]),
+           "qkv_bias": np.concatenate([p.pop(f"self_{x}_bias") for x in "qkv"]),
+           "attn_out_weight": p.pop("self_out_weight"), "attn_out_bias": p.pop("self_out_bias")}
+    if "cross_q_weight" in p:
+        zeros_w, zeros_b = np.zeros_like(p["cross_q_weight"]), np.zeros_like(p["cross_q_bias"])
+        out["cross_q_weight"] = np.concatenate([p.pop("cross_q_weight"), zeros_w, zeros_w])
+        out["cross_q_bias"] = np.concatenate([p.pop("cross_q_bias"), zeros_b, zeros_b])
+        out["cross_kv_weight"] = np.concatenate([zeros_w, p.pop("cross_k_weight"), p.pop("cross_v_weight")])
+        out["cross_kv_bias"] = np.concatenate([zeros_b, p.pop("cross_k_bias"), p.pop("cross_v_bias")])
+        out["cross_out_weight"], out["cross_out_bias"] = p.pop("cross_out_weight"), p.pop("cross_out_bias")
+    out.update(p)
+    return out

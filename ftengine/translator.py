@@ -1,0 +1,209 @@
+"""Translator: source texts -> translations with encoder-decoder checkpoints (Marian / opus-mt so
+far), HF `generate`'s results on either backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+
+from .backends import get_ops, resolve_device
+from .config import load_seq2seq_config
+from .decoding.beam import beam_search
+from .decoding.generate import GenerationParams, stream_tokens
+from .encoder import DTYPES
+from .engine import SerialWorker
+from .errors import ConfigError, DeviceError, InputError
+from .generator import Candidate
+from .models.seq2seq import Seq2SeqRunner
+from .seq2seq_checkpoint import load_seq2seq_weights
+from .seq2seq_text import load_text
+
+DEFAULT_MAX_LENGTH = 20  # HF GenerationConfig's max_length where the checkpoint names none
+DEFAULT_TOP_K = 50       # and its top_k
+CPU_DEFAULT_BATCH = 16
+GPU_DEFAULT_BATCH = 128
+STREAM_WINDOW = 1024     # sources read ahead by translate_stream, sorted by length into batches
+# the options a call takes, as HF generate names them
+OPTIONS = ("max_new_tokens", "min_new_tokens", "num_beams", "num_return_sequences", "length_penalty",
+           "early_stopping", "no_repeat_ngram_size", "repetition_penalty", "do_sample", "temperature", "top_k",
+           "top_p", "seed")
+
+
+@dataclass
+class TranslationResult:
+    source: str
+    text: str
+    token_ids: list          # generated ids after the decoder start token, the eos that ended it included
+    score: float | None
+    candidates: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "text": self.text, "token_ids": self.token_ids, "score": self.score,
+                "candidates": [vars(c) for c in self.candidates]}
+
+
+class Translator:
+    """Source texts -> translations. Safe to call from any number of threads: calls run one at a
+    time on the Translator's own worker thread, which owns the model's device state."""
+
+    def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None, cuda_graphs: bool = True):
+        path = Path(path)
+        if not path.is_dir():
+            raise ConfigError(f"model folder not found: {path}")
+        device = resolve_device(device)
+        dtype = dtype or ("fp16" if device == "cuda" else "fp32")
+        if dtype not in DTYPES:
+            raise DeviceError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if device == "cpu" and dtype != "fp32":
+            raise DeviceError(f"dtype {dtype} needs the CUDA backend; the CPU (NumPy) backend computes in fp32")
+        self.path, self.device, self.dtype, self.cuda_graphs = path, device, dtype, cuda_graphs
+        self.ops = get_ops(device)
+        self.config = load_seq2seq_config(path)
+        self.weights = load_seq2seq_weights(path, self.config)
+        self.text = load_text(path, self.config.model_type)
+        self._runner = None
+        self._worker = SerialWorker("ftengine-translator")
+
+    @classmethod
+    def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *,
+                        cuda_graphs: bool = True) -> "Translator":
+        """Load an encoder-decoder checkpoint folder (config.json, *.safetensors, the tokenizer's
+        files; generation_config.json's fields are each call's defaults)."""
+        return cls(Path(path), device=device, dtype=dtype, cuda_graphs=cuda_graphs)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Stop the worker thread (it starts again on the next call)."""
+        self._worker.close()
+
+    # ------------------------------------------------------------------ options
+
+    def params(self, **options) -> tuple[GenerationParams, tuple, int | None]:
+        """(GenerationParams, banned tokens, forced eos token) of a call: generation_config.json's
+        fields, overridden by `options` (OPTIONS, as HF generate names them)."""
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise InputError(f"unknown generation option(s): {', '.join(unknown)}; known: {', '.join(OPTIONS)}")
+        g = dict(self.config.generation)
+        for name, value in options.items():
+            if value is not None:
+                g[name] = value
+        if "max_new_tokens" not in g:
+            g["max_new_tokens"] = g.get("max_length", DEFAULT_MAX_LENGTH) - 1  # the start token counts in max_length
+        if "min_new_tokens" not in g and g.get("min_length"):
+            g["min_new_tokens"] = max(0, g["min_length"] - 1)
+        banned = []
+        for words in g.get("bad_words_ids") or ():
+            if len(words) != 1:
+                raise InputError(f"bad_words_ids {words}: only single-token bans are supported")
+            banned.append(words[0])
+        sampling = bool(g.get("do_sample", False))
+        params = GenerationParams(
+            max_new_tokens=g["max_new_tokens"], min_new_tokens=g.get("min_new_tokens", 0), do_sample=sampling,
+            temperature=g.get("temperature", 1.0) if sampling else 1.0,
+            top_k=g.get("top_k", DEFAULT_TOP_K) if sampling else 0, top_p=g.get("top_p", 1.0) if sampling else 1.0,
+            repetition_penalty=g.get("repetition_penalty", 1.0), seed=g.get("seed"),
+            eos_token_ids=(self.config.eos_token_id,), no_repeat_ngram_size=g.get("no_repeat_ngram_size", 0),
+            num_beams=g.get("num_beams", 1), length_penalty=g.get("length_penalty", 1.0),
+            early_stopping=g.get("early_stopping", False), num_return_sequences=g.get("num_return_sequences", 1),
+        ).checked(vocab_size=self.config.vocab_size)
+        for token in banned:
+            if not 0 <= token < self.config.vocab_size:
+                raise InputError(f"bad_words_ids: token {token} is outside the vocabulary")
+        return params, tuple(banned), g.get("forced_eos_token_id")
+
+    # ------------------------------------------------------------------ translation
+
+    def encode_sources(self, texts: list, *, tgt_lang: str | None = None, truncate: bool = True) -> list:
+        """Each text's token ids (a >>lang<< code before it for tgt_lang), cut to the model's
+        longest source (keeping </s>) or refused with truncate=False."""
+        self.text.check_language(tgt_lang, "tgt_lang")
+        limit = self.config.max_positions
+        out = []
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise InputError(f"source {i + 1} is a {type(text).__name__}, not a str")
+            ids = self.text.encode(f">>{tgt_lang}<< {text}" if tgt_lang else text)
+            if len(ids) > limit:
+                if not truncate:
+                    raise InputError(f"source {i + 1} has {len(ids)} tokens, more than the model's {limit}")
+                ids = ids[:limit - 1] + ids[-1:]
+            out.append(ids)
+        return out
+
+    def translate(self, texts, *, tgt_lang: str | None = None, max_batch: int | None = None, truncate: bool = True,
+                  **options) -> list:
+        """One TranslationResult per source text, in input order. options: OPTIONS (HF generate's
+        names; default: the checkpoint's generation_config.json). Sources run in batches of at
+        most max_batch decoder rows (sources x num_beams), sorted by length."""
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        params, banned, forced = self.params(**options)
+        sources = self.encode_sources(texts, tgt_lang=tgt_lang, truncate=truncate)
+        if not sources:
+            return []
+        rows = self._max_rows(max_batch, params)
+        order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+        found = {}
+        per_batch = max(1, rows // params.num_beams)
+        for start in range(0, len(order), per_batch):
+            chunk = order[start:start + per_batch]
+            hypotheses = self._worker.call(self._search, [sources[i] for i in chunk], params, banned, forced)
+            found.update(zip(chunk, hypotheses))
+        results = []
+        for i, text in enumerate(texts):
+            cands = [Candidate(self.text.decode(t), t, s) for t, s in found[i]]
+            results.append(TranslationResult(text, cands[0].text, cands[0].token_ids, cands[0].score, cands))
+        return results
+
+    def translate_stream(self, texts, **options):
+        """Translations of an iterable of texts, yielded in input order as windows of
+        STREAM_WINDOW sources finish: memory is bounded by the window, not by the input."""
+        iterator = iter(texts)
+        while window := list(islice(iterator, STREAM_WINDOW)):
+            yield from self.translate(window, **options)
+
+    summarize = translate  # a BART / T5 summariser's call is the same
+
+    def _max_rows(self, max_batch, params) -> int:
+        if max_batch is None:
+            return max(params.num_beams, CPU_DEFAULT_BATCH if self.device == "cpu" else GPU_DEFAULT_BATCH)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < params.num_beams:
+            raise InputError(f"max_batch must be an integer >= num_beams ({params.num_beams}), got {max_batch!r}")
+        return max_batch
+
+    def _runner_for(self, rows: int, longest: int, params) -> Seq2SeqRunner:
+        """A runner for `rows` decoder rows, sources of `longest` tokens and the call's new tokens
+        (rounded up to 64 positions), reused while it is large enough."""
+        c = self.config
+        need = 1 + params.max_new_tokens  # the start token, then the new ones
+        if need > c.max_positions:
+            raise InputError(f"max_new_tokens {params.max_new_tokens} is beyond the model's "
+                             f"max_position_embeddings {c.max_positions} (less the start token)")
+        length = min(c.max_positions, -(-need // 64) * 64)
+        source = min(c.max_positions, -(-longest // 64) * 64)
+        r = self._runner
+        if r is None or r.max_batch < rows or r.max_len < need or r.max_source < longest:
+            self._runner = r = Seq2SeqRunner(c, self.weights, self.ops, dtype=self.dtype, max_batch=rows,
+                                             max_len=length, max_source=source, graphs=self.cuda_graphs)
+        return r
+
+    def _search(self, sources: list, params, banned: tuple, forced) -> list:
+        """Hypotheses [(new token ids, score)] per source; runs on the worker thread."""
+        nb = params.num_beams
+        runner = self._runner_for(len(sources) * nb, max(len(s) for s in sources), params)
+        runner.set_constraints(banned=banned, forced_eos=forced)
+        prompts = [[self.config.decoder_start_token_id] for _ in sources]
+        runner.encode(sources, copies=nb)
+        if nb > 1:
+            return beam_search(runner, prompts, params)
+        new = [[] for _ in sources]
+        for step in stream_tokens(runner, prompts, params):
+            for b, token in step:
+                new[b].append(token)
+        return [[(tokens, None)] for tokens in new]

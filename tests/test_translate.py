@@ -1,0 +1,228 @@
+"""Encoder-decoder translation (Marian / opus-mt format) against HF transformers on small random
+checkpoints written in its exact format: the tokenizer's ids and text, the encoder's hidden
+states, the first step's logits, greedy and beam search token for token with their scores (with
+the checkpoint's generation defaults: the pad token banned, eos forced at the last step), batches
+of mixed lengths equal to one by one, threads, and the `ftengine translate` command."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from ftengine import InputError, Translator
+from ftengine.backends import numpy_ops
+from ftengine.cli import main
+from ftengine.config import load_seq2seq_config
+from ftengine.models.seq2seq import Seq2SeqRunner
+from ftengine.seq2seq_checkpoint import load_seq2seq_weights
+from ftengine.seq2seq_text import MarianText
+from tests.tolerances import BATCHING_INVARIANCE_FP32, BEAM_SCORE_FP32, HF_FP32_MAX_ABS
+from weights.fixtures import write_marian_checkpoint
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("sentencepiece")
+
+TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a dog", "", "some other words were there",
+         "Ünïcödé ✓ text, with punctuation!"]
+
+
+@pytest.fixture(scope="module", params=["swish", "relu", "gelu"])
+def marian(request, tmp_path_factory):
+    return write_marian_checkpoint(tmp_path_factory.mktemp(f"marian-{request.param}"), seed=3,
+                                   activation=request.param)
+
+
+@pytest.fixture(scope="module")
+def hf(marian):
+    import torch
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel.from_pretrained(marian).eval()
+    return model, transformers.MarianTokenizer.from_pretrained(marian)
+
+
+def hf_generate(hf, text: str, **options):
+    """HF's hypotheses (new ids after the start token, padding dropped) and scores for one source."""
+    import torch
+    model, tokenizer = hf
+    inputs = tokenizer([text], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, **options, output_scores=True, return_dict_in_generate=True)
+    pad = model.config.pad_token_id
+    hypotheses = [[t for t in row[1:].tolist() if t != pad] for row in out.sequences]
+    scores = getattr(out, "sequences_scores", None)
+    return hypotheses, None if scores is None else scores.tolist()
+
+
+def test_tokenizer_matches_marian_tokenizer(marian, hf):
+    _, tokenizer = hf
+    ours = MarianText(marian)
+    for text in TEXTS + [">>fra<< hello there", "  spaced   out  ", "zzz qqq"]:
+        ids = tokenizer(text).input_ids
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True), text
+
+
+def test_encoder_states_and_first_logits_match_hf(marian, hf):
+    import torch
+    model, tokenizer = hf
+    config = load_seq2seq_config(marian)
+    runner = Seq2SeqRunner(config, load_seq2seq_weights(marian, config), numpy_ops, dtype="fp32", max_batch=4,
+                           max_len=16, max_source=32)
+    sources = [tokenizer(t).input_ids for t in TEXTS[:3]]
+    runner.encode(sources)
+    total = sum(map(len, sources))
+    states = np.array(numpy_ops.to_host(runner.ws.view("hidden", (total, config.d_model))))  # a copy: prefill reuses it
+    runner.prefill([[config.decoder_start_token_id]] * len(sources))
+    logits = runner.logits(len(sources))
+    at = 0
+    for i, ids in enumerate(sources):
+        with torch.no_grad():
+            ref_states = model.get_encoder()(torch.tensor([ids])).last_hidden_state[0].numpy()
+            ref_logits = model(input_ids=torch.tensor([ids]),
+                               decoder_input_ids=torch.tensor([[config.decoder_start_token_id]])).logits[0, -1].numpy()
+        assert np.abs(states[at:at + len(ids)] - ref_states).max() <= HF_FP32_MAX_ABS
+        assert np.abs(logits[i] - ref_logits).max() <= HF_FP32_MAX_ABS
+        at += len(ids)
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"max_new_tokens": 5},
+    {"num_beams": 4},
+    {"num_beams": 3, "num_return_sequences": 2, "length_penalty": 0.6, "early_stopping": True},
+    {"num_beams": 2, "max_new_tokens": 7, "early_stopping": "never"},
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+def test_translations_match_hf_generate(marian, hf, options):
+    with Translator.from_pretrained(marian, device="cpu") as translator:
+        results = translator.translate(TEXTS, **options)
+    for text, result in zip(TEXTS, results):
+        hypotheses, scores = hf_generate(hf, text, **options)
+        assert [c.token_ids for c in result.candidates] == hypotheses, text
+        if scores is not None:
+            assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= BEAM_SCORE_FP32
+        assert result.text == hf[1].decode(hypotheses[0], skip_special_tokens=True)
+
+
+def test_a_batch_of_mixed_lengths_equals_one_by_one(marian):
+    with Translator.from_pretrained(marian, device="cpu") as translator:
+        for options in ({}, {"num_beams": 3}):
+            together = translator.translate(TEXTS, max_batch=len(TEXTS) * 3, **options)
+            alone = [translator.translate([t], **options)[0] for t in TEXTS]
+            assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+            if options:  # beam scores: the products' float32 rounding depends on their row counts
+                assert np.abs(np.array([r.score for r in together]) - [r.score for r in alone]).max() \
+                    <= BATCHING_INVARIANCE_FP32
+
+
+def test_threads_share_one_translator(marian):
+    with Translator.from_pretrained(marian, device="cpu") as translator:
+        expected = [r.token_ids for r in translator.translate(TEXTS, num_beams=2)]
+        found, errors = {}, []
+
+        def run(i):
+            try:
+                found[i] = [r.token_ids for r in translator.translate(TEXTS, num_beams=2)]
+            except Exception as e:  # reported below
+                errors.append(e)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors and all(v == expected for v in found.values())
+
+
+def test_seeded_sampling_repeats_and_options_are_checked(marian):
+    with Translator.from_pretrained(marian, device="cpu") as translator:
+        a = translator.translate(TEXTS, do_sample=True, seed=5, top_p=0.9)
+        b = translator.translate(TEXTS, do_sample=True, seed=5, top_p=0.9)
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+        with pytest.raises(InputError, match="unknown generation option"):
+            translator.translate(TEXTS, beams=2)
+        with pytest.raises(InputError, match="num_return_sequences must be within"):
+            translator.translate(TEXTS, num_return_sequences=2)
+        with pytest.raises(InputError, match="unknown target language 'xx'; this model knows: deu, fra"):
+            translator.translate(TEXTS, tgt_lang="xx")
+        with pytest.raises(InputError, match="source 1 has"):
+            translator.translate(["word " * 200], truncate=False)
+        assert len(translator.translate(["word " * 200])[0].token_ids) >= 1  # cut to the model's 64
+
+
+def test_translate_command(marian, hf, tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("".join(t + "\n" for t in TEXTS), encoding="utf-8")
+    out = tmp_path / "out.txt"
+    r = CliRunner().invoke(main, ["translate", str(src), "-o", str(out), "--model", str(marian), "--device", "cpu",
+                                  "--num-beams", "2"])
+    assert r.exit_code == 0, r.output
+    assert f"{len(TEXTS)} lines" in r.stderr
+    expected = [hf[1].decode(hf_generate(hf, t, num_beams=2)[0][0], skip_special_tokens=True) for t in TEXTS]
+    assert out.read_text(encoding="utf-8").splitlines() == expected
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": f"s{i}", "text": t}) + "\n" for i, t in enumerate(TEXTS)))
+    r = CliRunner().invoke(main, ["translate", str(jsonl), "-o", str(tmp_path / "out.jsonl"), "--model", str(marian),
+                                  "--device", "cpu", "--quiet"])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [row["line"] for row in rows] == list(range(1, len(TEXTS) + 1))
+    assert [row["token_ids"] for row in rows] == [hf_generate(hf, t)[0][0] for t in TEXTS]
+    for args, message in ((["--tgt-lang", "xx"], "unknown target language 'xx'"),
+                          (["--src-lang", "en"], "--src-lang"),
+                          (["--num-beams", "2", "--num-return-sequences", "3"], "num_return_sequences")):
+        r = CliRunner().invoke(main, ["translate", str(src), "--model", str(marian), "--device", "cpu", *args])
+        assert r.exit_code == 1 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+
+
+@pytest.fixture(scope="module")
+def marian_gpu(tmp_path_factory):
+    """Head size 32, which the CUDA encoder's fused attention takes (opus-mt's is 64)."""
+    return write_marian_checkpoint(tmp_path_factory.mktemp("marian-gpu"), seed=4, d_model=64, heads=2, ffn=96)
+
+
+@pytest.fixture(scope="module")
+def hf_gpu(marian_gpu):
+    return (transformers.MarianMTModel.from_pretrained(marian_gpu).eval(),
+            transformers.MarianTokenizer.from_pretrained(marian_gpu))
+
+
+@pytest.fixture(scope="module")
+def cuda_translator():
+    pytest.importorskip("cupy")
+    from ftengine.backends import cuda_available
+    if not cuda_available():
+        pytest.skip("needs a CUDA GPU and CuPy")
+    return lambda folder, **kw: Translator.from_pretrained(folder, device="cuda", **kw)
+
+
+GPU_OPTIONS = [{}, {"num_beams": 4}, {"num_beams": 3, "num_return_sequences": 2, "length_penalty": 0.6}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", GPU_OPTIONS, ids=["greedy", "beam4", "beam3x2"])
+def test_cuda_fp32_translations_match_hf(marian_gpu, hf_gpu, cuda_translator, options):
+    with cuda_translator(marian_gpu, dtype="fp32") as translator:
+        results = translator.translate(TEXTS, **options)
+    for text, result in zip(TEXTS, results):
+        hypotheses, scores = hf_generate(hf_gpu, text, **options)
+        assert [c.token_ids for c in result.candidates] == hypotheses, text
+        if scores is not None:
+            assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= BEAM_SCORE_FP32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_cuda_low_precision_agrees_and_graphs_change_no_bit(marian_gpu, cuda_translator, dtype):
+    """fp16 / bf16 translations: the same with and without CUDA graphs, bit for bit; their agreement
+    with fp32's tokens is reported (random weights: near ties flip under rounding)."""
+    with cuda_translator(marian_gpu, dtype=dtype) as graphed, \
+            cuda_translator(marian_gpu, dtype=dtype, cuda_graphs=False) as direct, \
+            cuda_translator(marian_gpu, dtype="fp32") as full:
+        for options in ({}, {"num_beams": 4}):
+            a, b = graphed.translate(TEXTS, **options), direct.translate(TEXTS, **options)
+            assert [r.token_ids for r in a] == [r.token_ids for r in b]
+            assert [r.score for r in a] == [r.score for r in b]
+            reference = full.translate(TEXTS, **options)
+            same = sum(x.token_ids == y.token_ids for x, y in zip(a, reference))
+            print(f"{dtype} {options or 'greedy'}: {same} of {len(TEXTS)} translations equal fp32's")
