@@ -405,26 +405,32 @@ def _close(engine):
                    "in parallel, batches packed per process.")
 def serve(model_path, host, port, device, dtype, max_batch_tokens, max_client_batch_size, max_input_length,
           max_concurrent_requests, api_key, workers):
-    """Serve embeddings over HTTP: TEI's POST /embed and OpenAI's POST /v1/embeddings
-    (needs the `serve` extra: pip install ftengine[serve])."""
+    """Serve a model over HTTP: an embedding model at TEI's POST /embed and OpenAI's POST
+    /v1/embeddings, a reranker (a cross-encoder) at TEI's POST /rerank and Cohere's / Jina's POST
+    /v1/rerank (needs the `serve` extra: pip install ftengine[serve])."""
     try:
-        from .serve import ServeLimits, WorkerSettings, serve as run_service, serve_workers
+        from .reranker import model_task
+        from .serve import ServeLimits, WorkerSettings, load_model, serve as run_service, serve_workers
         import uvicorn  # noqa: F401  (refused here, not mid-start, when the extra is missing)
     except ImportError as e:
         _fail(f"ftengine serve needs the serve extra (pip install 'ftengine[serve]'): {e}")
     limits = ServeLimits(max_client_batch_size=max_client_batch_size, max_concurrent_requests=max_concurrent_requests,
                          max_batch_tokens=max_batch_tokens, api_key=api_key)
     name = str(model_path or "sentence-transformers/all-MiniLM-L6-v2")
+    try:
+        task = model_task(model_path)
+    except FtengineError as e:
+        _fail(str(e))
     if workers > 1:  # each worker loads the model and reports its own errors
         settings = WorkerSettings(model=model_path, device=device, dtype=dtype, max_length=max_input_length,
-                                  model_name=name, limits=limits)
+                                  model_name=name, limits=limits, task=task)
         if not serve_workers(settings, host=host, port=port, workers=workers):
             _fail("a service worker could not start (its error is above)")
         return
     try:
-        encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_input_length)
-        encoder.check_options(batch_tokens=max_batch_tokens)  # refused now, not at the first request
-        run_service(encoder, host=host, port=port, model_name=name, limits=limits)
+        model = load_model(task, model_path, device=device, dtype=dtype, max_length=max_input_length,
+                           batch_tokens=max_batch_tokens)
+        run_service(model, host=host, port=port, model_name=name, limits=limits)
     except FtengineError as e:
         _fail(str(e))
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from .config import read_json
 from .encoder import Encoder, _as_list
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, TooLongError
 
 # CrossEncoder's activation_fn (config.json "sentence_transformers") -> what predict applies
 ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity"}
@@ -40,15 +40,25 @@ class Reranker:
     def predict(self, pairs, *, batch_tokens: int | None = None, activation: bool = True) -> np.ndarray:
         """Scores of (text, text) pairs, in input order: (N,) with one label, else (N, num_labels).
         activation=False gives the raw logits (no sigmoid)."""
+        return self.scores(pairs, batch_tokens=batch_tokens, activation=activation)[0]
+
+    def scores(self, pairs, *, batch_tokens: int | None = None, activation: bool = True,
+               truncate: bool = True) -> tuple[np.ndarray, int]:
+        """(predict's scores, the tokens the pairs took). truncate=False refuses a pair longer than
+        max_length (TooLongError, naming its 0-based place) instead of cutting it longest-first."""
         pairs = _as_list(pairs)
         if not pairs:
-            return np.zeros((0,) if self.num_labels == 1 else (0, self.num_labels), np.float32)
+            return np.zeros((0,) if self.num_labels == 1 else (0, self.num_labels), np.float32), 0
         tokens = self._encoder.tokenizer.encode_pairs(pairs)
+        if not truncate and tokens.truncated.any():
+            i = int(np.flatnonzero(tokens.truncated)[0])
+            raise TooLongError(f"pair {i} is longer than max_length {self.max_length} tokens", index=i,
+                               max_length=self.max_length)
         if self._encoder.config.type_vocab_size == 1:  # DistilBERT, RoBERTa: no token types to give
             tokens.type_ids[:] = 0
         logits = self._encoder.submit_tokens(tokens, batch_tokens=batch_tokens).result().embeddings
         scores = 1.0 / (1.0 + np.exp(-logits)) if activation and self.activation == "sigmoid" else logits
-        return (scores[:, 0] if self.num_labels == 1 else scores).astype(np.float32)
+        return (scores[:, 0] if self.num_labels == 1 else scores).astype(np.float32), int(tokens.tokens)
 
     def rank(self, query: str, documents, *, top_k: int | None = None, return_documents: bool = False,
              batch_tokens: int | None = None) -> list[dict]:
@@ -74,6 +84,17 @@ class Reranker:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def model_task(path) -> str:
+    """What a model folder serves: "rerank" for a ...ForSequenceClassification checkpoint of one
+    label (a cross-encoder), "classify" for one of more labels, else "embed"."""
+    from pathlib import Path
+    config = read_json(Path(path) / "config.json", "model config") if path is not None else {}
+    if not any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
+        return "embed"
+    labels = config.get("id2label") or {}
+    return "rerank" if config.get("num_labels", len(labels) or 1) == 1 and len(labels) <= 1 else "classify"
 
 
 def _activation(config_path, num_labels: int) -> str:

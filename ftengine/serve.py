@@ -1,9 +1,13 @@
-"""`ftengine serve`: an HTTP embedding service on the encode engine (Starlette + uvicorn).
+"""`ftengine serve`: an HTTP service on the encode engine (Starlette + uvicorn).
 
-Two APIs that existing clients speak:
+An embedding model speaks two APIs that existing clients speak:
   POST /embed           text-embeddings-inference: {"inputs", "normalize", "truncate"} -> [[float]]
                         (also at POST /, TEI's root route, which huggingface_hub's InferenceClient uses)
   POST /v1/embeddings   OpenAI: {"input", "model", "encoding_format", "dimensions"} -> {"data", "usage", ...}
+a reranker (a cross-encoder) two others:
+  POST /rerank          TEI: {"query", "texts", "raw_scores", "return_text", "truncate"} -> [{"index", "score"}]
+  POST /v1/rerank       Cohere / Jina / Infinity: {"query", "documents", "top_n", "return_documents"}
+                        -> {"results": [{"index", "relevance_score"}], ...}
 and GET /health (200 once the model is loaded and warmed, 503 before), GET /info, GET /metrics
 (Prometheus). Concurrent requests go to the one engine, which packs them into shared batches.
 Every expected problem is a JSON error {"error", "error_type"} with its status; nothing
@@ -104,11 +108,14 @@ def _bool(body: dict, key: str, default: bool) -> bool:
 
 
 class Service:
-    """The routes, limits and metrics around one Encoder."""
+    """The routes, limits and metrics around one model: an Encoder (embeddings) or a Reranker."""
 
-    def __init__(self, encoder, *, model_name: str, limits: ServeLimits):
+    def __init__(self, model, *, model_name: str, limits: ServeLimits):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-        self.encoder, self.model_name, self.limits = encoder, model_name, limits
+        from .reranker import Reranker
+        self.reranker = model if isinstance(model, Reranker) else None
+        self.encoder = model._encoder if self.reranker is not None else model
+        self.model, self.model_name, self.limits = model, model_name, limits
         self.ready = False
         self.in_flight = 0
         self.registry = r = CollectorRegistry()
@@ -126,7 +133,7 @@ class Service:
                                       buckets=(64, 256, 1024, 4096, 16384, 65536))
         self.queue_depth = Gauge("ftengine_queue_depth", "Requests accepted and not yet answered", registry=r,
                                  multiprocess_mode="livesum")
-        encoder._engine.on_batch = self._observe_batch
+        self.encoder._engine.on_batch = self._observe_batch
 
     def _observe_batch(self, texts: int, requests: int, tokens: int):
         self.batch_texts.observe(texts)
@@ -134,8 +141,11 @@ class Service:
         self.batch_tokens.observe(tokens)
 
     def warm_up(self):
-        """One real encode before /health says 200: kernels compiled, runner built."""
-        self.encoder.encode(["warm up"], batch_tokens=self.limits.max_batch_tokens)
+        """One real batch before /health says 200: kernels compiled, runner built."""
+        if self.reranker is not None:
+            self.reranker.predict([("warm", "up")], batch_tokens=self.limits.max_batch_tokens)
+        else:
+            self.encoder.encode(["warm up"], batch_tokens=self.limits.max_batch_tokens)
         self.ready = True
         log.info("ready: %s on %s (%s), process %d", self.model_name, self.encoder.device, self.encoder.dtype,
                  os.getpid())
@@ -281,6 +291,79 @@ class Service:
                    "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}}
         return Response(_dumps(payload), media_type="application/json"), count, result.tokens
 
+    async def _scores(self, query: str, documents: list, *, raw: bool, truncate: bool) -> tuple:
+        """(scores, tokens) of (query, document) pairs through the engine, off the event loop (the
+        pairs are tokenised in the calling thread); errors as HTTP failures."""
+        pairs = [(query, d) for d in documents]
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, lambda: self.reranker.scores(
+                pairs, batch_tokens=self.limits.max_batch_tokens, activation=not raw, truncate=truncate))
+        except TooLongError as e:
+            raise HTTPFailure(413, f"text {e.index} with the query is longer than the maximum input length "
+                                   f"{e.max_length} tokens; send truncate: true to cut it", "Validation") from None
+        except InputError as e:
+            raise _validation(str(e)) from None
+
+    def _query(self, body: dict) -> str:
+        query = body.get("query")
+        if not isinstance(query, str):
+            raise _validation("query is required, a string" if query is None else
+                              f"query must be a string, found {type(query).__name__}")
+        if not query.strip():
+            raise _validation("query must not be empty")
+        return query
+
+    async def rerank(self, request):
+        """TEI: {"query", "texts", "raw_scores": false, "return_text": false, "truncate": false} ->
+        [{"index", "score", "text"?}], best first."""
+        from starlette.responses import Response
+        body = await self._body(request)
+        query = self._query(body)
+        if "texts" not in body:
+            raise _validation("texts is required")
+        texts = _texts(body["texts"], "texts")
+        self._check_count(len(texts), "texts")
+        raw, return_text = _bool(body, "raw_scores", False), _bool(body, "return_text", False)
+        scores, tokens = await self._scores(query, texts, raw=raw, truncate=_bool(body, "truncate", False))
+        order = np.argsort(-scores, kind="stable")
+        reply = [{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if return_text else {})}
+                 for i in order]
+        return Response(_dumps(reply), media_type="application/json"), len(texts), tokens
+
+    async def cohere_rerank(self, request):
+        """Cohere / Jina / Infinity: {"model", "query", "documents": [str | {"text"}], "top_n",
+        "return_documents"} -> {"results": [{"index", "relevance_score", "document"?}], "usage", ...}."""
+        import uuid
+        from starlette.responses import Response
+        body = await self._body(request)
+        query = self._query(body)
+        model = body.get("model", self.model_name)
+        if not isinstance(model, str):
+            raise _validation("model must be a string")
+        documents = body.get("documents")
+        if not isinstance(documents, list) or not documents:
+            raise _validation("documents is required, a non-empty list of strings or {\"text\"} objects")
+        texts = []
+        for i, d in enumerate(documents):
+            text = d.get("text") if isinstance(d, dict) else d
+            if not isinstance(text, str):
+                raise _validation(f"documents[{i}] must be a string or an object with a string \"text\"")
+            texts.append(text)
+        self._check_count(len(texts), "documents")
+        top_n = body.get("top_n", len(texts))
+        if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
+            raise _validation(f"top_n must be an integer >= 1, found {top_n!r}")
+        return_documents = _bool(body, "return_documents", False)
+        scores, tokens = await self._scores(query, texts, raw=False, truncate=True)
+        order = np.argsort(-scores, kind="stable")[:top_n]
+        results = [{"index": int(i), "relevance_score": float(scores[i]),
+                    **({"document": {"text": texts[i]}} if return_documents else {})} for i in order]
+        reply = {"id": str(uuid.uuid4()), "object": "rerank", "model": model, "results": results,
+                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                 "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}}}
+        return Response(_dumps(reply), media_type="application/json"), len(texts), tokens
+
     async def health(self, request):
         from starlette.responses import JSONResponse
         if not self.ready:
@@ -290,6 +373,12 @@ class Service:
     async def info(self, request):
         from starlette.responses import JSONResponse
         e = self.encoder
+        if self.reranker is not None:
+            return JSONResponse({
+                "model_id": self.model_name, "model_path": str(e.path), "model_type": {"reranker": {}},
+                "max_input_length": e.max_length, "dtype": e.dtype, "device": e.device,
+                "max_client_batch_size": self.limits.max_client_batch_size,
+                "max_concurrent_requests": self.limits.max_concurrent_requests, "version": __version__}), 0, 0
         return JSONResponse({
             "model_id": self.model_name, "model_path": str(e.path), "dim": e.dim, "max_input_length": e.max_length,
             "dtype": e.dtype, "device": e.device, "pooling": list(e.pooling), "normalize": e.normalize,
@@ -326,13 +415,20 @@ class Service:
                 yield
             finally:
                 await warm
-                await asyncio.get_running_loop().run_in_executor(None, self.encoder.close)
+                await asyncio.get_running_loop().run_in_executor(None, self.model.close)
 
+        if self.reranker is not None:
+            task = [route("/rerank", "rerank", self.rerank, ["POST"]),
+                    route("/", "rerank", self.rerank, ["POST"]),  # TEI's root route
+                    route("/v1/rerank", "cohere", self.cohere_rerank, ["POST"]),
+                    route("/rerank/v1", "cohere", self.cohere_rerank, ["POST"])]
+        else:
+            task = [route("/embed", "embed", self.embed, ["POST"]),
+                    route("/", "embed", self.embed, ["POST"]),  # TEI's root route, where huggingface_hub posts
+                    route("/v1/embeddings", "openai", self.openai_embeddings, ["POST"]),
+                    route("/embeddings", "openai", self.openai_embeddings, ["POST"])]
         return Starlette(routes=[
-            route("/embed", "embed", self.embed, ["POST"]),
-            route("/", "embed", self.embed, ["POST"]),  # TEI's root route, where huggingface_hub posts
-            route("/v1/embeddings", "openai", self.openai_embeddings, ["POST"]),
-            route("/embeddings", "openai", self.openai_embeddings, ["POST"]),
+            *task,
             route("/health", "health", self.health, ["GET"]),
             route("/info", "info", self.info, ["GET"]),
             route("/metrics", "metrics", self.metrics, ["GET"]),
@@ -351,7 +447,7 @@ def _uvicorn_config(app, **options):
                           timeout_keep_alive=KEEP_ALIVE_SECONDS, **options)
 
 
-def serve(encoder, *, host: str, port: int, model_name: str, limits: ServeLimits):
+def serve(model, *, host: str, port: int, model_name: str, limits: ServeLimits):
     """Run the service until SIGTERM/SIGINT: then stop accepting, answer every request already
     accepted, close the engine and return (the process exits 0)."""
     import uvicorn
@@ -364,19 +460,20 @@ def serve(encoder, *, host: str, port: int, model_name: str, limits: ServeLimits
             getattr(self, "_captured_signals", []).clear()
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    app = Service(encoder, model_name=model_name, limits=limits).app()
+    app = Service(model, model_name=model_name, limits=limits).app()
     Server(_uvicorn_config(app, host=host, port=port)).run()
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """What each worker process of serve_workers needs to load its own Encoder."""
+    """What each worker process of serve_workers needs to load its own Encoder or Reranker."""
     model: str | None
     device: str
     dtype: str | None
     max_length: int | None
     model_name: str
     limits: ServeLimits
+    task: str = "embed"  # or "rerank" (reranker.model_task)
 
 
 def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: int) -> bool:
@@ -400,15 +497,33 @@ def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: in
 def worker_app():
     """The application of one worker process of serve_workers (uvicorn calls it as a factory)."""
     from uvicorn.config import STARTUP_FAILURE
-    from .encoder import Encoder
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     settings = json.loads(os.environ[WORKER_ENV])
     limits = ServeLimits(**settings["limits"])
     try:
-        encoder = Encoder.from_pretrained(settings["model"], device=settings["device"], dtype=settings["dtype"],
-                                          max_length=settings["max_length"])
-        encoder.check_options(batch_tokens=limits.max_batch_tokens)
+        model = load_model(settings["task"], settings["model"], device=settings["device"], dtype=settings["dtype"],
+                           max_length=settings["max_length"], batch_tokens=limits.max_batch_tokens)
     except FtengineError as e:
         print(f"ftengine: {e}", file=sys.stderr, flush=True)
         sys.exit(STARTUP_FAILURE)
-    return Service(encoder, model_name=settings["model_name"], limits=limits).app()
+    return Service(model, model_name=settings["model_name"], limits=limits).app()
+
+
+def load_model(task: str, path, *, device: str, dtype, max_length, batch_tokens):
+    """The Encoder (task "embed") or Reranker ("rerank") a service runs, its options checked."""
+    from .encoder import Encoder
+    from .reranker import Reranker
+    if task == "rerank":
+        model = Reranker.from_pretrained(path, device=device, dtype=dtype, max_length=max_length)
+        engine = model._encoder
+    elif task == "embed":
+        model = engine = Encoder.from_pretrained(path, device=device, dtype=dtype, max_length=max_length)
+    else:
+        raise InputError(f"{path}: a sequence classifier of several labels; serve takes embedding models and "
+                         "rerankers (one label)")
+    try:
+        engine.check_options(batch_tokens=batch_tokens)  # refused now, not at the first request
+    except FtengineError:
+        model.close()
+        raise
+    return model
