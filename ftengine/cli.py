@@ -399,12 +399,17 @@ def _close(engine):
               help="Longest input in tokens. Default: the model folder's.")
 @click.option("--max-concurrent-requests", type=click.IntRange(min=1), default=512, show_default=True,
               help="Requests in progress at once (429 with Retry-After above).")
-@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' (401 otherwise).")
+@click.option("--api-key", envvar="FTENGINE_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on every route but /health (401 otherwise). Prefer the "
+                   "FTENGINE_API_KEY environment variable or --api-key-file: a command-line argument is visible "
+                   "to other users in ps.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
+              help="Read the API key from this file (its first line).")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Service processes on one port, each with its own copy of the model: HTTP and JSON work "
                    "in parallel, batches packed per process.")
 def serve(model_path, host, port, device, dtype, max_batch_tokens, max_client_batch_size, max_input_length,
-          max_concurrent_requests, api_key, workers):
+          max_concurrent_requests, api_key, api_key_file, workers):
     """Serve a model over HTTP: an embedding model at TEI's POST /embed and OpenAI's POST
     /v1/embeddings, a reranker (a cross-encoder) at TEI's POST /rerank and Cohere's / Jina's POST
     /v1/rerank (needs the `serve` extra: pip install ftengine[serve])."""
@@ -414,6 +419,16 @@ def serve(model_path, host, port, device, dtype, max_batch_tokens, max_client_ba
         import uvicorn  # noqa: F401  (refused here, not mid-start, when the extra is missing)
     except ImportError as e:
         _fail(f"ftengine serve needs the serve extra (pip install 'ftengine[serve]'): {e}")
+    if api_key_file is not None:
+        if api_key is not None:
+            _fail("give the API key once: --api-key (or FTENGINE_API_KEY) or --api-key-file")
+        try:
+            with open(api_key_file, encoding="utf-8") as f:
+                api_key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            _fail(f"cannot read the API key file {api_key_file}: {getattr(e, 'strerror', None) or e}")
+    if api_key is not None and not api_key:
+        _fail("the API key is empty")
     limits = ServeLimits(max_client_batch_size=max_client_batch_size, max_concurrent_requests=max_concurrent_requests,
                          max_batch_tokens=max_batch_tokens, api_key=api_key)
     name = str(model_path or "sentence-transformers/all-MiniLM-L6-v2")
@@ -633,7 +648,8 @@ def translate(input_path, output, model_path, input_format_name, text_field, src
     file) with an encoder-decoder model: one output per record, in order, as the work goes."""
     from .translator import Translator
     options = dict(num_beams=num_beams, num_return_sequences=num_return_sequences, max_new_tokens=max_new_tokens,
-                   min_new_tokens=min_new_tokens, length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                   min_new_tokens=min_new_tokens, length_penalty=length_penalty,
+                   no_repeat_ngram_size=no_repeat_ngram_size,
                    repetition_penalty=repetition_penalty, do_sample=do_sample, top_k=top_k, top_p=top_p,
                    temperature=temperature, seed=seed,
                    early_stopping=None if early_stopping is None else

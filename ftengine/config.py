@@ -393,7 +393,8 @@ class Seq2SeqConfig:
         _, decoder_heads = keys.width_and_heads("d_model", "decoder_attention_heads")
         act = keys.one_of("activation_function", tuple(SEQ2SEQ_ACTIVATIONS), "gelu")
         ids = {name: keys.at_least(name, 0) for name in ("pad_token_id", "eos_token_id")}
-        start = (generation or {}).get("decoder_start_token_id", data.get("decoder_start_token_id", ids["pad_token_id"]))
+        start = (generation or {}).get("decoder_start_token_id",
+                                       data.get("decoder_start_token_id", ids["pad_token_id"]))
         if not isinstance(start, int) or isinstance(start, bool) or start < 0:
             raise ConfigError(f"{path}: decoder_start_token_id must be a non-negative int, found {start!r}")
         defaults = {k: v for k, v in (generation or {}).items() if k in GENERATION_FIELDS and v is not None}

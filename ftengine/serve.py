@@ -39,6 +39,9 @@ from .tokenizer import PREFIX_CHARS_PER_TOKEN
 
 log = logging.getLogger("ftengine.serve")
 MAX_BODY_BYTES = 16 << 20
+BODY_SECONDS = 30            # a request body must arrive within this: a stalled one gets 408 and frees its slot
+SHUTDOWN_GRACE_SECONDS = 60  # after SIGTERM / SIGINT, requests still open after this are cut off
+DISCONNECT_POLL_SECONDS = 0.2  # how often a request waiting on the engine checks that its client is still there
 WORKER_ENV = "FTENGINE_SERVE_WORKER"  # a worker process's settings (JSON), set by serve_workers
 LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
 
@@ -79,17 +82,21 @@ def _texts(value, field: str) -> list:
 
 
 def _token_ids(value: list, field: str) -> list | None:
-    """[int] or [[int]] as a list of sequences; None if `value` is not token ids."""
-    if value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    """[int] or [[int]] as a list of sequences; None if `value` is not token ids (its first item
+    is neither a number nor a list)."""
+    first = value[0] if value else None
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
         value = [value]
-    elif not (value and all(isinstance(s, list) for s in value)):
+    elif not isinstance(first, list):
         return None
     for i, seq in enumerate(value):
+        if not isinstance(seq, list):
+            raise _validation(f"{field}[{i}] must be a list of token ids, found {type(seq).__name__}")
         if not seq:
             raise _validation(f"{field}[{i}] is an empty token list")
         for t in seq:
-            if isinstance(t, bool) or not isinstance(t, int) or not -2 ** 31 <= t < 2 ** 31:
-                raise _validation(f"{field}[{i}] must hold token ids (integers), found {t!r}")
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2 ** 31:
+                raise _validation(f"{field}[{i}] must hold token ids (integers within 0..2^31-1), found {t!r}")
     return value
 
 
@@ -152,17 +159,39 @@ class Service:
 
     # ------------------------------------------------------------ request plumbing
 
+    def _authorize(self, request):
+        """With an API key, refuse a request without it (compared in constant time)."""
+        import hmac
+        key = self.limits.api_key
+        if key is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                                       f"Bearer {key}".encode()):
+            raise HTTPFailure(401, "missing or wrong API key (Authorization: Bearer KEY)", "Unauthorized")
+
     async def _body(self, request) -> dict:
         import orjson
-        key = self.limits.api_key
-        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
-            raise HTTPFailure(401, "missing or wrong API key (Authorization: Bearer KEY)", "Unauthorized")
+        from starlette.requests import ClientDisconnect
+        self._authorize(request)
+        if request.headers.get("content-encoding", "identity").lower() != "identity":
+            raise HTTPFailure(415, f"Content-Encoding {request.headers['content-encoding']!r} is not accepted: send "
+                                   "the JSON body uncompressed", "Validation")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
             raise HTTPFailure(413, f"request body of {length} bytes is over the limit of "
                                    f"{self.limits.max_body_bytes} bytes", "Validation")
         raw = bytearray()
-        async for chunk in request.stream():
+        chunks = request.stream().__aiter__()
+        deadline = time.monotonic() + BODY_SECONDS
+        while True:
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise HTTPFailure(408, f"the request body did not arrive within {BODY_SECONDS} s", "Timeout") \
+                    from None
+            except ClientDisconnect:
+                raise HTTPFailure(499, "the client went away before sending the whole body", "Disconnected") \
+                    from None
             raw += chunk
             if len(raw) > self.limits.max_body_bytes:
                 raise HTTPFailure(413, f"request body is over the limit of {self.limits.max_body_bytes} bytes",
@@ -180,13 +209,27 @@ class Service:
             raise HTTPFailure(413, f"{field} holds {n} inputs, more than --max-client-batch-size "
                                    f"{self.limits.max_client_batch_size}", "Validation")
 
-    async def _encode(self, texts=None, *, token_ids=None, normalize=None, truncate=True, prompt_name=None):
+    @staticmethod
+    async def _answer(request, future):
+        """The result of an engine future; the work is cancelled if the client goes away first
+        (the engine drops a cancelled request from its queue)."""
+        waiting = asyncio.wrap_future(future)
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return waiting.result()
+            if await request.is_disconnected():
+                future.cancel()
+                raise HTTPFailure(499, "the client went away", "Disconnected")
+
+    async def _encode(self, request, texts=None, *, token_ids=None, normalize=None, truncate=True,
+                      prompt_name=None, route: str = "embed"):
         """EncodeResult of one request through the engine, errors as HTTP failures."""
         try:
             future = self.encoder.submit_request(texts, batch_tokens=self.limits.max_batch_tokens,
                                                  normalize=normalize, truncate=truncate, token_ids=token_ids,
                                                  prompt_name=prompt_name)
-            return await asyncio.wrap_future(future)
+            return await self._answer(request, future)
         except TooLongError as e:
             if token_ids is not None:
                 count = f"{len(token_ids[e.index])} tokens"
@@ -195,17 +238,21 @@ class Service:
             else:
                 text = self.encoder.prompt_text(prompt_name) + texts[e.index]
                 count = f"{self.encoder.tokenizer.untruncated_length(text)} tokens"
+            advice = "; send truncate: true to cut it" if route == "embed" else ""
             raise HTTPFailure(413, f"input {e.index} has {count}, more than the maximum input length "
-                                   f"{e.max_length} tokens; send truncate: true to cut it", "Validation") from None
+                                   f"{e.max_length} tokens{advice}", "Validation") from None
         except InputError as e:
             raise _validation(str(e)) from None
 
     async def handle(self, request, route: str, handler):
+        from starlette.requests import ClientDisconnect
         from starlette.responses import JSONResponse
         start = time.perf_counter()
         inputs = tokens = 0
         admitted = False
         try:
+            if route in ("info", "metrics"):
+                self._authorize(request)
             if route not in ("health", "info", "metrics"):
                 if self.in_flight >= self.limits.max_concurrent_requests:
                     raise HTTPFailure(429, f"{self.in_flight} requests are in progress, the limit "
@@ -218,6 +265,9 @@ class Service:
         except HTTPFailure as e:
             response = JSONResponse({"error": e.message, "error_type": e.kind}, status_code=e.status,
                                     headers=e.headers)
+        except ClientDisconnect:  # the client left while its request was read: nothing to answer
+            response = JSONResponse({"error": "the client went away", "error_type": "Disconnected"},
+                                    status_code=499)
         except FtengineError as e:  # the engine is broken or closed
             response = JSONResponse({"error": str(e), "error_type": "Backend"}, status_code=503)
         except Exception as e:  # a bug: one line in the log and the reply, no traceback to the client
@@ -251,7 +301,7 @@ class Service:
         prompt_name = body.get("prompt_name")
         if prompt_name is not None and not isinstance(prompt_name, str):
             raise _validation(f"prompt_name must be a string, found {prompt_name!r}")
-        result = await self._encode(texts, normalize=normalize, truncate=truncate, prompt_name=prompt_name)
+        result = await self._encode(request, texts, normalize=normalize, truncate=truncate, prompt_name=prompt_name)
         return Response(_dumps(result.embeddings), media_type="application/json"), len(texts), result.tokens
 
     async def openai_embeddings(self, request):
@@ -271,12 +321,17 @@ class Service:
         texts = None if token_ids is not None else _texts(value, "input")
         count = len(token_ids if token_ids is not None else texts)
         self._check_count(count, "input")
+        vocab = self.encoder.config.vocab_size
+        for i, seq in enumerate(token_ids or ()):
+            bad = next((t for t in seq if t >= vocab), None)
+            if bad is not None:
+                raise _validation(f"input[{i}] holds token id {bad}, outside this model's vocabulary 0..{vocab - 1}")
         dim = self.encoder.dim
         dimensions = body.get("dimensions")
         if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
                                        or not 1 <= dimensions <= dim):
             raise _validation(f"dimensions must be an integer within 1..{dim}, found {dimensions!r}")
-        result = await self._encode(texts, token_ids=token_ids, truncate=True)
+        result = await self._encode(request, texts, token_ids=token_ids, truncate=True, route="openai")
         rows = result.embeddings
         if dimensions is not None and dimensions < dim:  # Matryoshka-style: cut, then renormalise as the model does
             rows = rows[:, :dimensions]
@@ -427,12 +482,14 @@ class Service:
                     route("/", "embed", self.embed, ["POST"]),  # TEI's root route, where huggingface_hub posts
                     route("/v1/embeddings", "openai", self.openai_embeddings, ["POST"]),
                     route("/embeddings", "openai", self.openai_embeddings, ["POST"])]
-        return Starlette(routes=[
+        app = Starlette(routes=[
             *task,
             route("/health", "health", self.health, ["GET"]),
             route("/info", "info", self.info, ["GET"]),
             route("/metrics", "metrics", self.metrics, ["GET"]),
         ], lifespan=lifespan)
+        app.router.redirect_slashes = False  # a redirect would echo the request's Host header: 404 instead
+        return app
 
 
 # seconds an idle keep-alive connection stays open. uvicorn's default of 5 races with pooled clients:
@@ -443,7 +500,7 @@ KEEP_ALIVE_SECONDS = 75
 
 def _uvicorn_config(app, **options):
     import uvicorn
-    return uvicorn.Config(app, access_log=False, log_level="info", timeout_graceful_shutdown=None,
+    return uvicorn.Config(app, access_log=False, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
                           timeout_keep_alive=KEEP_ALIVE_SECONDS, **options)
 
 
@@ -482,12 +539,18 @@ def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: in
     in the log). max_concurrent_requests is shared out among the workers."""
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import Multiprocess
-    per_worker = max(1, settings.limits.max_concurrent_requests // workers)
-    limits = asdict(settings.limits) | {"max_concurrent_requests": per_worker}
-    os.environ[WORKER_ENV] = json.dumps(asdict(settings) | {"limits": limits})
+    # rounded up: the kernel spreads connections unevenly, and a worker at 1 would refuse what another could take
+    per_worker = -(-settings.limits.max_concurrent_requests // workers)
+    limits = asdict(settings.limits) | {"max_concurrent_requests": per_worker, "api_key": None}
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     with tempfile.TemporaryDirectory(prefix="ftengine-metrics-") as metrics:
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics)
+        key_file = None
+        if settings.limits.api_key is not None:  # to the workers through a private file, not their environment
+            key_file = os.path.join(metrics, "api-key")
+            with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(settings.limits.api_key)
+        os.environ[WORKER_ENV] = json.dumps(asdict(settings) | {"limits": limits, "key_file": key_file})
         config = _uvicorn_config("ftengine.serve:worker_app", factory=True, host=host, port=port, workers=workers)
         supervisor = Multiprocess(config, sockets=[config.bind_socket()])
         supervisor.run()
@@ -500,6 +563,9 @@ def worker_app():
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     settings = json.loads(os.environ[WORKER_ENV])
     limits = ServeLimits(**settings["limits"])
+    if settings.get("key_file"):
+        with open(settings["key_file"]) as f:
+            limits = ServeLimits(**(asdict(limits) | {"api_key": f.read()}))
     try:
         model = load_model(settings["task"], settings["model"], device=settings["device"], dtype=settings["dtype"],
                            max_length=settings["max_length"], batch_tokens=limits.max_batch_tokens)

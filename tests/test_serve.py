@@ -135,7 +135,7 @@ def test_openai_token_ids_and_dimensions(server, encoder):
     ("/embed", {"inputs": ["x"] * 41}, 413, "inputs holds 41 inputs, more than --max-client-batch-size 40"),
     ("/embed", {"inputs": ["ok", "word " * 60]}, 413, "input 1 has 62 tokens, more than the maximum input length 48"),
     ("/v1/embeddings", {"model": "m"}, 422, "input is required"),
-    ("/v1/embeddings", {"model": "m", "input": [[2, 99999]]}, 422, "token id 99999 is outside 0.."),
+    ("/v1/embeddings", {"model": "m", "input": [[2, 99999]]}, 422, "input[0] holds token id 99999, outside"),
     ("/v1/embeddings", {"model": "m", "input": "a", "encoding_format": "hex"}, 422, "encoding_format must be"),
     ("/v1/embeddings", {"model": "m", "input": "a", "dimensions": 0}, 422, "dimensions must be an integer within 1..32"),
 ])
@@ -297,3 +297,100 @@ def test_workers_report_a_model_that_cannot_load(tmp_path):
     assert proc.returncode == 1
     assert f"ftengine: {tmp_path}" in proc.stderr or "config.json" in proc.stderr, proc.stderr
     assert "a service worker could not start" in proc.stderr
+
+
+def raw_request(port: int, head: bytes, body: bytes = b"", *, timeout: float = 60) -> bytes:
+    """One HTTP request on a socket of its own; the status line of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head + body)
+        reply = sock.recv(65536)
+    return reply.split(b"\r\n")[0]
+
+
+def test_the_key_guards_info_and_metrics_and_stays_out_of_argv_and_workers(st_model, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret-key\n")
+    s = Server(st_model, "--api-key-file", key_file, "--workers", 2)
+    try:
+        for path in ("/info", "/metrics"):
+            assert httpx.get(s.url + path).status_code == 401
+            assert httpx.get(s.url + path, headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
+        assert httpx.get(s.url + "/health").status_code == 200  # orchestrators probe it without a key
+        r = httpx.post(s.url + "/embed", json={"inputs": "x"}, headers={"Authorization": "Bearer s3cret-key"})
+        assert r.status_code == 200
+        for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    environ = f.read()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            assert b"s3cret-key" not in environ and b"s3cret-key" not in cmdline, pid
+    finally:
+        assert s.stop()[0] == 0
+    env_server = Server.__new__(Server)
+    os.environ["FTENGINE_API_KEY"] = "from-env"
+    try:
+        env_server.__init__(st_model)
+        assert httpx.post(env_server.url + "/embed", json={"inputs": "x"}).status_code == 401
+        assert httpx.post(env_server.url + "/embed", json={"inputs": "x"},
+                          headers={"Authorization": "Bearer from-env"}).status_code == 200
+    finally:
+        del os.environ["FTENGINE_API_KEY"]
+        assert env_server.stop()[0] == 0
+
+
+def test_no_redirect_gzip_and_token_id_messages(server):
+    forged = raw_request(server.port, b"POST /embed/ HTTP/1.1\r\nHost: evil.example\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 15\r\n\r\n", b'{"inputs": "x"}')
+    assert forged == b"HTTP/1.1 404 Not Found"
+    r = httpx.post(server.url + "/embed", content=b"\x1f\x8b gzip", headers={"Content-Encoding": "gzip",
+                                                                             "Content-Type": "application/json"})
+    assert r.status_code == 415 and "uncompressed" in r.json()["error"]
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": [[5, 999999]]})
+    assert r.status_code == 422 and "input[0] holds token id 999999, outside this model's vocabulary" \
+        in r.json()["error"]
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": [2 ** 63]})
+    assert r.status_code == 422 and "token ids (integers within 0..2^31-1)" in r.json()["error"]
+
+
+def test_a_stalled_body_times_out_and_frees_its_slot(st_model):
+    s = Server(st_model, "--max-concurrent-requests", 1)
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=120) as stalled:
+            stalled.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 100\r\n\r\n{\"inputs\":")  # and nothing more
+            time.sleep(1)
+            assert httpx.post(s.url + "/embed", json={"inputs": "y"}).status_code == 429  # its slot is held
+            start = time.monotonic()
+            reply = stalled.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 45
+        assert httpx.post(s.url + "/embed", json={"inputs": "y"}).status_code == 200
+    finally:
+        assert s.stop()[0] == 0
+
+
+def test_a_client_that_leaves_mid_body_is_no_internal_error(st_model):
+    s = Server(st_model)
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as gone:
+            gone.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"inputs\":")
+            time.sleep(0.5)
+        time.sleep(1)
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'status="500"' not in metrics
+        code, out = s.stop()
+        assert code == 0 and "Traceback" not in out and "internal error" not in out
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
+
+
+def test_workers_share_the_concurrency_limit_rounding_up(st_model):
+    s = Server(st_model, "--workers", 2, "--max-concurrent-requests", 3)
+    try:
+        assert httpx.get(s.url + "/info").json()["max_concurrent_requests"] == 2
+    finally:
+        assert s.stop()[0] == 0
