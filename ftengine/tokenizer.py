@@ -260,6 +260,9 @@ def _sentencepiece_whitespace(text: str) -> str:
 # (Tokenizer._bounded): a bound on the characters a kept token and the white space before it take,
 # not a mean, so that the prefix nearly always holds the kept tokens at the first try
 PREFIX_CHARS_PER_TOKEN = 32
+# a prefix is also taken where its kept tokens end this many characters before the cut (a run without
+# white space: no pre-tokeniser's piece reaches that far back from it)
+PREFIX_MARGIN_CHARS = 1024
 _WHITE_SPACE = re.compile(r"\s")
 
 
@@ -307,13 +310,15 @@ class Tokenizer:
         costs the tokenizer (time and memory) what its kept tokens do: tokenised from `limit`
         characters on, doubled until the prefix overflows max_length with a white space after its
         last kept token (the pre-tokenisers split words there, so no later character changes a kept
-        token); the whole text where none does."""
+        token) or PREFIX_MARGIN_CHARS characters between that token and the cut; the whole text
+        where none does."""
         cut = limit
         while cut < len(text):
             encoding = self._tok.encode(text[:cut])  # truncated to max_length, with offsets into the text
             if encoding.overflowing:
                 ends = [end for (_, end), special in zip(encoding.offsets, encoding.special_tokens_mask) if not special]
-                if _WHITE_SPACE.search(text, max(ends, default=0), cut - 1):
+                last = max(ends, default=0)
+                if cut - last >= PREFIX_MARGIN_CHARS or _WHITE_SPACE.search(text, last, cut - 1):
                     return text[:cut]
             cut *= 2
         return text

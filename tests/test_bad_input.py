@@ -271,7 +271,8 @@ def test_bounded_tokenisation_gives_the_whole_texts_tokens(tmp_path, kind):
     cases = [" ".join(rng.choice(WORDS, size=n)) for n in (500, 5_000)]
     cases += ["x" * (limit + 50) + " tail words here",               # no white space until past the prefix
               " " * (2 * limit) + "words after a long run of spaces",  # the prefix overflows nothing
-              "word " * (limit // 5 - 3) + "supercalifragilistic" * 40 + " end"]
+              "word " * (limit // 5 - 3) + "supercalifragilistic" * 40 + " end",
+              "!" * 40_000, "ab" * 20_000]                                  # runs without white space
     got = ours.encode(cases)
     for i, text in enumerate(cases):
         expected = reference.encode(text)
