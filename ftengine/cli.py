@@ -21,6 +21,7 @@ from . import Encoder, FtengineError, Reranker
 from .backends import DEVICES
 from .encoder import DTYPES, ENCODER_DTYPES, EncodeStats
 from .errors import DeviceError, InputError
+from .hub import model_folder
 from .output import PRECISIONS, calibration_ranges, needs_ranges, output_dtype
 from .records import INPUT_FORMATS, embed_records, input_format, open_records
 from .textio import iter_lines, read_lines, unicode_text
@@ -295,10 +296,8 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
         check_shards(shards, fmt, text_column, id_column, errors=errors)
         if not os.path.isdir(output_dir):
             os.makedirs(output_dir, exist_ok=True)
-        if model_path is not None:
-            if not os.path.isdir(model_path):
-                raise InputError(f"model folder not found: {model_path}")
-            model_path = os.path.abspath(model_path)
+        if model_path is not None:  # a Hub id resolved here: the workers read the cache's folder
+            model_path = os.path.abspath(model_folder(model_path))
     except OSError as e:
         _fail(f"cannot create output folder {output_dir}: {e.strerror}")
     except FtengineError as e:

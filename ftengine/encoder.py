@@ -17,8 +17,9 @@ import numpy as np
 from .backends import get_ops, resolve_device
 from .checkpoint import load_bert_weights, load_classification_head, load_dense_module
 from .config import load_bert_config
-from .errors import ConfigError, DeviceError, InputError, TooLongError
 from .engine import EncodeEngine, EncodeOptions
+from .errors import ConfigError, DeviceError, InputError, TooLongError
+from .hub import model_folder
 from .models.bert import PACKED_HEAD_DIMS, BertRunner, check_fp8, check_layout
 from .output import calibration_ranges, check_precision, check_ranges, needs_ranges, output_width, quantize
 from .tokenizer import TokenizedTexts, Tokenizer, check_texts, parse_pooling, read_folder_settings
@@ -72,9 +73,7 @@ class Encoder:
         """classifier=True (the Reranker's encoder): the first token (ModernBERT: its
         classifier_pooling) through the checkpoint's sequence-classification head gives each
         row's logits, instead of sentence embeddings."""
-        path = Path(path)
-        if not path.is_dir():
-            raise ConfigError(f"model folder not found: {path}")
+        path = model_folder(path)
         self.device = resolve_device(device)
         dtype = dtype or ("fp16" if self.device == "cuda" else "fp32")
         if dtype not in ENCODER_DTYPES:

@@ -13,6 +13,7 @@ from .decoding.generate import GenerationParams, check_prompts, stream_tokens
 from .encoder import DTYPES
 from .engine import SerialWorker
 from .errors import ConfigError, DeviceError, InputError
+from .hub import model_folder
 from .models.gpt2 import GPT2Runner
 
 CPU_DEFAULT_BATCH = 64
@@ -45,9 +46,7 @@ class Generator:
     device state); a stream holds the Generator until it ends or is closed."""
 
     def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None, cuda_graphs: bool = True):
-        path = Path(path)
-        if not path.is_dir():
-            raise ConfigError(f"model folder not found: {path}")
+        path = model_folder(path)
         device = resolve_device(device)
         dtype = dtype or ("fp16" if device == "cuda" else "fp32")
         if dtype not in DTYPES:

@@ -8,6 +8,7 @@ import numpy as np
 from .config import read_json
 from .encoder import Encoder, _as_list
 from .errors import ConfigError, InputError, TooLongError
+from .hub import model_folder
 
 # CrossEncoder's activation_fn (config.json "sentence_transformers") -> what predict applies
 ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity"}
@@ -89,8 +90,7 @@ class Reranker:
 def model_task(path) -> str:
     """What a model folder serves: "rerank" for a ...ForSequenceClassification checkpoint of one
     label (a cross-encoder), "classify" for one of more labels, else "embed"."""
-    from pathlib import Path
-    config = read_json(Path(path) / "config.json", "model config") if path is not None else {}
+    config = read_json(model_folder(path) / "config.json", "model config") if path is not None else {}
     if not any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
         return "embed"
     labels = config.get("id2label") or {}

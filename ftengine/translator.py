@@ -13,8 +13,9 @@ from .decoding.beam import beam_search
 from .decoding.generate import GenerationParams, stream_tokens
 from .encoder import DTYPES
 from .engine import SerialWorker
-from .errors import ConfigError, DeviceError, InputError
+from .errors import DeviceError, InputError
 from .generator import Candidate
+from .hub import model_folder
 from .models.seq2seq import Seq2SeqRunner
 from .seq2seq_checkpoint import load_seq2seq_weights
 from .seq2seq_text import load_text
@@ -48,9 +49,7 @@ class Translator:
     time on the Translator's own worker thread, which owns the model's device state."""
 
     def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None, cuda_graphs: bool = True):
-        path = Path(path)
-        if not path.is_dir():
-            raise ConfigError(f"model folder not found: {path}")
+        path = model_folder(path)
         device = resolve_device(device)
         dtype = dtype or ("fp16" if device == "cuda" else "fp32")
         if dtype not in DTYPES:
