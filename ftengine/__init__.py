@@ -7,12 +7,14 @@ Public API:
     await Encoder.encode_async(texts, ...); Encoder.submit(texts, ...) -> Future
     Reranker.from_pretrained(path, device="auto", dtype=None)
     Reranker.predict(pairs) -> np.ndarray; Reranker.rank(query, documents, top_k=None) -> list[dict]
+    Classifier.from_pretrained(path, ...).predict(texts or pairs, top_k=1) -> [{"label", "score"}]
     Generator.from_pretrained(path, device="auto", dtype=None)
     Generator.generate(prompts, *, max_new_tokens, ...) -> list[GenerationResult]
     Translator.from_pretrained(path, device="auto", dtype=None)
     Translator.translate(texts, *, tgt_lang=None, num_beams=..., ...) -> list[TranslationResult]
 """
 
+from .classifier import Classifier
 from .encoder import EncodeStats, Encoder
 from .generator import GenerationResult, Generator
 from .reranker import Reranker
@@ -23,6 +25,7 @@ __all__ = [
     "Encoder",
     "EncodeStats",
     "Reranker",
+    "Classifier",
     "Generator",
     "GenerationResult",
     "Translator",

@@ -411,7 +411,8 @@ def serve(model_path, host, port, device, dtype, max_batch_tokens, max_client_ba
           max_concurrent_requests, api_key, api_key_file, workers):
     """Serve a model over HTTP: an embedding model at TEI's POST /embed and OpenAI's POST
     /v1/embeddings, a reranker (a cross-encoder) at TEI's POST /rerank and Cohere's / Jina's POST
-    /v1/rerank (needs the `serve` extra: pip install ftengine[serve])."""
+    /v1/rerank, a classifier at TEI's POST /predict (needs the `serve` extra: pip install
+    ftengine[serve])."""
     try:
         from .reranker import model_task
         from .serve import ServeLimits, WorkerSettings, load_model, serve as run_service, serve_workers
@@ -597,6 +598,70 @@ def _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json,
         _fail(str(e))
     for r in results:
         click.echo(json.dumps(r.to_json(), ensure_ascii=False) if as_json else r.prompt + r.text)
+
+
+CLASSIFY_WINDOW = 4096  # records classified at a time: only their labels are kept
+
+
+@main.command()
+@click.argument("input_path", metavar="[INPUT|-]", default="-")
+@click.option("-o", "--output", default="-", show_default=True,
+              help="Output file: one JSON object a record (its key, then its label and score); '-': stdout.")
+@click.option("--model", "model_path", required=True, help="...ForSequenceClassification folder or Hub id.")
+@click.option("--input-format", "input_format_name", type=click.Choice(INPUT_FORMATS), default=None,
+              help="Input format. Default: from the input's file name; text lines on stdin.")
+@click.option("--text-field", "--text-column", "text_field", default=None,
+              help="The JSONL field or CSV/TSV/Parquet column holding the text. Default: text.")
+@click.option("--id-field", "--id-column", "id_field", default=None,
+              help="A field or column carried to the output as each record's key (default: the line or row number).")
+@click.option("--top-k", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Labels per record, best first: 1 writes {label, score}, more a list under labels.")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(ENCODER_DTYPES), default=None)
+@click.option("--max-length", type=click.IntRange(min=2), default=None, help="Longest text in tokens (longer: cut).")
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=None)
+@click.option("--errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True)
+@click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
+def classify(input_path, output, model_path, input_format_name, text_field, id_field, top_k, device, dtype, max_length,
+             batch_tokens, errors, quiet):
+    """Classify each record of INPUT (text lines, or the text field of a JSONL, CSV, TSV or Parquet
+    file) with a sequence-classification model, as HF's text-classification pipeline does; one
+    JSON line a record, in order, as the work goes."""
+    from .classifier import Classifier
+    classifier = None
+    try:
+        with _exits_when_stopped(on_stop=lambda: _close(classifier)):
+            in_fmt = input_format(input_path, input_format_name)
+            if in_fmt == "txt" and (text_field is not None or id_field is not None):
+                raise InputError("--text-field and --id-field apply to jsonl, csv, tsv and parquet input; "
+                                 f"{input_path} is read as text lines (see --input-format)")
+            check_writable(output)
+            records = open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field,
+                                   errors=errors)
+            classifier = Classifier.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
+            start, lines = time.perf_counter(), 0
+            from tqdm import tqdm
+            texts = iter(records.texts)
+            with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
+                    LineWriter(output) as writer:
+                while window := list(islice(texts, CLASSIFY_WINDOW)):
+                    keys = records.take_keys(len(window))
+                    found = classifier.predict(window, top_k=top_k, batch_tokens=batch_tokens)
+                    writer.write_lines([json.dumps({records.key_name: key, **(f if top_k == 1 else {"labels": f})},
+                                                   ensure_ascii=False) for key, f in zip(keys, found)])
+                    lines += len(window)
+                    bar.update(len(window))
+            seconds = time.perf_counter() - start
+            classifier.close()
+    except FtengineError as e:
+        _close(classifier)
+        _fail(str(e))
+    except BrokenPipeError:
+        _close(classifier)
+        raise
+    if not quiet:
+        click.echo(f"ftengine: {lines} lines, on {classifier.device} ({classifier.dtype}), {seconds:.2f} s, "
+                   f"{_rate(lines, seconds)} lines/s -> {'stdout' if output == '-' else output}", err=True)
 
 
 TRANSLATE_WINDOW = 512  # sources read, translated (sorted by length into batches) and written at a time

@@ -4,6 +4,8 @@ An embedding model speaks two APIs that existing clients speak:
   POST /embed           text-embeddings-inference: {"inputs", "normalize", "truncate"} -> [[float]]
                         (also at POST /, TEI's root route, which huggingface_hub's InferenceClient uses)
   POST /v1/embeddings   OpenAI: {"input", "model", "encoding_format", "dimensions"} -> {"data", "usage", ...}
+a classifier TEI's
+  POST /predict         {"inputs": str | [str] | [[str, str]], "raw_scores", "truncate"} -> [{"label", "score"}]
 a reranker (a cross-encoder) two others:
   POST /rerank          TEI: {"query", "texts", "raw_scores", "return_text", "truncate"} -> [{"index", "score"}]
   POST /v1/rerank       Cohere / Jina / Infinity: {"query", "documents", "top_n", "return_documents"}
@@ -119,9 +121,11 @@ class Service:
 
     def __init__(self, model, *, model_name: str, limits: ServeLimits):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from .classifier import Classifier
         from .reranker import Reranker
         self.reranker = model if isinstance(model, Reranker) else None
-        self.encoder = model._encoder if self.reranker is not None else model
+        self.classifier = model if isinstance(model, Classifier) else None
+        self.encoder = model if self.reranker is None and self.classifier is None else model._encoder
         self.model, self.model_name, self.limits = model, model_name, limits
         self.ready = False
         self.in_flight = 0
@@ -151,6 +155,8 @@ class Service:
         """One real batch before /health says 200: kernels compiled, runner built."""
         if self.reranker is not None:
             self.reranker.predict([("warm", "up")], batch_tokens=self.limits.max_batch_tokens)
+        elif self.classifier is not None:
+            self.classifier.predict(["warm up"], batch_tokens=self.limits.max_batch_tokens)
         else:
             self.encoder.encode(["warm up"], batch_tokens=self.limits.max_batch_tokens)
         self.ready = True
@@ -419,6 +425,46 @@ class Service:
                  "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}}}
         return Response(_dumps(reply), media_type="application/json"), len(texts), tokens
 
+    async def predict(self, request):
+        """TEI: {"inputs": str | [str, str] (one pair) | [str | [str, str], ...], "raw_scores": false,
+        "truncate": false} -> per input every label, best first: [{"label", "score"}] for one input,
+        a list of those for a list."""
+        from starlette.responses import Response
+        body = await self._body(request)
+        if "inputs" not in body:
+            raise _validation("inputs is required")
+        value = body["inputs"]
+        # as TEI reads it: a string, or a list of exactly two strings, is one input (a text, a pair)
+        single = isinstance(value, str) or (isinstance(value, list) and len(value) == 2 and
+                                            all(isinstance(x, str) for x in value))
+        items = [value] if single else value
+        if not isinstance(items, list) or not items:
+            raise _validation("inputs must be a string, a non-empty list of strings, or of [text, text] pairs")
+        inputs = []
+        for i, item in enumerate(items):
+            if isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item):
+                inputs.append(tuple(item))
+            elif isinstance(item, str):
+                inputs.append(item)
+            else:
+                raise _validation(f"inputs[{i}] must be a string or a [text, text] pair")
+        if len({isinstance(x, tuple) for x in inputs}) > 1:
+            raise _validation("inputs must be all texts or all pairs")
+        self._check_count(len(inputs), "inputs")
+        raw, truncate = _bool(body, "raw_scores", False), _bool(body, "truncate", False)
+        loop = asyncio.get_running_loop()
+        try:
+            logits, tokens = await loop.run_in_executor(None, lambda: self.classifier.logits(
+                inputs, batch_tokens=self.limits.max_batch_tokens, truncate=truncate))
+        except TooLongError as e:
+            raise HTTPFailure(413, f"input {e.index} is longer than the maximum input length {e.max_length} tokens; "
+                                   "send truncate: true to cut it", "Validation") from None
+        except InputError as e:
+            raise _validation(str(e)) from None
+        rows = logits if raw else self.classifier.scores(logits)
+        reply = [self.classifier.ranked(row, None) for row in rows]
+        return Response(_dumps(reply[0] if single else reply), media_type="application/json"), len(inputs), tokens
+
     async def health(self, request):
         from starlette.responses import JSONResponse
         if not self.ready:
@@ -428,9 +474,11 @@ class Service:
     async def info(self, request):
         from starlette.responses import JSONResponse
         e = self.encoder
-        if self.reranker is not None:
+        if self.reranker is not None or self.classifier is not None:
+            kind = {"reranker": {}} if self.reranker is not None else \
+                {"classifier": {"id2label": {str(i): name for i, name in enumerate(self.classifier.labels)}}}
             return JSONResponse({
-                "model_id": self.model_name, "model_path": str(e.path), "model_type": {"reranker": {}},
+                "model_id": self.model_name, "model_path": str(e.path), "model_type": kind,
                 "max_input_length": e.max_length, "dtype": e.dtype, "device": e.device,
                 "max_client_batch_size": self.limits.max_client_batch_size,
                 "max_concurrent_requests": self.limits.max_concurrent_requests, "version": __version__}), 0, 0
@@ -472,7 +520,10 @@ class Service:
                 await warm
                 await asyncio.get_running_loop().run_in_executor(None, self.model.close)
 
-        if self.reranker is not None:
+        if self.classifier is not None:
+            task = [route("/predict", "predict", self.predict, ["POST"]),
+                    route("/", "predict", self.predict, ["POST"])]  # TEI's root route
+        elif self.reranker is not None:
             task = [route("/rerank", "rerank", self.rerank, ["POST"]),
                     route("/", "rerank", self.rerank, ["POST"]),  # TEI's root route
                     route("/v1/rerank", "cohere", self.cohere_rerank, ["POST"]),
@@ -576,17 +627,17 @@ def worker_app():
 
 
 def load_model(task: str, path, *, device: str, dtype, max_length, batch_tokens):
-    """The Encoder (task "embed") or Reranker ("rerank") a service runs, its options checked."""
+    """The Encoder (task "embed"), Reranker ("rerank") or Classifier ("classify") a service runs,
+    its options checked."""
+    from .classifier import Classifier
     from .encoder import Encoder
     from .reranker import Reranker
-    if task == "rerank":
-        model = Reranker.from_pretrained(path, device=device, dtype=dtype, max_length=max_length)
+    if task in ("rerank", "classify"):
+        model = (Reranker if task == "rerank" else Classifier).from_pretrained(path, device=device, dtype=dtype,
+                                                                                max_length=max_length)
         engine = model._encoder
-    elif task == "embed":
-        model = engine = Encoder.from_pretrained(path, device=device, dtype=dtype, max_length=max_length)
     else:
-        raise InputError(f"{path}: a sequence classifier of several labels; serve takes embedding models and "
-                         "rerankers (one label)")
+        model = engine = Encoder.from_pretrained(path, device=device, dtype=dtype, max_length=max_length)
     try:
         engine.check_options(batch_tokens=batch_tokens)  # refused now, not at the first request
     except FtengineError:

@@ -1,0 +1,88 @@
+"""Classifier: sequence classification (sentiment, NLI, moderation) with ...ForSequenceClassification
+checkpoints, as HF's text-classification pipeline gives it: a softmax over the labels for a
+single-label model, a sigmoid for a multi-label one or one logit, labels from config.json's
+id2label. The reranker's encoder and head tables read the checkpoints (BERT, RoBERTa / XLM-R /
+CamemBERT, DistilBERT, MPNet, ModernBERT)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import read_json
+from .encoder import Encoder, _as_list
+from .errors import InputError, TooLongError
+
+
+class Classifier:
+    """Texts (or text pairs) -> labels with scores. Thread-safe like Encoder (calls share one
+    engine); close it, or use it as a context manager, to stop the engine's threads."""
+
+    def __init__(self, path, *, device: str = "auto", dtype: str | None = None, max_length: int | None = None,
+                 cuda_graphs: bool = True, layout: str = "auto"):
+        self._encoder = Encoder(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs,
+                                layout=layout, classifier=True)
+        self.path, self.device, self.dtype = self._encoder.path, self._encoder.device, self._encoder.dtype
+        self.max_length = self._encoder.max_length
+        self.num_labels = self._encoder.dim
+        config = read_json(self._encoder.config_path, "model config")
+        names = config.get("id2label") or {}
+        self.labels = [str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(self.num_labels)]
+        problem = config.get("problem_type")
+        self.function = ("sigmoid" if problem == "multi_label_classification" or self.num_labels == 1 else
+                         "none" if problem == "regression" else "softmax")
+
+    @classmethod
+    def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *, max_length: int | None = None,
+                        cuda_graphs: bool = True, layout: str = "auto") -> "Classifier":
+        """Load a ...ForSequenceClassification folder (config.json, model.safetensors, tokenizer.json)."""
+        return cls(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs, layout=layout)
+
+    def logits(self, inputs, *, batch_tokens: int | None = None, truncate: bool = True) -> tuple[np.ndarray, int]:
+        """((N, num_labels) float32 logits, the tokens the inputs took) of texts, or of (text, text)
+        pairs (tokenised as the model's tokenizer pairs them). truncate=False refuses an input
+        longer than max_length (TooLongError) instead of cutting it."""
+        inputs = _as_list(inputs)
+        if not inputs:
+            return np.zeros((0, self.num_labels), np.float32), 0
+        tokenizer = self._encoder.tokenizer
+        pairs = all(isinstance(x, (tuple, list)) for x in inputs)
+        tokens = tokenizer.encode_pairs(inputs) if pairs else tokenizer.encode(inputs)
+        if not truncate and tokens.truncated.any():
+            i = int(np.flatnonzero(tokens.truncated)[0])
+            raise TooLongError(f"input {i} is longer than max_length {self.max_length} tokens", index=i,
+                               max_length=self.max_length)
+        if pairs and self._encoder.config.type_vocab_size == 1:  # RoBERTa, DistilBERT: no token types to give
+            tokens.type_ids[:] = 0
+        result = self._encoder.submit_tokens(tokens, batch_tokens=batch_tokens).result()
+        return result.embeddings.astype(np.float32), int(tokens.tokens)
+
+    def scores(self, logits: np.ndarray) -> np.ndarray:
+        """The pipeline's function_to_apply on logits (N, num_labels)."""
+        if self.function == "sigmoid":
+            return 1.0 / (1.0 + np.exp(-logits))
+        if self.function == "softmax":
+            shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+            return shifted / shifted.sum(axis=1, keepdims=True)
+        return logits
+
+    def predict(self, inputs, *, top_k: int | None = 1, batch_tokens: int | None = None) -> list:
+        """Per input, as the text-classification pipeline returns them: with top_k=1 its best
+        {"label", "score"}; with another top_k (None: every label) a list of them, best first."""
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise InputError(f"top_k must be an integer >= 1 or None, found {top_k!r}")
+        logits, _ = self.logits(inputs, batch_tokens=batch_tokens)
+        return [self.ranked(row, top_k) for row in self.scores(logits)]
+
+    def ranked(self, row: np.ndarray, top_k: int | None):
+        order = np.argsort(-row, kind="stable")[:top_k]
+        best = [{"label": self.labels[i], "score": float(row[i])} for i in order]
+        return best[0] if top_k == 1 else best
+
+    def close(self, *, cancel: bool = False):
+        self._encoder.close(cancel=cancel)
+
+    def __enter__(self) -> "Classifier":
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
