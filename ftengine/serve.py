@@ -10,7 +10,8 @@ a reranker (a cross-encoder) two others:
   POST /rerank          TEI: {"query", "texts", "raw_scores", "return_text", "truncate"} -> [{"index", "score"}]
   POST /v1/rerank       Cohere / Jina / Infinity: {"query", "documents", "top_n", "return_documents"}
                         -> {"results": [{"index", "relevance_score"}], ...}
-and GET /health (200 once the model is loaded and warmed, 503 before), GET /info, GET /metrics
+every model TEI's POST /tokenize and POST /decode, and GET /health (200 once the model is loaded and
+warmed, 503 before), GET /info, GET /metrics
 (Prometheus). Concurrent requests go to the one engine, which packs them into shared batches.
 Every expected problem is a JSON error {"error", "error_type"} with its status; nothing
 accepted is dropped on SIGTERM/SIGINT (uvicorn stops accepting and lets requests finish).
@@ -465,6 +466,55 @@ class Service:
         reply = [self.classifier.ranked(row, None) for row in rows]
         return Response(_dumps(reply[0] if single else reply), media_type="application/json"), len(inputs), tokens
 
+    async def tokenize(self, request):
+        """TEI: {"inputs": str | [str], "add_special_tokens": true} -> per input its tokens
+        [{"id", "text", "special", "start", "stop"}] (character offsets into the input)."""
+        from starlette.responses import Response
+        body = await self._body(request)
+        if "inputs" not in body:
+            raise _validation("inputs is required")
+        texts = _texts(body["inputs"], "inputs")
+        self._check_count(len(texts), "inputs")
+        special = _bool(body, "add_special_tokens", True)
+        tok = self.encoder.tokenizer
+        loop = asyncio.get_running_loop()
+        try:
+            found = await loop.run_in_executor(None, lambda: tok.with_offsets(texts, add_special_tokens=special))
+        except InputError as e:
+            raise _validation(str(e)) from None
+        reply = [[{"id": i, "text": text[a:b] if not s else piece, "special": bool(s), "start": a if not s else None,
+                   "stop": b if not s else None} for i, piece, s, (a, b) in rows] for text, rows in zip(texts, found)]
+        return Response(_dumps(reply), media_type="application/json"), len(texts), sum(map(len, found))
+
+    async def decode(self, request):
+        """TEI: {"ids": [int] | [[int]], "skip_special_tokens": true} -> [str]."""
+        from starlette.responses import Response
+        body = await self._body(request)
+        value = body.get("ids")
+        if not isinstance(value, list) or not value:
+            raise _validation("ids is required, a list of token ids or of lists of them")
+        sequences = _token_ids(value, "ids")
+        if sequences is None:
+            raise _validation("ids must hold token ids (integers)")
+        self._check_count(len(sequences), "ids")
+        vocab = self.encoder.config.vocab_size
+        for i, seq in enumerate(sequences):
+            bad = next((t for t in seq if t >= vocab), None)
+            if bad is not None:
+                raise _validation(f"ids[{i}] holds token id {bad}, outside this model's vocabulary 0..{vocab - 1}")
+        skip = _bool(body, "skip_special_tokens", True)
+        texts = self.encoder.tokenizer.decode(sequences, skip_special_tokens=skip)
+        return Response(_dumps(texts), media_type="application/json"), len(sequences), sum(map(len, sequences))
+
+    async def other_task(self, request):
+        """A route of a task this model does not serve: a 404 naming the routes it does serve."""
+        mine = ("POST /predict" if self.classifier is not None else "POST /rerank, POST /v1/rerank"
+                if self.reranker is not None else "POST /embed, POST /v1/embeddings")
+        kind = "a classifier" if self.classifier is not None else "a reranker" if self.reranker is not None \
+            else "an embedding model"
+        raise HTTPFailure(404, f"{request.url.path} is not served here: this service runs {kind} ({mine}, "
+                               "POST /tokenize, POST /decode)", "NotFound")
+
     async def health(self, request):
         from starlette.responses import JSONResponse
         if not self.ready:
@@ -533,6 +583,11 @@ class Service:
                     route("/", "embed", self.embed, ["POST"]),  # TEI's root route, where huggingface_hub posts
                     route("/v1/embeddings", "openai", self.openai_embeddings, ["POST"]),
                     route("/embeddings", "openai", self.openai_embeddings, ["POST"])]
+        served = {r.path for r in task}
+        task += [route(path, "other", self.other_task, ["POST"])
+                 for path in ("/embed", "/v1/embeddings", "/embeddings", "/rerank", "/v1/rerank", "/predict")
+                 if path not in served]
+        task += [route("/tokenize", "tokenize", self.tokenize, ["POST"]), route("/decode", "decode", self.decode, ["POST"])]
         app = Starlette(routes=[
             *task,
             route("/health", "health", self.health, ["GET"]),

@@ -323,6 +323,25 @@ class Tokenizer:
             cut *= 2
         return text
 
+    def with_offsets(self, texts: list, *, add_special_tokens: bool = True) -> list:
+        """Per text its tokens as (id, token text, special, (start, stop) character offsets), as
+        encode would cut them (truncated to max_length, each text from a bounded prefix)."""
+        check_texts(texts)
+        limit = self.max_length * PREFIX_CHARS_PER_TOKEN
+        prepared = [self._bounded(t, limit) if len(t) > limit else t for t in texts]
+        prepared = [t.lower() for t in prepared] if self.lowercase_text else prepared
+        try:
+            encodings = self._tok.encode_batch(prepared, add_special_tokens=add_special_tokens)
+        except Exception:
+            for i, text in enumerate(prepared):
+                unicode_text(text, f"text {i + 1}", "strict", hint="")
+            raise
+        return [list(zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets)) for e in encodings]
+
+    def decode(self, sequences: list, *, skip_special_tokens: bool = True) -> list:
+        """Token id sequences back to text, as the tokenizer decodes them."""
+        return self._tok.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+
     def special_tokens(self, *, pair: bool) -> int:
         """How many special tokens the post-processor adds to one text, or to a pair."""
         processor = self._tok.post_processor

@@ -394,3 +394,27 @@ def test_workers_share_the_concurrency_limit_rounding_up(st_model):
         assert httpx.get(s.url + "/info").json()["max_concurrent_requests"] == 2
     finally:
         assert s.stop()[0] == 0
+
+
+def test_tokenize_decode_and_routes_of_other_tasks(server, st_model):
+    from tokenizers import Tokenizer
+    reference = Tokenizer.from_file(str(st_model / "tokenizer.json"))
+    r = httpx.post(server.url + "/tokenize", json={"inputs": ["hello world", "The quick fox"]})
+    assert r.status_code == 200, r.text
+    rows = r.json()
+    assert rows[0][0]["special"] and rows[0][-1]["special"]  # [CLS] ... [SEP]
+    for text, tokens in zip(["hello world", "The quick fox"], rows):
+        for tok in tokens:
+            if not tok["special"]:
+                assert text[tok["start"]:tok["stop"]].lower().startswith(tok["text"].lower().replace("##", "")[:1])
+    ids = [tok["id"] for tok in rows[0]]
+    assert ids == reference.encode("hello world").ids
+    plain = httpx.post(server.url + "/tokenize", json={"inputs": "hello world", "add_special_tokens": False}).json()
+    assert [tok["id"] for tok in plain[0]] == ids[1:-1]
+    for skip in (True, False):
+        decoded = httpx.post(server.url + "/decode", json={"ids": [ids], "skip_special_tokens": skip}).json()
+        assert decoded == [reference.decode(ids, skip_special_tokens=skip)]
+    bad = httpx.post(server.url + "/decode", json={"ids": [[1, 10 ** 9]]})
+    assert bad.status_code == 422 and "ids[0] holds token id" in bad.json()["error"]
+    other = httpx.post(server.url + "/rerank", json={"query": "q", "texts": ["a"]})
+    assert other.status_code == 404 and "runs an embedding model (POST /embed" in other.json()["error"]
