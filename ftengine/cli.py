@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
-from contextlib import contextmanager
 from itertools import islice
 
 import click
@@ -19,112 +17,19 @@ import numpy as np
 
 from . import Encoder, FtengineError, Reranker
 from .backends import DEVICES
+from .cli_support import Commands, close_engine, exits_when_stopped, fail, rate, text_option
+from .cli_text import classify, generate, translate
 from .encoder import DTYPES, ENCODER_DTYPES, EncodeStats
 from .errors import DeviceError, InputError
 from .hub import model_folder
 from .output import PRECISIONS, calibration_ranges, needs_ranges, output_dtype
 from .records import INPUT_FORMATS, embed_records, input_format, open_records
-from .textio import iter_lines, read_lines, unicode_text
-from .writers import FORMATS, EmbeddingWriter, LineWriter, check_writable, output_format
+from .textio import iter_lines
+from .writers import FORMATS, EmbeddingWriter, check_writable, output_format
 
 
-def _fail(message: str):
-    click.echo(f"ftengine: error: {message}", err=True)
-    sys.exit(1)
 
-
-BROKEN_PIPE_EXIT = 128 + 13  # as a process killed by SIGPIPE, the way `yes | head` ends for the shell
-
-
-class _Commands(click.Group):
-    """The command group: a reader that goes away (`ftengine encode ... | head`) stops any command
-    quietly with BROKEN_PIPE_EXIT, as Unix filters do."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except BrokenPipeError:
-            try:  # the interpreter's last flush of stdout must not fail again
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            except (OSError, ValueError):
-                pass
-            sys.exit(BROKEN_PIPE_EXIT)
-
-
-def _text_option(value, name: str, *, empty: bool = False):
-    """A text option's value, refused where it is not valid Unicode (invalid UTF-8 on the command
-    line reaches Python as lone surrogates), or empty (white space alone) unless `empty`."""
-    if value is not None:
-        if not empty and not value.strip():
-            raise InputError(f"{name} is empty")
-        unicode_text(value, name, "strict", hint=" (the command line's bytes are not valid UTF-8)")
-    return value
-
-
-def _rate(count: float, seconds: float) -> str:
-    """count / seconds for a summary: whole numbers, three significant digits below 100."""
-    rate = count / seconds if seconds > 0 else 0.0
-    return f"{rate:.0f}" if rate >= 100 else f"{rate:.3g}"
-
-
-class _Terminated(BaseException):
-    """SIGTERM, raised in the main thread so that every cleanup runs as for Ctrl-C."""
-
-
-def _raise_terminated(signum, frame):
-    raise _Terminated()
-
-
-@contextmanager
-def _sigterm_unwinds():
-    """While the body runs, SIGTERM unwinds the stack (temporary files removed) instead of
-    killing the process where it stands."""
-    try:
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _stop_behind(error: BaseException):
-    """The KeyboardInterrupt or _Terminated that error is or was raised from, else None. A signal
-    can arrive inside a library's C code, which may hand it back wrapped: Ray's CoreWorker.wait
-    raises SystemError("... returned a result with an exception set") from the handler's exception."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, (KeyboardInterrupt, _Terminated)):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
-@contextmanager
-def _exits_when_stopped(*, lead: str = "", note: str = "", on_stop=None):
-    """While the body runs, Ctrl-C exits with 130 and SIGTERM with 143 (after every cleanup on
-    the way out, then `on_stop()` if given), each with one line on stderr: `lead`, what happened,
-    `note`."""
-    try:
-        with _sigterm_unwinds():
-            yield
-    except SystemExit:
-        raise
-    except BaseException as e:
-        stop = _stop_behind(e)
-        if stop is None:
-            raise
-        if on_stop is not None:
-            on_stop()
-        terminated = isinstance(stop, _Terminated)
-        click.echo(f"{lead}ftengine: {'terminated' if terminated else 'interrupted'}{note}", err=True)
-        sys.exit(143 if terminated else 130)
-
-
-@click.group(cls=_Commands)
+@click.group(cls=Commands)
 @click.version_option(package_name="ftengine")
 def main():
     """ftengine: transformer inference on raw CUDA kernels (NumPy reference on the CPU)."""
@@ -189,7 +94,7 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
     does not grow with the file."""
     encoder = None
     try:
-        with _exits_when_stopped(on_stop=lambda: _close(encoder)):
+        with exits_when_stopped(on_stop=lambda: close_engine(encoder)):
             fmt = output_format(output, fmt)
             in_fmt = input_format(input_path, input_format_name)
             if in_fmt == "txt" and (text_field is not None or id_field is not None):
@@ -198,7 +103,7 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
             if fmt == "npy" and id_field is not None:
                 raise InputError(f"--id-field: {output} is .npy output, which holds the embeddings alone (in input "
                                  "order); write .jsonl or .parquet to keep the ids")
-            _text_option(prompt, "--prompt", empty=True)
+            text_option(prompt, "--prompt", empty=True)
             check_writable(output)
             records = open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field,
                                    errors=errors)
@@ -220,17 +125,17 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
             stats.seconds = time.perf_counter() - start
             encoder.close()
     except FtengineError as e:
-        _close(encoder)
-        _fail(str(e))
+        close_engine(encoder)
+        fail(str(e))
     except BrokenPipeError:
-        _close(encoder)
+        close_engine(encoder)
         raise
     if not quiet:
         busy = stats.device_seconds / stats.seconds if stats.seconds > 0 else 0.0
         click.echo(
             f"ftengine: {stats.lines} lines, {stats.tokens} tokens, {stats.truncated} truncated, "
             f"{encoder.output_dim(pooling)}-dim on {encoder.device} ({encoder.dtype}), "
-            f"{stats.seconds:.2f} s, {_rate(stats.lines, stats.seconds)} lines/s, device busy {100 * busy:.0f}% "
+            f"{stats.seconds:.2f} s, {rate(stats.lines, stats.seconds)} lines/s, device busy {100 * busy:.0f}% "
             f"-> {'stdout' if output == '-' else output}",
             err=True,
         )
@@ -289,9 +194,9 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
         from .integrations.ray import (check_resources, check_shards, default_cpus_per_worker,
                                        encode_dataset as run_job, ftengine_error_in, plan_shards)
     except ImportError as e:
-        _fail(f"ftengine encode-dataset needs the ray extra (pip install 'ftengine[ray]'): {e}")
+        fail(f"ftengine encode-dataset needs the ray extra (pip install 'ftengine[ray]'): {e}")
     try:
-        _text_option(prompt, "--prompt", empty=True)
+        text_option(prompt, "--prompt", empty=True)
         fmt, shards = plan_shards(input_path, output_dir, input_format_name)
         check_shards(shards, fmt, text_column, id_column, errors=errors)
         if not os.path.isdir(output_dir):
@@ -299,9 +204,9 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
         if model_path is not None:  # a Hub id resolved here: the workers read the cache's folder
             model_path = os.path.abspath(model_folder(model_path))
     except OSError as e:
-        _fail(f"cannot create output folder {output_dir}: {e.strerror}")
+        fail(f"cannot create output folder {output_dir}: {e.strerror}")
     except FtengineError as e:
-        _fail(str(e))
+        fail(str(e))
     todo = sum(not s.done for s in shards)
     if todo and not ray.is_initialized():
         import logging
@@ -309,7 +214,7 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
             ray.init(address=ray_address, logging_level=logging.ERROR if quiet else logging.WARNING,
                      log_to_driver=not quiet)
         except (ConnectionError, ValueError) as e:
-            _fail(f"cannot join the Ray cluster{f' at {ray_address}' if ray_address else ''}: {e}")
+            fail(f"cannot join the Ray cluster{f' at {ray_address}' if ray_address else ''}: {e}")
     if todo:
         gpus = ray.cluster_resources().get("GPU", 0)
         if gpus_per_worker is None:
@@ -317,18 +222,18 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
         if workers is None:
             workers = max(1, int(gpus // gpus_per_worker)) if gpus and gpus_per_worker else 1
         if gpus_per_worker and workers * gpus_per_worker > gpus:
-            _fail(f"{workers} workers x {gpus_per_worker:g} GPUs need {workers * gpus_per_worker:g} GPUs; the Ray "
+            fail(f"{workers} workers x {gpus_per_worker:g} GPUs need {workers * gpus_per_worker:g} GPUs; the Ray "
                   f"cluster has {gpus:g} (see --workers, --gpus-per-worker)")
         if cpus_per_worker is None:
             cpus_per_worker = default_cpus_per_worker(gpus_per_worker)
         try:
             check_resources(min(workers, todo), cpus_per_worker, gpus_per_worker)
         except FtengineError as e:
-            _fail(str(e))
+            fail(str(e))
     embedder = dict(model=model_path, dtype=dtype, batch_tokens=batch_tokens, max_length=max_length, pooling=pooling,
                     normalize=normalize, prompt_name=prompt_name, prompt=prompt, dimensions=dimensions)
     from tqdm import tqdm
-    with _exits_when_stopped(note=" (finished files are kept; run again to do the rest)"), \
+    with exits_when_stopped(note=" (finished files are kept; run again to do the rest)"), \
             tqdm(unit="row", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar:
         try:
             stats = run_job(shards, fmt, text_column=text_column, id_column=id_column, errors=errors,
@@ -340,10 +245,10 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
             cause = ftengine_error_in(e)
             if cause is None:
                 raise
-            _fail(str(cause).splitlines()[0])  # Ray appends retry advice that does not apply to bad input
+            fail(str(cause).splitlines()[0])  # Ray appends retry advice that does not apply to bad input
     if not quiet:
         click.echo(f"ftengine: {stats.rows} rows from {stats.shards_written} files, {stats.shards_skipped} files "
-                   f"already done, {stats.seconds:.2f} s, {_rate(stats.rows, stats.seconds)} rows/s -> {output_dir}",
+                   f"already done, {stats.seconds:.2f} s, {rate(stats.rows, stats.seconds)} rows/s -> {output_dir}",
                    err=True)
 
 
@@ -351,13 +256,13 @@ def _ranges(precision: str, ranges_path, calibration_path):
     """The int8/uint8 ranges from --ranges or --calibration (checked against the model's
     dimension when encoding starts); None for other precisions."""
     if ranges_path and calibration_path:
-        _fail("give --ranges or --calibration, not both")
+        fail("give --ranges or --calibration, not both")
     if not needs_ranges(precision):
         if ranges_path or calibration_path:
-            _fail(f"--ranges and --calibration apply to int8 and uint8 only, not to --precision {precision}")
+            fail(f"--ranges and --calibration apply to int8 and uint8 only, not to --precision {precision}")
         return None
     if not (ranges_path or calibration_path):
-        _fail(f"--precision {precision} needs --ranges FILE.npy or --calibration FILE.npy: the ranges must be known "
+        fail(f"--precision {precision} needs --ranges FILE.npy or --calibration FILE.npy: the ranges must be known "
               "before the first line is written")
     path = ranges_path or calibration_path
     try:
@@ -376,11 +281,6 @@ def _ranges(precision: str, ranges_path, calibration_path):
     except InputError as e:
         raise InputError(f"{path}: {e}") from None
 
-
-def _close(engine):
-    """Cancel an Encoder's or Reranker's work in flight and free it (None: nothing yet)."""
-    if engine is not None:
-        engine.close(cancel=True)
 
 
 @main.command()
@@ -415,39 +315,40 @@ def serve(model_path, host, port, device, dtype, max_batch_tokens, max_client_ba
     ftengine[serve])."""
     try:
         from .reranker import model_task
-        from .serve import ServeLimits, WorkerSettings, load_model, serve as run_service, serve_workers
+        from .serve import ServeLimits
+        from .serve_process import WorkerSettings, load_model, serve as run_service, serve_workers
         import uvicorn  # noqa: F401  (refused here, not mid-start, when the extra is missing)
     except ImportError as e:
-        _fail(f"ftengine serve needs the serve extra (pip install 'ftengine[serve]'): {e}")
+        fail(f"ftengine serve needs the serve extra (pip install 'ftengine[serve]'): {e}")
     if api_key_file is not None:
         if api_key is not None:
-            _fail("give the API key once: --api-key (or FTENGINE_API_KEY) or --api-key-file")
+            fail("give the API key once: --api-key (or FTENGINE_API_KEY) or --api-key-file")
         try:
             with open(api_key_file, encoding="utf-8") as f:
                 api_key = f.readline().strip()
         except (OSError, UnicodeDecodeError) as e:
-            _fail(f"cannot read the API key file {api_key_file}: {getattr(e, 'strerror', None) or e}")
+            fail(f"cannot read the API key file {api_key_file}: {getattr(e, 'strerror', None) or e}")
     if api_key is not None and not api_key:
-        _fail("the API key is empty")
+        fail("the API key is empty")
     limits = ServeLimits(max_client_batch_size=max_client_batch_size, max_concurrent_requests=max_concurrent_requests,
                          max_batch_tokens=max_batch_tokens, api_key=api_key)
     name = str(model_path or "sentence-transformers/all-MiniLM-L6-v2")
     try:
         task = model_task(model_path)
     except FtengineError as e:
-        _fail(str(e))
+        fail(str(e))
     if workers > 1:  # each worker loads the model and reports its own errors
         settings = WorkerSettings(model=model_path, device=device, dtype=dtype, max_length=max_input_length,
                                   model_name=name, limits=limits, task=task)
         if not serve_workers(settings, host=host, port=port, workers=workers):
-            _fail("a service worker could not start (its error is above)")
+            fail("a service worker could not start (its error is above)")
         return
     try:
         model = load_model(task, model_path, device=device, dtype=dtype, max_length=max_input_length,
                            batch_tokens=max_batch_tokens)
         run_service(model, host=host, port=port, model_name=name, limits=limits)
     except FtengineError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 RERANK_WINDOW = 4096  # documents scored per call: only their scores are kept
@@ -469,8 +370,8 @@ def rerank(input_path, query, model_path, top_k, device, dtype, max_length, batc
     {"index": line number from 0, "score": ...}, best first (CrossEncoder.rank's order)."""
     reranker = None
     try:
-        with _exits_when_stopped(on_stop=lambda: _close(reranker)):
-            _text_option(query, "--query")
+        with exits_when_stopped(on_stop=lambda: close_engine(reranker)):
+            text_option(query, "--query")
             lines = iter_lines(input_path, errors=errors)
             reranker = Reranker.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
             if reranker.num_labels != 1:
@@ -484,10 +385,10 @@ def rerank(input_path, query, model_path, top_k, device, dtype, max_length, batc
                 raise InputError(f"no documents in {'<stdin>' if input_path == '-' else input_path}: rerank scores "
                                  "one document a line")
     except FtengineError as e:
-        _close(reranker)
-        _fail(str(e))
+        close_engine(reranker)
+        fail(str(e))
     except BrokenPipeError:
-        _close(reranker)
+        close_engine(reranker)
         raise
     scores = np.concatenate(parts) if parts else np.zeros(0, np.float32)
     order = np.argsort(-scores, kind="stable")[:top_k]
@@ -504,7 +405,7 @@ def warmup(dtypes):
     image), so that a first run starts without compiling."""
     from .backends import cuda_available
     if not cuda_available():
-        _fail("warmup compiles CUDA kernels and needs a usable GPU (CuPy and a CUDA device)")
+        fail("warmup compiles CUDA kernels and needs a usable GPU (CuPy and a CUDA device)")
     from .backends.cuda import families, kernels, ops
     from .models.bert import FP8_FILES
     start = time.perf_counter()
@@ -512,7 +413,7 @@ def warmup(dtypes):
         try:
             ops.check_fp8()
         except DeviceError as e:
-            _fail(str(e))
+            fail(str(e))
     elif not dtypes:
         try:
             ops.check_fp8()
@@ -526,241 +427,8 @@ def warmup(dtypes):
     click.echo(f"ftengine: kernels compiled for {', '.join(dtypes)} in {time.perf_counter() - start:.1f} s", err=True)
 
 
-@main.command()
-@click.option("--model", "model_path", required=True, help="GPT-2 checkpoint folder (config.json, *.safetensors, tokenizer.json).")
-@click.option("--prompt", default=None, help="One prompt.")
-@click.option("--input", "input_path", default=None, help="A UTF-8 file with one prompt per line ('-' for stdin).")
-@click.option("--max-new-tokens", type=int, default=32, show_default=True)
-@click.option("--min-new-tokens", type=int, default=0, show_default=True)
-@click.option("--do-sample", is_flag=True, help="Sample (temperature, top-k, top-p) instead of greedy decoding.")
-@click.option("--temperature", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True, help="0: off; above the vocabulary: every token.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Seed of the counter-based RNG: the same seed gives the same tokens.")
-@click.option("--eos-token-id", type=int, default=None, help="Token that ends a sequence (default: the model's).")
-@click.option("--no-repeat-ngram-size", type=int, default=0, show_default=True, help="Ban repeating n-grams (0: off).")
-@click.option("--num-beams", type=int, default=1, show_default=True, help="Beam search with this many beams (1: off).")
-@click.option("--length-penalty", type=float, default=1.0, show_default=True,
-              help="Beam score = sum of log-probs / length ** length_penalty.")
-@click.option("--early-stopping", type=click.Choice(["true", "false", "never"]), default="false", show_default=True,
-              help="Beam search stopping rule, as HF generate.")
-@click.option("--num-return-sequences", type=int, default=1, show_default=True,
-              help="Hypotheses per prompt in --json candidates (at most --num-beams).")
-@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES), default=None)
-@click.option("--max-batch", type=int, default=None,
-              help="Most sequences decoded at once; more prompts run in waves, results in input order. "
-                   "Default: what half the free GPU memory holds (64 on the CPU), at most 256.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt, in input order.")
-@click.option("--stream", is_flag=True, help="Print the text as it is generated (one prompt only).")
-def generate(model_path, prompt, input_path, max_new_tokens, min_new_tokens, do_sample, temperature, top_k,
-             top_p, repetition_penalty, seed, eos_token_id, no_repeat_ngram_size, num_beams, length_penalty,
-             early_stopping, num_return_sequences, device, dtype, max_batch, as_json, stream):
-    """Continue prompts with a GPT-2 model (greedy, sampled, or beam search)."""
-    with _exits_when_stopped(lead="\n"):  # a streamed text may be mid-line
-        _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json, stream,
-                  dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
-                       temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                       seed=seed, eos_token_id=eos_token_id, no_repeat_ngram_size=no_repeat_ngram_size,
-                       num_beams=num_beams, length_penalty=length_penalty, num_return_sequences=num_return_sequences,
-                       early_stopping={"true": True, "false": False, "never": "never"}[early_stopping]))
-
-
-def _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json, stream, options):
-    from ftengine import Generator
-    from .decoding.generate import check_prompts
-    try:
-        if (prompt is None) == (input_path is None):
-            raise FtengineError("give exactly one of --prompt and --input")
-        prompts = [_text_option(prompt, "--prompt", empty=True)] if prompt is not None else read_lines(input_path)
-        if stream and (len(prompts) != 1 or as_json):
-            raise FtengineError("--stream prints one prompt's text as it comes: give one prompt, without --json")
-        if stream and options["num_beams"] > 1:
-            raise FtengineError("--stream is for greedy and sampled generation; beam search (--num-beams) returns "
-                                "its hypotheses at the end")
-        gen = Generator.from_pretrained(model_path, device=device, dtype=dtype)
-        params = gen.params(**options)  # every option, and a streamed prompt, checked before anything is printed
-        if stream:
-            check_prompts(gen.encode_prompts(prompts), params, gen.config.n_positions)
-            ids, shown = [], ""
-            click.echo(prompts[0], nl=False)
-            for step in gen.stream(prompts, **options):
-                ids += [token for _, token in step]
-                text = gen.decode(ids)
-                if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                    click.echo(text[len(shown):], nl=False)
-                    shown = text
-            click.echo(gen.decode(ids)[len(shown):])
-            return
-        results = gen.generate(prompts, max_batch=max_batch, **options)
-    except FtengineError as e:
-        _fail(str(e))
-    for r in results:
-        click.echo(json.dumps(r.to_json(), ensure_ascii=False) if as_json else r.prompt + r.text)
-
-
-CLASSIFY_WINDOW = 4096  # records classified at a time: only their labels are kept
-
-
-@main.command()
-@click.argument("input_path", metavar="[INPUT|-]", default="-")
-@click.option("-o", "--output", default="-", show_default=True,
-              help="Output file: one JSON object a record (its key, then its label and score); '-': stdout.")
-@click.option("--model", "model_path", required=True, help="...ForSequenceClassification folder or Hub id.")
-@click.option("--input-format", "input_format_name", type=click.Choice(INPUT_FORMATS), default=None,
-              help="Input format. Default: from the input's file name; text lines on stdin.")
-@click.option("--text-field", "--text-column", "text_field", default=None,
-              help="The JSONL field or CSV/TSV/Parquet column holding the text. Default: text.")
-@click.option("--id-field", "--id-column", "id_field", default=None,
-              help="A field or column carried to the output as each record's key (default: the line or row number).")
-@click.option("--top-k", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Labels per record, best first: 1 writes {label, score}, more a list under labels.")
-@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(ENCODER_DTYPES), default=None)
-@click.option("--max-length", type=click.IntRange(min=2), default=None, help="Longest text in tokens (longer: cut).")
-@click.option("--batch-tokens", type=click.IntRange(min=1), default=None)
-@click.option("--errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True)
-@click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
-def classify(input_path, output, model_path, input_format_name, text_field, id_field, top_k, device, dtype, max_length,
-             batch_tokens, errors, quiet):
-    """Classify each record of INPUT (text lines, or the text field of a JSONL, CSV, TSV or Parquet
-    file) with a sequence-classification model, as HF's text-classification pipeline does; one
-    JSON line a record, in order, as the work goes."""
-    from .classifier import Classifier
-    classifier = None
-    try:
-        with _exits_when_stopped(on_stop=lambda: _close(classifier)):
-            in_fmt = input_format(input_path, input_format_name)
-            if in_fmt == "txt" and (text_field is not None or id_field is not None):
-                raise InputError("--text-field and --id-field apply to jsonl, csv, tsv and parquet input; "
-                                 f"{input_path} is read as text lines (see --input-format)")
-            check_writable(output)
-            records = open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field,
-                                   errors=errors)
-            classifier = Classifier.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
-            start, lines = time.perf_counter(), 0
-            from tqdm import tqdm
-            texts = iter(records.texts)
-            with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
-                    LineWriter(output) as writer:
-                while window := list(islice(texts, CLASSIFY_WINDOW)):
-                    keys = records.take_keys(len(window))
-                    found = classifier.predict(window, top_k=top_k, batch_tokens=batch_tokens)
-                    writer.write_lines([json.dumps({records.key_name: key, **(f if top_k == 1 else {"labels": f})},
-                                                   ensure_ascii=False) for key, f in zip(keys, found)])
-                    lines += len(window)
-                    bar.update(len(window))
-            seconds = time.perf_counter() - start
-            classifier.close()
-    except FtengineError as e:
-        _close(classifier)
-        _fail(str(e))
-    except BrokenPipeError:
-        _close(classifier)
-        raise
-    if not quiet:
-        click.echo(f"ftengine: {lines} lines, on {classifier.device} ({classifier.dtype}), {seconds:.2f} s, "
-                   f"{_rate(lines, seconds)} lines/s -> {'stdout' if output == '-' else output}", err=True)
-
-
-TRANSLATE_WINDOW = 512  # sources read, translated (sorted by length into batches) and written at a time
-
-
-@main.command()
-@click.argument("input_path", metavar="[INPUT|-]", default="-")
-@click.option("-o", "--output", default="-", show_default=True,
-              help="Output file: one translation a line, or with --json (or a .jsonl name) one JSON object a "
-                   "source; '-' writes to stdout.")
-@click.option("--model", "model_path", required=True, help="Encoder-decoder checkpoint folder (Marian / opus-mt).")
-@click.option("--input-format", "input_format_name", type=click.Choice(INPUT_FORMATS), default=None,
-              help="Input format. Default: from the input's file name; text lines on stdin.")
-@click.option("--text-field", "--text-column", "text_field", default=None,
-              help="The JSONL field or CSV/TSV/Parquet column holding the source text. Default: text.")
-@click.option("--src-lang", default=None, help="The source language, for multilingual models that take one.")
-@click.option("--tgt-lang", default=None, help="The target language (a multilingual Marian model's >>lang<< code).")
-@click.option("--num-beams", type=click.IntRange(min=1), default=None, help="Beam search width (default: the model's).")
-@click.option("--num-return-sequences", type=click.IntRange(min=1), default=None,
-              help="Hypotheses per source in --json candidates (at most --num-beams).")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
-              help="Most tokens generated per source (default: the model's max_length less the start token).")
-@click.option("--min-new-tokens", type=click.IntRange(min=0), default=None)
-@click.option("--length-penalty", type=float, default=None)
-@click.option("--early-stopping", type=click.Choice(["true", "false", "never"]), default=None)
-@click.option("--no-repeat-ngram-size", type=click.IntRange(min=0), default=None)
-@click.option("--repetition-penalty", type=float, default=None)
-@click.option("--do-sample", is_flag=True, default=None, help="Sample instead of greedy decoding or beam search.")
-@click.option("--top-k", type=click.IntRange(min=0), default=None)
-@click.option("--top-p", type=float, default=None)
-@click.option("--temperature", type=float, default=None)
-@click.option("--seed", type=int, default=None, help="Seed of the counter-based RNG (sampling).")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per source (also chosen by a .jsonl output).")
-@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPES), default=None)
-@click.option("--max-batch", type=click.IntRange(min=1), default=None,
-              help="Most decoder rows (sources x beams) translated at once.")
-@click.option("--errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True,
-              help="Text that is not valid UTF-8 / Unicode: fail naming the line, or replace with U+FFFD.")
-@click.option("--truncate/--no-truncate", default=True, show_default=True,
-              help="Cut sources longer than the model takes, or fail naming the source.")
-@click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
-def translate(input_path, output, model_path, input_format_name, text_field, src_lang, tgt_lang, num_beams,
-              num_return_sequences, max_new_tokens, min_new_tokens, length_penalty, early_stopping,
-              no_repeat_ngram_size, repetition_penalty, do_sample, top_k, top_p, temperature, seed, as_json, device,
-              dtype, max_batch, errors, truncate, quiet):
-    """Translate each record of INPUT (text lines, or the text field of a JSONL, CSV, TSV or Parquet
-    file) with an encoder-decoder model: one output per record, in order, as the work goes."""
-    from .translator import Translator
-    options = dict(num_beams=num_beams, num_return_sequences=num_return_sequences, max_new_tokens=max_new_tokens,
-                   min_new_tokens=min_new_tokens, length_penalty=length_penalty,
-                   no_repeat_ngram_size=no_repeat_ngram_size,
-                   repetition_penalty=repetition_penalty, do_sample=do_sample, top_k=top_k, top_p=top_p,
-                   temperature=temperature, seed=seed,
-                   early_stopping=None if early_stopping is None else
-                   {"true": True, "false": False, "never": "never"}[early_stopping])
-    translator = None
-    try:
-        with _exits_when_stopped():
-            in_fmt = input_format(input_path, input_format_name)
-            if in_fmt == "txt" and text_field is not None:
-                raise InputError(f"--text-field applies to jsonl, csv, tsv and parquet input; {input_path} is read "
-                                 "as text lines (see --input-format)")
-            as_json = as_json or output.lower().endswith(".jsonl")
-            check_writable(output)
-            records = open_records(input_path, in_fmt, text_field=text_field or "text", errors=errors)
-            translator = Translator.from_pretrained(model_path, device=device, dtype=dtype)
-            if src_lang is not None:
-                raise InputError(f"--src-lang: {model_path} translates from one source language "
-                                 f"({translator.config.model_type}); leave the option out")
-            translator.params(**options)  # every option checked before the first source is read
-            translator.text.check_language(tgt_lang, "--tgt-lang")
-            start, lines, tokens = time.perf_counter(), 0, 0
-            from tqdm import tqdm
-            texts = iter(records.texts)
-            with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
-                    LineWriter(output) as writer:
-                while window := list(islice(texts, TRANSLATE_WINDOW)):
-                    keys = records.take_keys(len(window))
-                    results = translator.translate(window, tgt_lang=tgt_lang, max_batch=max_batch,
-                                                   truncate=truncate, **options)
-                    writer.write_lines([json.dumps({records.key_name: key, **r.to_json()}, ensure_ascii=False)
-                                        if as_json else r.text.replace("\n", " ") for key, r in zip(keys, results)])
-                    lines += len(window)
-                    tokens += sum(len(c.token_ids) for r in results for c in r.candidates[:1])
-                    bar.update(len(window))
-            seconds = time.perf_counter() - start
-            translator.close()
-    except FtengineError as e:
-        if translator is not None:
-            translator.close()
-        _fail(str(e))
-    except BrokenPipeError:
-        translator.close()
-        raise
-    if not quiet:
-        click.echo(f"ftengine: {lines} lines, {tokens} tokens generated, on {translator.device} ({translator.dtype}), "
-                   f"{seconds:.2f} s, {_rate(lines, seconds)} lines/s, {_rate(tokens, seconds)} tokens/s "
-                   f"-> {'stdout' if output == '-' else output}", err=True)
+for command in (generate, translate, classify):
+    main.add_command(command)
 
 
 if __name__ == "__main__":

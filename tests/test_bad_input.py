@@ -18,7 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from ftengine import Encoder, InputError, Reranker
-from ftengine.cli import _rate, main
+from ftengine.cli import main
+from ftengine.cli_support import rate
 from ftengine.records import CSV_BLOCK_BYTES
 from ftengine.tokenizer import PREFIX_CHARS_PER_TOKEN, Tokenizer
 from tests.tolerances import BATCHING_INVARIANCE_FP32
@@ -281,4 +282,4 @@ def test_bounded_tokenisation_gives_the_whole_texts_tokens(tmp_path, kind):
 
 
 def test_summary_rates_below_one_are_not_rounded_to_zero():
-    assert _rate(1, 38.2) == "0.0262" and _rate(21_900, 1) == "21900" and _rate(5, 0) == "0"
+    assert rate(1, 38.2) == "0.0262" and rate(21_900, 1) == "21900" and rate(5, 0) == "0"

@@ -282,9 +282,9 @@ def test_a_stop_that_a_library_hands_back_wrapped_still_exits_as_a_stop(gpt2_mod
 def raise_stop(stop: str, *, wrapped: bool):
     """Raise what a Ctrl-C ("interrupted") or SIGTERM ("terminated") raises in the CLI, bare or
     wrapped as Ray's CoreWorker.wait hands it back."""
-    from ftengine import cli as ft_cli
+    from ftengine.cli_support import Terminated
     if not wrapped:
-        raise ft_cli._Terminated() if stop == "terminated" else KeyboardInterrupt()
+        raise Terminated() if stop == "terminated" else KeyboardInterrupt()
     try:
         raise_stop(stop, wrapped=False)
     except BaseException as e:

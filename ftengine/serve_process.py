@@ -1,0 +1,122 @@
+"""Running the service (serve.py's routes): uvicorn in this process, or with `workers` > 1 that
+many processes on one listening socket, each with its own engine and copy of the model: HTTP
+parsing and JSON encoding (most of the host time per request, all under one GIL in a single
+process) then run in parallel, and the Prometheus metrics are summed over the processes
+(prometheus_client's multiprocess mode). Loading the model a service runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+from .errors import FtengineError
+from .serve import LOG_FORMAT, Service, ServeLimits
+
+WORKER_ENV = "FTENGINE_SERVE_WORKER"  # a worker process's settings (JSON), set by serve_workers
+SHUTDOWN_GRACE_SECONDS = 60  # after SIGTERM / SIGINT, requests still open after this are cut off
+# seconds an idle keep-alive connection stays open. uvicorn's default of 5 races with pooled clients:
+# a request sent on a pooled connection just as the server closes it fails with a read error (seen
+# with 64 httpx clients on a busy 2-core machine). Clients' pools keep connections longer than 5 s.
+KEEP_ALIVE_SECONDS = 75
+
+
+def _uvicorn_config(app, **options):
+    import uvicorn
+    return uvicorn.Config(app, access_log=False, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+                          timeout_keep_alive=KEEP_ALIVE_SECONDS, **options)
+
+
+def serve(model, *, host: str, port: int, model_name: str, limits: ServeLimits):
+    """Run the service until SIGTERM/SIGINT: then stop accepting, answer every request already
+    accepted, close the engine and return (the process exits 0)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises a captured signal after its graceful shutdown, which would end
+            # the process "killed by SIGTERM"; the shutdown was orderly, so exit normally
+            getattr(self, "_captured_signals", []).clear()
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    app = Service(model, model_name=model_name, limits=limits).app()
+    Server(_uvicorn_config(app, host=host, port=port)).run()
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What each worker process of serve_workers needs to load its own Encoder or Reranker."""
+    model: str | None
+    device: str
+    dtype: str | None
+    max_length: int | None
+    model_name: str
+    limits: ServeLimits
+    task: str = "embed"  # or "rerank" (reranker.model_task)
+
+
+def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: int) -> bool:
+    """Run `workers` service processes on one socket (uvicorn's supervisor) until SIGTERM/SIGINT,
+    which each worker answers as `serve` does. False if a worker could not start (its error is
+    in the log). max_concurrent_requests is shared out among the workers."""
+    from uvicorn.config import STARTUP_FAILURE
+    from uvicorn.supervisors import Multiprocess
+    # rounded up: the kernel spreads connections unevenly, and a worker at 1 would refuse what another could take
+    per_worker = -(-settings.limits.max_concurrent_requests // workers)
+    limits = asdict(settings.limits) | {"max_concurrent_requests": per_worker, "api_key": None}
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    with tempfile.TemporaryDirectory(prefix="ftengine-metrics-") as metrics:
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics)
+        key_file = None
+        if settings.limits.api_key is not None:  # to the workers through a private file, not their environment
+            key_file = os.path.join(metrics, "api-key")
+            with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(settings.limits.api_key)
+        os.environ[WORKER_ENV] = json.dumps(asdict(settings) | {"limits": limits, "key_file": key_file})
+        config = _uvicorn_config("ftengine.serve_process:worker_app", factory=True, host=host, port=port,
+                                 workers=workers)
+        supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+        supervisor.run()
+    return not any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes)
+
+
+def worker_app():
+    """The application of one worker process of serve_workers (uvicorn calls it as a factory)."""
+    from uvicorn.config import STARTUP_FAILURE
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    settings = json.loads(os.environ[WORKER_ENV])
+    limits = ServeLimits(**settings["limits"])
+    if settings.get("key_file"):
+        with open(settings["key_file"]) as f:
+            limits = ServeLimits(**(asdict(limits) | {"api_key": f.read()}))
+    try:
+        model = load_model(settings["task"], settings["model"], device=settings["device"], dtype=settings["dtype"],
+                           max_length=settings["max_length"], batch_tokens=limits.max_batch_tokens)
+    except FtengineError as e:
+        print(f"ftengine: {e}", file=sys.stderr, flush=True)
+        sys.exit(STARTUP_FAILURE)
+    return Service(model, model_name=settings["model_name"], limits=limits).app()
+
+
+def load_model(task: str, path, *, device: str, dtype, max_length, batch_tokens):
+    """The Encoder (task "embed"), Reranker ("rerank") or Classifier ("classify") a service runs,
+    its options checked."""
+    from .classifier import Classifier
+    from .encoder import Encoder
+    from .reranker import Reranker
+    if task in ("rerank", "classify"):
+        model = (Reranker if task == "rerank" else Classifier).from_pretrained(path, device=device, dtype=dtype,
+                                                                                max_length=max_length)
+        engine = model._encoder
+    else:
+        model = engine = Encoder.from_pretrained(path, device=device, dtype=dtype, max_length=max_length)
+    try:
+        engine.check_options(batch_tokens=batch_tokens)  # refused now, not at the first request
+    except FtengineError:
+        model.close()
+        raise
+    return model
