@@ -47,8 +47,10 @@ def main():
 @click.option("--id-field", "--id-column", "id_field", default=None,
               help="A JSONL field or CSV/TSV/Parquet column carried to the output as each row's key "
                    "(default key: the line number, or the row number for CSV/TSV/Parquet).")
-@click.option("--model", "model_path", default=None,
-              help="Model folder (HF/sentence-transformers). Default: the installed all-MiniLM-L6-v2.")
+@click.option("--model", "model_paths", multiple=True,
+              help="Model folder or Hub id, NAME=PATH to name it; repeat to serve several models (the first of each "
+                   "task answers the usual routes, every one its own under /models/NAME/). Default: the installed "
+                   "all-MiniLM-L6-v2.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(ENCODER_DTYPES), default=None,
               help="Compute precision. Default: fp16 on the GPU, fp32 on the CPU. fp8: e4m3 products (GPUs of "
@@ -284,8 +286,10 @@ def _ranges(precision: str, ranges_path, calibration_path):
 
 
 @main.command()
-@click.option("--model", "model_path", default=None,
-              help="Model folder (HF/sentence-transformers). Default: the installed all-MiniLM-L6-v2.")
+@click.option("--model", "model_paths", multiple=True,
+              help="Model folder or Hub id, NAME=PATH to name it; repeat to serve several models (the first of each "
+                   "task answers the usual routes, every one its own under /models/NAME/). Default: the installed "
+                   "all-MiniLM-L6-v2.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
@@ -307,7 +311,7 @@ def _ranges(precision: str, ranges_path, calibration_path):
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Service processes on one port, each with its own copy of the model: HTTP and JSON work "
                    "in parallel, batches packed per process.")
-def serve(model_path, host, port, device, dtype, max_batch_tokens, max_client_batch_size, max_input_length,
+def serve(model_paths, host, port, device, dtype, max_batch_tokens, max_client_batch_size, max_input_length,
           max_concurrent_requests, api_key, api_key_file, workers):
     """Serve a model over HTTP: an embedding model at TEI's POST /embed and OpenAI's POST
     /v1/embeddings, a reranker (a cross-encoder) at TEI's POST /rerank and Cohere's / Jina's POST
@@ -316,7 +320,7 @@ def serve(model_path, host, port, device, dtype, max_batch_tokens, max_client_ba
     try:
         from .reranker import model_task
         from .serve import ServeLimits
-        from .serve_process import WorkerSettings, load_model, serve as run_service, serve_workers
+        from .serve_process import WorkerSettings, load_models, serve as run_service, serve_workers
         import uvicorn  # noqa: F401  (refused here, not mid-start, when the extra is missing)
     except ImportError as e:
         fail(f"ftengine serve needs the serve extra (pip install 'ftengine[serve]'): {e}")
@@ -332,21 +336,26 @@ def serve(model_path, host, port, device, dtype, max_batch_tokens, max_client_ba
         fail("the API key is empty")
     limits = ServeLimits(max_client_batch_size=max_client_batch_size, max_concurrent_requests=max_concurrent_requests,
                          max_batch_tokens=max_batch_tokens, api_key=api_key)
-    name = str(model_path or "sentence-transformers/all-MiniLM-L6-v2")
+    specs = []
     try:
-        task = model_task(model_path)
+        for given in model_paths or (None,):
+            name, path = (given.split("=", 1) if given and "=" in given and not os.path.exists(given)
+                          else (given or "sentence-transformers/all-MiniLM-L6-v2", given))
+            if not name or any(name == s[0] for s in specs):
+                raise InputError(f"--model {given}: each model needs a name of its own (NAME=PATH)")
+            specs.append([name, path, model_task(path)])
     except FtengineError as e:
         fail(str(e))
-    if workers > 1:  # each worker loads the model and reports its own errors
-        settings = WorkerSettings(model=model_path, device=device, dtype=dtype, max_length=max_input_length,
-                                  model_name=name, limits=limits, task=task)
+    if workers > 1:  # each worker loads the models and reports its own errors
+        settings = WorkerSettings(models=specs, device=device, dtype=dtype, max_length=max_input_length,
+                                  limits=limits)
         if not serve_workers(settings, host=host, port=port, workers=workers):
             fail("a service worker could not start (its error is above)")
         return
     try:
-        model = load_model(task, model_path, device=device, dtype=dtype, max_length=max_input_length,
-                           batch_tokens=max_batch_tokens)
-        run_service(model, host=host, port=port, model_name=name, limits=limits)
+        loaded = load_models(specs, device=device, dtype=dtype, max_length=max_input_length,
+                             batch_tokens=max_batch_tokens)
+        run_service(loaded, host=host, port=port, limits=limits)
     except FtengineError as e:
         fail(str(e))
 

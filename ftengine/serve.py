@@ -109,11 +109,36 @@ def _bool(body: dict, key: str, default: bool) -> bool:
     return value
 
 
-class Service:
-    """The routes, limits and metrics around one model: an Encoder (embeddings) or a Reranker."""
+class Metrics:
+    """The service's Prometheus metrics; with per_model (several models in one service) each is
+    labelled with its model."""
 
-    def __init__(self, model, *, model_name: str, limits: ServeLimits):
+    def __init__(self, *, per_model: bool = False):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        self.per_model = per_model
+        m = ["model"] if per_model else []
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("ftengine_requests", "HTTP requests by route and status", [*m, "route", "status"],
+                                registry=r)
+        self.inputs = Counter("ftengine_inputs", "Texts (or token sequences) embedded", m, registry=r)
+        self.tokens = Counter("ftengine_tokens", "Tokens embedded, special tokens included", m, registry=r)
+        self.latency = Histogram("ftengine_request_duration_seconds", "Request latency", [*m, "route"], registry=r,
+                                 buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30))
+        self.batch_texts = Histogram("ftengine_batch_texts", "Texts per device batch", m, registry=r,
+                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+        self.batch_requests = Histogram("ftengine_batch_requests", "Requests sharing one device batch", m,
+                                        registry=r, buckets=(1, 2, 3, 4, 8, 16, 32, 64))
+        self.batch_tokens = Histogram("ftengine_batch_tokens", "Tokens per device batch", m, registry=r,
+                                      buckets=(64, 256, 1024, 4096, 16384, 65536))
+        self.queue_depth = Gauge("ftengine_queue_depth", "Requests accepted and not yet answered", m, registry=r,
+                                 multiprocess_mode="livesum")
+
+
+class Service:
+    """The routes, limits and metrics around one model: an Encoder (embeddings), a Reranker or a
+    Classifier. metrics: shared by the services of several models (serve_gateway.py)."""
+
+    def __init__(self, model, *, model_name: str, limits: ServeLimits, metrics: Metrics | None = None):
         from .classifier import Classifier
         from .reranker import Reranker
         self.reranker = model if isinstance(model, Reranker) else None
@@ -122,27 +147,20 @@ class Service:
         self.model, self.model_name, self.limits = model, model_name, limits
         self.ready = False
         self.in_flight = 0
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("ftengine_requests", "HTTP requests by route and status", ["route", "status"],
-                                registry=r)
-        self.inputs = Counter("ftengine_inputs", "Texts (or token sequences) embedded", registry=r)
-        self.tokens = Counter("ftengine_tokens", "Tokens embedded, special tokens included", registry=r)
-        self.latency = Histogram("ftengine_request_duration_seconds", "Request latency", ["route"], registry=r,
-                                 buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30))
-        self.batch_texts = Histogram("ftengine_batch_texts", "Texts per device batch", registry=r,
-                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
-        self.batch_requests = Histogram("ftengine_batch_requests", "Requests sharing one device batch",
-                                        registry=r, buckets=(1, 2, 3, 4, 8, 16, 32, 64))
-        self.batch_tokens = Histogram("ftengine_batch_tokens", "Tokens per device batch", registry=r,
-                                      buckets=(64, 256, 1024, 4096, 16384, 65536))
-        self.queue_depth = Gauge("ftengine_queue_depth", "Requests accepted and not yet answered", registry=r,
-                                 multiprocess_mode="livesum")
+        self.metrics = metrics or Metrics()
+        self.registry = self.metrics.registry
         self.encoder._engine.on_batch = self._observe_batch
 
+    def _metric(self, family: str, *labels):
+        """A metric of this service: its family, labelled with the model where several share it."""
+        metric = getattr(self.metrics, family)
+        names = ((self.model_name,) if self.metrics.per_model else ()) + labels
+        return metric.labels(*names) if names else metric
+
     def _observe_batch(self, texts: int, requests: int, tokens: int):
-        self.batch_texts.observe(texts)
-        self.batch_requests.observe(requests)
-        self.batch_tokens.observe(tokens)
+        self._metric("batch_texts").observe(texts)
+        self._metric("batch_requests").observe(requests)
+        self._metric("batch_tokens").observe(tokens)
 
     def warm_up(self):
         """One real batch before /health says 200: kernels compiled, runner built."""
@@ -167,8 +185,13 @@ class Service:
             raise HTTPFailure(401, "missing or wrong API key (Authorization: Bearer KEY)", "Unauthorized")
 
     async def _body(self, request) -> dict:
+        """The request's JSON object, read within the limits (once: a gateway that chose this
+        service by the body's model field read it already)."""
         import orjson
         from starlette.requests import ClientDisconnect
+        read = getattr(request.state, "json_body", None)
+        if read is not None:
+            return read
         self._authorize(request)
         if request.headers.get("content-encoding", "identity").lower() != "identity":
             raise HTTPFailure(415, f"Content-Encoding {request.headers['content-encoding']!r} is not accepted: send "
@@ -201,6 +224,7 @@ class Service:
             raise _validation(f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise _validation("the body must be a JSON object")
+        request.state.json_body = body
         return body
 
     def _check_count(self, n: int, field: str):
@@ -258,7 +282,7 @@ class Service:
                                            f"(--max-concurrent-requests); retry shortly", "Overloaded",
                                       {"Retry-After": "1"})
                 self.in_flight += 1
-                self.queue_depth.inc()
+                self._metric("queue_depth").inc()
                 admitted = True
             response, inputs, tokens = await handler(request)
         except HTTPFailure as e:
@@ -276,12 +300,12 @@ class Service:
         finally:
             if admitted:
                 self.in_flight -= 1
-                self.queue_depth.dec()
+                self._metric("queue_depth").dec()
         ms = 1000 * (time.perf_counter() - start)
-        self.requests.labels(route, str(response.status_code)).inc()
-        self.latency.labels(route).observe(ms / 1000)
-        self.inputs.inc(inputs)
-        self.tokens.inc(tokens)
+        self._metric("requests", route, str(response.status_code)).inc()
+        self._metric("latency", route).observe(ms / 1000)
+        self._metric("inputs").inc(inputs)
+        self._metric("tokens").inc(tokens)
         log.info("%s %s %d inputs=%d tokens=%d %.1fms", request.method, request.url.path, response.status_code,
                  inputs, tokens, ms)
         return response
@@ -531,7 +555,7 @@ class Service:
             "max_client_batch_size": self.limits.max_client_batch_size,
             "max_concurrent_requests": self.limits.max_concurrent_requests, "version": __version__}), 0, 0
 
-    async def metrics(self, request):
+    async def metrics_text(self, request):
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
         from starlette.responses import Response
         registry = self.registry
@@ -541,17 +565,42 @@ class Service:
             MultiProcessCollector(registry)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST), 0, 0
 
+    TASK_PATHS = ("/embed", "/v1/embeddings", "/embeddings", "/rerank", "/v1/rerank", "/predict")
+
+    def route(self, path: str, name: str, handler):
+        from starlette.routing import Route
+
+        async def endpoint(request):
+            return await self.handle(request, name, handler)
+        return Route(path, endpoint, methods=["GET"] if name in ("health", "info", "metrics") else ["POST"])
+
+    def task_routes(self, prefix: str = "") -> list:
+        """This model's routes (its task's, /tokenize, /decode, and the other tasks' paths answering
+        which it serves), under `prefix`."""
+        def route(path, name, handler):
+            return self.route(prefix + path, name, handler)
+        if self.classifier is not None:
+            task = [route("/predict", "predict", self.predict),
+                    route("/", "predict", self.predict)]  # TEI's root route
+        elif self.reranker is not None:
+            task = [route("/rerank", "rerank", self.rerank),
+                    route("/", "rerank", self.rerank),  # TEI's root route
+                    route("/v1/rerank", "cohere", self.cohere_rerank),
+                    route("/rerank/v1", "cohere", self.cohere_rerank)]
+        else:
+            task = [route("/embed", "embed", self.embed),
+                    route("/", "embed", self.embed),  # TEI's root route, where huggingface_hub posts
+                    route("/v1/embeddings", "openai", self.openai_embeddings),
+                    route("/embeddings", "openai", self.openai_embeddings)]
+        served = {r.path for r in task}
+        task += [route(path, "other", self.other_task) for path in self.TASK_PATHS if prefix + path not in served]
+        return task + [route("/tokenize", "tokenize", self.tokenize), route("/decode", "decode", self.decode)]
+
     def app(self):
         """The Starlette application: routes, and the warm-up at startup (in a thread, so /health
         answers 503 meanwhile)."""
         from contextlib import asynccontextmanager
         from starlette.applications import Starlette
-        from starlette.routing import Route
-
-        def route(path, name, handler, methods):
-            async def endpoint(request):
-                return await self.handle(request, name, handler)
-            return Route(path, endpoint, methods=methods)
 
         @asynccontextmanager
         async def lifespan(app):
@@ -562,29 +611,8 @@ class Service:
                 await warm
                 await asyncio.get_running_loop().run_in_executor(None, self.model.close)
 
-        if self.classifier is not None:
-            task = [route("/predict", "predict", self.predict, ["POST"]),
-                    route("/", "predict", self.predict, ["POST"])]  # TEI's root route
-        elif self.reranker is not None:
-            task = [route("/rerank", "rerank", self.rerank, ["POST"]),
-                    route("/", "rerank", self.rerank, ["POST"]),  # TEI's root route
-                    route("/v1/rerank", "cohere", self.cohere_rerank, ["POST"]),
-                    route("/rerank/v1", "cohere", self.cohere_rerank, ["POST"])]
-        else:
-            task = [route("/embed", "embed", self.embed, ["POST"]),
-                    route("/", "embed", self.embed, ["POST"]),  # TEI's root route, where huggingface_hub posts
-                    route("/v1/embeddings", "openai", self.openai_embeddings, ["POST"]),
-                    route("/embeddings", "openai", self.openai_embeddings, ["POST"])]
-        served = {r.path for r in task}
-        task += [route(path, "other", self.other_task, ["POST"])
-                 for path in ("/embed", "/v1/embeddings", "/embeddings", "/rerank", "/v1/rerank", "/predict")
-                 if path not in served]
-        task += [route("/tokenize", "tokenize", self.tokenize, ["POST"]), route("/decode", "decode", self.decode, ["POST"])]
-        app = Starlette(routes=[
-            *task,
-            route("/health", "health", self.health, ["GET"]),
-            route("/info", "info", self.info, ["GET"]),
-            route("/metrics", "metrics", self.metrics, ["GET"]),
-        ], lifespan=lifespan)
+        app = Starlette(routes=[*self.task_routes(), self.route("/health", "health", self.health),
+                                self.route("/info", "info", self.info),
+                                self.route("/metrics", "metrics", self.metrics_text)], lifespan=lifespan)
         app.router.redirect_slashes = False  # a redirect would echo the request's Host header: 404 instead
         return app

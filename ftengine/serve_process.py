@@ -30,9 +30,22 @@ def _uvicorn_config(app, **options):
                           timeout_keep_alive=KEEP_ALIVE_SECONDS, **options)
 
 
-def serve(model, *, host: str, port: int, model_name: str, limits: ServeLimits):
-    """Run the service until SIGTERM/SIGINT: then stop accepting, answer every request already
-    accepted, close the engine and return (the process exits 0)."""
+def build_app(loaded: list, limits: ServeLimits):
+    """The application of the (name, model) pairs: one model's Service, or a Gateway over several
+    (each its own engine, batches and limits; metrics labelled by model)."""
+    if len(loaded) == 1:
+        name, model = loaded[0]
+        return Service(model, model_name=name, limits=limits).app()
+    from .serve import Metrics
+    from .serve_gateway import Gateway
+    metrics = Metrics(per_model=True)
+    return Gateway([Service(model, model_name=name, limits=limits, metrics=metrics) for name, model in loaded]).app()
+
+
+def serve(loaded: list, *, host: str, port: int, limits: ServeLimits):
+    """Run the service of the (name, model) pairs until SIGTERM/SIGINT: then stop accepting,
+    answer every request already accepted (for up to SHUTDOWN_GRACE_SECONDS), close the engines
+    and return (the process exits 0)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -43,20 +56,17 @@ def serve(model, *, host: str, port: int, model_name: str, limits: ServeLimits):
             getattr(self, "_captured_signals", []).clear()
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    app = Service(model, model_name=model_name, limits=limits).app()
-    Server(_uvicorn_config(app, host=host, port=port)).run()
+    Server(_uvicorn_config(build_app(loaded, limits), host=host, port=port)).run()
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """What each worker process of serve_workers needs to load its own Encoder or Reranker."""
-    model: str | None
+    """What each worker process of serve_workers needs to load its own copy of the models."""
+    models: list               # [name, path (None: the default model), task (reranker.model_task)] each
     device: str
     dtype: str | None
     max_length: int | None
-    model_name: str
     limits: ServeLimits
-    task: str = "embed"  # or "rerank" (reranker.model_task)
 
 
 def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: int) -> bool:
@@ -94,12 +104,26 @@ def worker_app():
         with open(settings["key_file"]) as f:
             limits = ServeLimits(**(asdict(limits) | {"api_key": f.read()}))
     try:
-        model = load_model(settings["task"], settings["model"], device=settings["device"], dtype=settings["dtype"],
-                           max_length=settings["max_length"], batch_tokens=limits.max_batch_tokens)
+        loaded = load_models(settings["models"], device=settings["device"], dtype=settings["dtype"],
+                             max_length=settings["max_length"], batch_tokens=limits.max_batch_tokens)
     except FtengineError as e:
         print(f"ftengine: {e}", file=sys.stderr, flush=True)
         sys.exit(STARTUP_FAILURE)
-    return Service(model, model_name=settings["model_name"], limits=limits).app()
+    return build_app(loaded, limits)
+
+
+def load_models(specs: list, **options) -> list:
+    """(name, model) of each [name, path, task] (load_model's options); on a failure the ones
+    loaded are closed and the error raised."""
+    loaded = []
+    try:
+        for name, path, kind in specs:
+            loaded.append((name, load_model(kind, path, **options)))
+    except FtengineError:
+        for _, model in loaded:
+            model.close()
+        raise
+    return loaded
 
 
 def load_model(task: str, path, *, device: str, dtype, max_length, batch_tokens):
