@@ -16,7 +16,7 @@ from .encoder import DTYPES, ENCODER_DTYPES
 from .errors import FtengineError, InputError
 from .records import INPUT_FORMATS, input_format, open_records
 from .textio import read_lines
-from .writers import LineWriter, check_writable
+from .writers import LineWriter, RecordWriter, check_writable
 
 
 @click.command()
@@ -99,7 +99,8 @@ CLASSIFY_WINDOW = 4096  # records classified at a time: only their labels are ke
 @click.command()
 @click.argument("input_path", metavar="[INPUT|-]", default="-")
 @click.option("-o", "--output", default="-", show_default=True,
-              help="Output file: one JSON object a record (its key, then its label and score); '-': stdout.")
+              help="Output file: .parquet, or JSON lines (a .jsonl name, or '-' for stdout): a record's key, then "
+                   "its label and score (with --top-k > 1 its labels).")
 @click.option("--model", "model_path", required=True, help="...ForSequenceClassification folder or Hub id.")
 @click.option("--input-format", "input_format_name", type=click.Choice(INPUT_FORMATS), default=None,
               help="Input format. Default: from the input's file name; text lines on stdin.")
@@ -119,7 +120,7 @@ def classify(input_path, output, model_path, input_format_name, text_field, id_f
              batch_tokens, errors, quiet):
     """Classify each record of INPUT (text lines, or the text field of a JSONL, CSV, TSV or Parquet
     file) with a sequence-classification model, as HF's text-classification pipeline does; one
-    JSON line a record, in order, as the work goes."""
+    JSON line or Parquet row a record, in order, as the work goes."""
     from .classifier import Classifier
     classifier = None
     try:
@@ -136,12 +137,12 @@ def classify(input_path, output, model_path, input_format_name, text_field, id_f
             from tqdm import tqdm
             texts = iter(records.texts)
             with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
-                    LineWriter(output) as writer:
+                    RecordWriter(output, "parquet" if output.lower().endswith(".parquet") else "jsonl") as writer:
                 while window := list(islice(texts, CLASSIFY_WINDOW)):
                     keys = records.take_keys(len(window))
                     found = classifier.predict(window, top_k=top_k, batch_tokens=batch_tokens)
-                    writer.write_lines([json.dumps({records.key_name: key, **(f if top_k == 1 else {"labels": f})},
-                                                   ensure_ascii=False) for key, f in zip(keys, found)])
+                    writer.write_records([{records.key_name: key, **(f if top_k == 1 else {"labels": f})}
+                                          for key, f in zip(keys, found)])
                     lines += len(window)
                     bar.update(len(window))
             seconds = time.perf_counter() - start

@@ -271,6 +271,59 @@ class LineWriter(EmbeddingWriter):
         self.rows += len(lines)
 
 
+class RecordWriter(EmbeddingWriter):
+    """Records (dicts of one shape: a key, then values) written as they come, as JSON lines or
+    Parquet rows (the schema from the first batch), committed or removed as EmbeddingWriter's are."""
+
+    def __init__(self, path: str, fmt: str):
+        if fmt == "parquet":
+            if path == "-":
+                raise InputError("parquet output is binary; give a file with -o, or write JSONL to stdout")
+            require_pyarrow("parquet output")
+        super().__init__(path, "records", 0)
+        self.kind = fmt
+        self._records = self._record_schema = None
+
+    def write_records(self, rows: list):
+        if self.kind != "parquet":
+            self._write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
+            if self._target is None:
+                self._flush()
+        elif rows:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+            table = pa.Table.from_pylist(rows, schema=self._record_schema)
+            try:
+                if self._records is None:
+                    self._record_schema = table.schema
+                    self._records = pq.ParquetWriter(self._file, table.schema)
+                self._records.write_table(table)
+            except OSError as e:
+                raise _output_error(self.path, e, e) from None
+        self.rows += len(rows)
+
+    def commit(self):
+        if self.kind == "parquet":
+            try:
+                if self._records is None:  # no record: an empty file with no columns
+                    import pyarrow as pa
+                    import pyarrow.parquet as pq
+                    pq.write_table(pa.table({}), self._file)
+                else:
+                    self._records.close()
+            except OSError as e:
+                raise _output_error(self.path, e, e) from None
+        super().commit()
+
+    def _discard(self):
+        if self._records is not None and self._records.is_open:
+            try:
+                self._records.close()
+            except OSError:
+                pass
+        super()._discard()
+
+
 def write_embeddings(path: str, fmt: str, embeddings: np.ndarray):
     """Write (N, dim) float32 embeddings in one go (atomically, as EmbeddingWriter)."""
     with EmbeddingWriter(path, fmt, embeddings.shape[1]) as writer:

@@ -128,3 +128,25 @@ def test_served_predict(classifier_model):
         assert httpx.get(s.url + "/info").json()["model_type"]["classifier"]["id2label"]["2"] == "positive"
     finally:
         assert s.stop()[0] == 0
+
+
+def test_classify_to_parquet(classifier_model, tmp_path):
+    import pyarrow.parquet as pq
+    src = tmp_path / "in.txt"
+    src.write_text("".join(t + "\n" for t in TEXTS))
+    with Classifier.from_pretrained(classifier_model, device="cpu") as classifier:
+        best, two = classifier.predict(TEXTS), classifier.predict(TEXTS, top_k=2)
+    out = tmp_path / "labels.parquet"
+    r = CliRunner().invoke(main, ["classify", str(src), "-o", str(out), "--model", str(classifier_model), "--device",
+                                  "cpu", "--quiet"])
+    assert r.exit_code == 0, r.output
+    table = pq.read_table(out)
+    assert table.column_names == ["line", "label", "score"]
+    assert table.column("line").to_pylist() == list(range(1, len(TEXTS) + 1))
+    assert table.column("label").to_pylist() == [b["label"] for b in best]
+    r = CliRunner().invoke(main, ["classify", str(src), "-o", str(out), "--model", str(classifier_model), "--device",
+                                  "cpu", "--quiet", "--top-k", "2"])
+    assert r.exit_code == 0 and pq.read_table(out).column("labels").to_pylist() == two
+    r = CliRunner().invoke(main, ["classify", str(src), "-o", str(tmp_path / "broken.parquet"), "--model",
+                                  str(tmp_path / "nothing"), "--device", "cpu"])
+    assert r.exit_code == 1 and not (tmp_path / "broken.parquet").exists()
