@@ -47,10 +47,8 @@ def main():
 @click.option("--id-field", "--id-column", "id_field", default=None,
               help="A JSONL field or CSV/TSV/Parquet column carried to the output as each row's key "
                    "(default key: the line number, or the row number for CSV/TSV/Parquet).")
-@click.option("--model", "model_paths", multiple=True,
-              help="Model folder or Hub id, NAME=PATH to name it; repeat to serve several models (the first of each "
-                   "task answers the usual routes, every one its own under /models/NAME/). Default: the installed "
-                   "all-MiniLM-L6-v2.")
+@click.option("--model", "model_path", default=None,
+              help="Model folder (HF/sentence-transformers). Default: the installed all-MiniLM-L6-v2.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(ENCODER_DTYPES), default=None,
               help="Compute precision. Default: fp16 on the GPU, fp32 on the CPU. fp8: e4m3 products (GPUs of "
