@@ -150,3 +150,28 @@ def test_classify_to_parquet(classifier_model, tmp_path):
     r = CliRunner().invoke(main, ["classify", str(src), "-o", str(tmp_path / "broken.parquet"), "--model",
                                   str(tmp_path / "nothing"), "--device", "cpu"])
     assert r.exit_code == 1 and not (tmp_path / "broken.parquet").exists()
+
+
+def test_threads_share_one_classifier(classifier_model):
+    import threading
+    with Classifier.from_pretrained(classifier_model, device="cpu") as classifier:
+        expected = classifier.predict(TEXTS, top_k=None)
+        found, errors = {}, []
+
+        def run(i):
+            try:
+                found[i] = classifier.predict(TEXTS[i % 2:] + TEXTS[:i % 2], top_k=None)
+            except Exception as e:  # reported below
+                errors.append(e)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+    for i, got in found.items():
+        order = TEXTS[i % 2:] + TEXTS[:i % 2]
+        for text, labels in zip(order, got):
+            ref = expected[TEXTS.index(text)]
+            assert [x["label"] for x in labels] == [x["label"] for x in ref]
+            assert np.abs(np.array([x["score"] for x in labels]) - [x["score"] for x in ref]).max() <= HF_FP32_MAX_ABS
