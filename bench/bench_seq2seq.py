@@ -34,7 +34,7 @@ from ftengine.decoding.beam import beam_search  # noqa: E402
 from ftengine.decoding.generate import GenerationParams, stream_tokens  # noqa: E402
 from ftengine.models.seq2seq import Seq2SeqRunner  # noqa: E402
 from ftengine.seq2seq_checkpoint import load_seq2seq_weights  # noqa: E402
-from bench.bench_encoder import collector_held  # noqa: E402
+from bench.bench_decoder import timed  # noqa: E402
 
 SOURCE, NEW = 32, 64
 CASES = [("greedy", 1), ("greedy", 32), ("beam 4", 1), ("beam 4", 32)]
@@ -52,18 +52,6 @@ def save_marian_base(folder: Path):
     MarianMTModel(MarianConfig(**MARIAN_BASE)).save_pretrained(str(folder))
 
 
-def timed(fn, repeat=5):
-    times = []
-    with collector_held():
-        for _ in range(repeat):
-            cuda_ops.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            cuda_ops.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def ours(folder: Path, sources: list, beams: int) -> dict:
     config = load_seq2seq_config(folder)
     runner = Seq2SeqRunner(config, load_seq2seq_weights(folder, config), cuda_ops, dtype="fp16",
@@ -78,8 +66,8 @@ def ours(folder: Path, sources: list, beams: int) -> dict:
             return beam_search(runner, prompts, params)
         return list(stream_tokens(runner, prompts, params))
     generate()
-    ms = timed(generate)
-    encode_ms = timed(lambda: runner.encode(sources, copies=beams))
+    ms = timed(generate, repeat=5)
+    encode_ms = timed(lambda: runner.encode(sources, copies=beams), repeat=5)
     return {"ms": ms, "encode_ms": encode_ms}
 
 
