@@ -13,6 +13,21 @@ from .encoder import Encoder, _as_list
 from .errors import InputError, TooLongError
 
 
+def head_logits(encoder, inputs: list, *, pairs: bool, batch_tokens, truncate: bool, what: str) -> tuple:
+    """((N, labels) float32 logits of a classifier encoder's head, the tokens the inputs took) of
+    texts or (text, text) pairs; truncate=False refuses an input longer than max_length
+    (TooLongError naming the `what` at its 0-based place) instead of cutting it."""
+    tokens = encoder.tokenizer.encode_pairs(inputs) if pairs else encoder.tokenizer.encode(inputs)
+    if not truncate and tokens.truncated.any():
+        i = int(np.flatnonzero(tokens.truncated)[0])
+        raise TooLongError(f"{what} {i} is longer than max_length {encoder.max_length} tokens", index=i,
+                           max_length=encoder.max_length)
+    if pairs and encoder.config.type_vocab_size == 1:  # RoBERTa, DistilBERT: no token types to give
+        tokens.type_ids[:] = 0
+    result = encoder.submit_tokens(tokens, batch_tokens=batch_tokens).result()
+    return result.embeddings.astype(np.float32), int(tokens.tokens)
+
+
 class Classifier:
     """Texts (or text pairs) -> labels with scores. Thread-safe like Encoder (calls share one
     engine); close it, or use it as a context manager, to stop the engine's threads."""
@@ -44,17 +59,9 @@ class Classifier:
         inputs = _as_list(inputs)
         if not inputs:
             return np.zeros((0, self.num_labels), np.float32), 0
-        tokenizer = self._encoder.tokenizer
         pairs = all(isinstance(x, (tuple, list)) for x in inputs)
-        tokens = tokenizer.encode_pairs(inputs) if pairs else tokenizer.encode(inputs)
-        if not truncate and tokens.truncated.any():
-            i = int(np.flatnonzero(tokens.truncated)[0])
-            raise TooLongError(f"input {i} is longer than max_length {self.max_length} tokens", index=i,
-                               max_length=self.max_length)
-        if pairs and self._encoder.config.type_vocab_size == 1:  # RoBERTa, DistilBERT: no token types to give
-            tokens.type_ids[:] = 0
-        result = self._encoder.submit_tokens(tokens, batch_tokens=batch_tokens).result()
-        return result.embeddings.astype(np.float32), int(tokens.tokens)
+        return head_logits(self._encoder, inputs, pairs=pairs, batch_tokens=batch_tokens, truncate=truncate,
+                           what="input")
 
     def scores(self, logits: np.ndarray) -> np.ndarray:
         """The pipeline's function_to_apply on logits (N, num_labels)."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .classifier import head_logits
 from .config import read_json
 from .encoder import Encoder, _as_list
-from .errors import ConfigError, InputError, TooLongError
+from .errors import ConfigError, InputError
 from .hub import model_folder
 
 # CrossEncoder's activation_fn (config.json "sentence_transformers") -> what predict applies
@@ -50,16 +51,10 @@ class Reranker:
         pairs = _as_list(pairs)
         if not pairs:
             return np.zeros((0,) if self.num_labels == 1 else (0, self.num_labels), np.float32), 0
-        tokens = self._encoder.tokenizer.encode_pairs(pairs)
-        if not truncate and tokens.truncated.any():
-            i = int(np.flatnonzero(tokens.truncated)[0])
-            raise TooLongError(f"pair {i} is longer than max_length {self.max_length} tokens", index=i,
-                               max_length=self.max_length)
-        if self._encoder.config.type_vocab_size == 1:  # DistilBERT, RoBERTa: no token types to give
-            tokens.type_ids[:] = 0
-        logits = self._encoder.submit_tokens(tokens, batch_tokens=batch_tokens).result().embeddings
+        logits, tokens = head_logits(self._encoder, pairs, pairs=True, batch_tokens=batch_tokens, truncate=truncate,
+                                     what="pair")
         scores = 1.0 / (1.0 + np.exp(-logits)) if activation and self.activation == "sigmoid" else logits
-        return (scores[:, 0] if self.num_labels == 1 else scores).astype(np.float32), int(tokens.tokens)
+        return (scores[:, 0] if self.num_labels == 1 else scores).astype(np.float32), tokens
 
     def rank(self, query: str, documents, *, top_k: int | None = None, return_documents: bool = False,
              batch_tokens: int | None = None) -> list[dict]:
