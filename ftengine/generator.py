@@ -8,8 +8,8 @@ from pathlib import Path
 from .backends import get_ops, resolve_device
 from .checkpoint import load_gpt2_weights
 from .config import load_gpt2_config
-from .decoding.beam import beam_search
-from .decoding.generate import GenerationParams, check_prompts, stream_tokens
+from .decoding.beam import hypotheses
+from .decoding.generate import GenerationParams, check_max_batch, check_prompts, stream_tokens
 from .encoder import DTYPES
 from .engine import SerialWorker
 from .errors import ConfigError, DeviceError, InputError
@@ -18,6 +18,19 @@ from .models.gpt2 import GPT2Runner
 
 CPU_DEFAULT_BATCH = 64
 MAX_DEFAULT_BATCH = 256
+
+
+def decoding_device_dtype(device: str, dtype: str | None) -> tuple[str, str]:
+    """The device ("auto" resolved) and dtype a decoding model runs in: fp16 on the GPU and fp32
+    on the CPU by default; the CPU (NumPy) backend computes in fp32 only."""
+    device = resolve_device(device)
+    dtype = dtype or ("fp16" if device == "cuda" else "fp32")
+    if dtype not in DTYPES:
+        fp8 = " (fp8 is for the encoders)" if dtype == "fp8" else ""
+        raise DeviceError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}{fp8}")
+    if device == "cpu" and dtype != "fp32":
+        raise DeviceError(f"dtype {dtype} needs the CUDA backend; the CPU (NumPy) backend computes in fp32")
+    return device, dtype
 
 
 @dataclass
@@ -47,13 +60,7 @@ class Generator:
 
     def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None, cuda_graphs: bool = True):
         path = model_folder(path)
-        device = resolve_device(device)
-        dtype = dtype or ("fp16" if device == "cuda" else "fp32")
-        if dtype not in DTYPES:
-            fp8 = " (fp8 is for the encoders)" if dtype == "fp8" else ""
-            raise DeviceError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}{fp8}")
-        if device == "cpu" and dtype != "fp32":
-            raise DeviceError(f"dtype {dtype} needs the CUDA backend; the CPU (NumPy) backend computes in fp32")
+        device, dtype = decoding_device_dtype(device, dtype)
         self.device, self.dtype, self.cuda_graphs = device, dtype, cuda_graphs
         self.ops = get_ops(device)
         self.path = path
@@ -134,9 +141,7 @@ class Generator:
             raise InputError("no prompts to continue")
         if max_batch is None:
             max_batch = max(params.num_beams, self.default_max_batch(max(len(p) for p in ids) + max_new_tokens))
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < params.num_beams:
-            raise InputError(f"max_batch must be an integer >= num_beams ({params.num_beams}), got {max_batch!r}")
-        wave = max_batch // params.num_beams
+        wave = check_max_batch(max_batch, params) // params.num_beams
         found = []
         for start in range(0, len(ids), wave):
             found += self._worker.call(self._search, ids[start:start + wave], params)
@@ -163,13 +168,7 @@ class Generator:
 
     def _search(self, ids: list, params: GenerationParams) -> list:
         """Hypotheses [(new token ids, score)] per prompt; runs on the worker thread."""
-        if params.num_beams > 1:
-            return beam_search(self._runner_for(len(ids) * params.num_beams, ids, params), ids, params)
-        new = [[] for _ in ids]
-        for step in stream_tokens(self._runner_for(len(ids), ids, params), ids, params):
-            for b, token in step:
-                new[b].append(token)
-        return [[(tokens, None)] for tokens in new]
+        return hypotheses(self._runner_for(len(ids) * params.num_beams, ids, params), ids, params)
 
     def close(self):
         """Stop the worker thread (it starts again on the next call)."""

@@ -7,14 +7,13 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
-from .backends import get_ops, resolve_device
+from .backends import get_ops
 from .config import load_seq2seq_config
-from .decoding.beam import beam_search
-from .decoding.generate import GenerationParams, stream_tokens
-from .encoder import DTYPES
+from .decoding.beam import hypotheses
+from .decoding.generate import GenerationParams, check_max_batch
 from .engine import SerialWorker
-from .errors import DeviceError, InputError
-from .generator import Candidate
+from .errors import InputError
+from .generator import Candidate, decoding_device_dtype
 from .hub import model_folder
 from .models.seq2seq import Seq2SeqRunner
 from .seq2seq_checkpoint import load_seq2seq_weights
@@ -50,12 +49,7 @@ class Translator:
 
     def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None, cuda_graphs: bool = True):
         path = model_folder(path)
-        device = resolve_device(device)
-        dtype = dtype or ("fp16" if device == "cuda" else "fp32")
-        if dtype not in DTYPES:
-            raise DeviceError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-        if device == "cpu" and dtype != "fp32":
-            raise DeviceError(f"dtype {dtype} needs the CUDA backend; the CPU (NumPy) backend computes in fp32")
+        device, dtype = decoding_device_dtype(device, dtype)
         self.path, self.device, self.dtype, self.cuda_graphs = path, device, dtype, cuda_graphs
         self.ops = get_ops(device)
         self.config = load_seq2seq_config(path)
@@ -172,9 +166,7 @@ class Translator:
     def _max_rows(self, max_batch, params) -> int:
         if max_batch is None:
             return max(params.num_beams, CPU_DEFAULT_BATCH if self.device == "cpu" else GPU_DEFAULT_BATCH)
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < params.num_beams:
-            raise InputError(f"max_batch must be an integer >= num_beams ({params.num_beams}), got {max_batch!r}")
-        return max_batch
+        return check_max_batch(max_batch, params)
 
     def _runner_for(self, rows: int, longest: int, params) -> Seq2SeqRunner:
         """A runner for `rows` decoder rows, sources of `longest` tokens and the call's new tokens
@@ -199,10 +191,4 @@ class Translator:
         runner.set_constraints(banned=banned, forced_eos=forced)
         prompts = [[self.config.decoder_start_token_id] for _ in sources]
         runner.encode(sources, copies=nb)
-        if nb > 1:
-            return beam_search(runner, prompts, params)
-        new = [[] for _ in sources]
-        for step in stream_tokens(runner, prompts, params):
-            for b, token in step:
-                new[b].append(token)
-        return [[(tokens, None)] for tokens in new]
+        return hypotheses(runner, prompts, params)

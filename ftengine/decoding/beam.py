@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import InputError
 from . import processors as P
-from .generate import GenerationParams, check_prompts, pipelined
+from .generate import GenerationParams, check_prompts, pipelined, stream_tokens
 
 NEG = np.float32(-1.0e9)  # HF's "impossible" score, added rather than set, in float32
 KEEP_MAX = 64             # candidates per prompt and step the CUDA kernels hold (sampling.cu BEAM_KEEP_MAX)
@@ -121,3 +121,15 @@ def beam_search(runner, prompts: list, params: GenerationParams) -> list:
         if flags[:, 1].all():
             break
     return runner.beam_results(prompts, params)
+
+
+def hypotheses(runner, prompts: list, params: GenerationParams) -> list:
+    """Per prompt, [(new token ids, score)]: beam_search's with num_beams > 1, else the one greedy
+    or sampled continuation (score None), gathered from stream_tokens."""
+    if params.num_beams > 1:
+        return beam_search(runner, prompts, params)
+    new = [[] for _ in prompts]
+    for step in stream_tokens(runner, prompts, params):
+        for b, token in step:
+            new[b].append(token)
+    return [[(tokens, None)] for tokens in new]

@@ -104,6 +104,13 @@ def check_prompts(prompts: list, params: GenerationParams, n_positions: int):
                              f"that is beyond the model's n_positions {n_positions}")
 
 
+def check_max_batch(max_batch, params: GenerationParams) -> int:
+    """A call's max_batch (decoder rows at once): an integer of at least num_beams."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < params.num_beams:
+        raise InputError(f"max_batch must be an integer >= num_beams ({params.num_beams}), got {max_batch!r}")
+    return max_batch
+
+
 def pipelined(total: int, run_steps, fetch):
     """The host side of a generation whose step 0 is queued: queue the other steps in chunks of
     1, 2, 4 ... CHUNK_STEPS, always one chunk ahead, and yield each chunk's result
