@@ -77,6 +77,14 @@ class GenerationRunner:
 
     # ------------------------------------------------------------------ greedy and sampled generation
 
+    def _before_step(self, step: int, params):
+        """Run before step `step` is queued (0: before the prefill whose logits choose the first
+        token): where a model sets inputs that change by step. Nothing by default."""
+
+    def _next_step(self, params, *, first: bool = False):
+        self._step = 0 if first else self._step + 1
+        self._before_step(self._step, params)
+
     def _check_room(self, prompts, params):
         longest = max(len(p) for p in prompts)
         if longest + params.max_new_tokens > self.max_len:
@@ -113,6 +121,7 @@ class GenerationRunner:
         """Prefill the prompts and choose the first token of each (step 0). params: a
         GenerationParams from .checked()."""
         self._check_room(prompts, params)
+        self._next_step(params, first=True)
         self._begin(prompts, params)
         self._upload("lengths", [len(p) for p in prompts])
         self._upload("finished", np.zeros(len(prompts)))
@@ -127,6 +136,7 @@ class GenerationRunner:
         """Queue `count` steps (decode the last chosen tokens, choose the next) for b sequences."""
         key = ("step", b, params.graph_key())
         for _ in range(count):
+            self._next_step(params)
             self.graphs.run(key, lambda: (self._decode_launches(b), self._choose_and_append(b, params)))
 
     def fetch_history(self, b: int, first: int, last: int):
@@ -157,6 +167,7 @@ class GenerationRunner:
         if batch * nb > self.max_batch:
             raise InputError(f"{batch} prompts x {nb} beams exceed this runner's {self.max_batch} sequences")
         self._check_room(prompts, params)
+        self._next_step(params, first=True)
         seq = self._begin([p for p in prompts for _ in range(nb)], params)
         r, length = seq.shape
         scores = np.tile(np.array([0.0] + [NEG] * (nb - 1), np.float32), batch)  # identical beams: one counts
@@ -172,6 +183,7 @@ class GenerationRunner:
     def beam_steps(self, batch: int, count: int, params):
         r, key = batch * params.num_beams, ("beam", batch, params.graph_key())
         for _ in range(count):
+            self._next_step(params)
             self.graphs.run(key,
                             lambda: (self._decode_launches(r, indirect=True), self._beam_select(batch, params)))
 

@@ -84,7 +84,6 @@ class Seq2SeqRunner(GenerationRunner):
         ops.zero(self.ws.view("choice", (b * ops.CHOICE_STATE_WORDS,)))
         self._bias = weights.logits_bias.astype(np.float32)
         self.set_constraints(banned=(), forced_eos=None)
-        self._step = 0  # steps queued in the current generation (the forced eos goes on the last)
         self._mem_rows = self._mem_last = np.zeros(0, np.int64)  # host copies of ws mem_rows / mem_last
 
     def set_constraints(self, *, banned, forced_eos):
@@ -100,33 +99,12 @@ class Seq2SeqRunner(GenerationRunner):
             self._forced[forced_eos] = self._constrained[forced_eos]
         self._upload("logits_bias", self._constrained, np.float32)
 
-    def _next_step(self, params):
-        """Before queueing a step (0: the first token's choice): the last one takes the forced token's
-        bias, the others the plain one (each upload queued in order with the steps)."""
-        if self._forced is not None and self._step in (0, params.max_new_tokens - 1):
-            last = self._step == params.max_new_tokens - 1
+    def _before_step(self, step: int, params):
+        """The last step takes the forced token's bias, the first the plain one (each upload queued
+        in order with the steps)."""
+        if self._forced is not None and step in (0, params.max_new_tokens - 1):
+            last = step == params.max_new_tokens - 1
             self._upload("logits_bias", self._forced if last else self._constrained, np.float32)
-        self._step += 1
-
-    def start(self, prompts: list, params):
-        self._step = 0
-        self._next_step(params)
-        super().start(prompts, params)
-
-    def steps(self, b: int, count: int, params):
-        for _ in range(count):
-            self._next_step(params)
-            super().steps(b, 1, params)
-
-    def beam_start(self, prompts: list, params):
-        self._step = 0
-        self._next_step(params)
-        super().beam_start(prompts, params)
-
-    def beam_steps(self, batch: int, count: int, params):
-        for _ in range(count):
-            self._next_step(params)
-            super().beam_steps(batch, 1, params)
 
     def _caches(self, i: int):
         c = self.config
