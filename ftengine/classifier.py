@@ -2,7 +2,7 @@
 checkpoints, as HF's text-classification pipeline gives it: a softmax over the labels for a
 single-label model, a sigmoid for a multi-label one or one logit, labels from config.json's
 id2label. The reranker's encoder and head tables read the checkpoints (BERT, RoBERTa / XLM-R /
-CamemBERT, DistilBERT, MPNet, ModernBERT)."""
+CamemBERT, DistilBERT, MPNet, ModernBERT); SequenceHead holds what the Reranker shares."""
 
 from __future__ import annotations
 
@@ -13,24 +13,9 @@ from .encoder import Encoder, _as_list
 from .errors import InputError, TooLongError
 
 
-def head_logits(encoder, inputs: list, *, pairs: bool, batch_tokens, truncate: bool, what: str) -> tuple:
-    """((N, labels) float32 logits of a classifier encoder's head, the tokens the inputs took) of
-    texts or (text, text) pairs; truncate=False refuses an input longer than max_length
-    (TooLongError naming the `what` at its 0-based place) instead of cutting it."""
-    tokens = encoder.tokenizer.encode_pairs(inputs) if pairs else encoder.tokenizer.encode(inputs)
-    if not truncate and tokens.truncated.any():
-        i = int(np.flatnonzero(tokens.truncated)[0])
-        raise TooLongError(f"{what} {i} is longer than max_length {encoder.max_length} tokens", index=i,
-                           max_length=encoder.max_length)
-    if pairs and encoder.config.type_vocab_size == 1:  # RoBERTa, DistilBERT: no token types to give
-        tokens.type_ids[:] = 0
-    result = encoder.submit_tokens(tokens, batch_tokens=batch_tokens).result()
-    return result.embeddings.astype(np.float32), int(tokens.tokens)
-
-
-class Classifier:
-    """Texts (or text pairs) -> labels with scores. Thread-safe like Encoder (calls share one
-    engine); close it, or use it as a context manager, to stop the engine's threads."""
+class SequenceHead:
+    """An encoder with a ...ForSequenceClassification head, what Classifier and Reranker share:
+    loading, the head's logits, closing."""
 
     def __init__(self, path, *, device: str = "auto", dtype: str | None = None, max_length: int | None = None,
                  cuda_graphs: bool = True, layout: str = "auto"):
@@ -39,18 +24,50 @@ class Classifier:
         self.path, self.device, self.dtype = self._encoder.path, self._encoder.device, self._encoder.dtype
         self.max_length = self._encoder.max_length
         self.num_labels = self._encoder.dim
+
+    @classmethod
+    def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *, max_length: int | None = None,
+                        cuda_graphs: bool = True, layout: str = "auto"):
+        """Load a ...ForSequenceClassification folder (config.json, model.safetensors, tokenizer.json)."""
+        return cls(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs, layout=layout)
+
+    def _head_logits(self, inputs: list, *, pairs: bool, batch_tokens, truncate: bool, what: str) -> tuple:
+        """((N, labels) float32 logits, the tokens the inputs took) of texts or (text, text) pairs;
+        truncate=False refuses an input longer than max_length (TooLongError naming the `what` at
+        its 0-based place) instead of cutting it."""
+        encoder = self._encoder
+        tokens = encoder.tokenizer.encode_pairs(inputs) if pairs else encoder.tokenizer.encode(inputs)
+        if not truncate and tokens.truncated.any():
+            i = int(np.flatnonzero(tokens.truncated)[0])
+            raise TooLongError(f"{what} {i} is longer than max_length {encoder.max_length} tokens", index=i,
+                               max_length=encoder.max_length)
+        if pairs and encoder.config.type_vocab_size == 1:  # RoBERTa, DistilBERT: no token types to give
+            tokens.type_ids[:] = 0
+        result = encoder.submit_tokens(tokens, batch_tokens=batch_tokens).result()
+        return result.embeddings.astype(np.float32), int(tokens.tokens)
+
+    def close(self, *, cancel: bool = False):
+        self._encoder.close(cancel=cancel)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Classifier(SequenceHead):
+    """Texts (or text pairs) -> labels with scores. Thread-safe like Encoder (calls share one
+    engine); close it, or use it as a context manager, to stop the engine's threads."""
+
+    def __init__(self, path, **options):
+        super().__init__(path, **options)
         config = read_json(self._encoder.config_path, "model config")
         names = config.get("id2label") or {}
         self.labels = [str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(self.num_labels)]
         problem = config.get("problem_type")
         self.function = ("sigmoid" if problem == "multi_label_classification" or self.num_labels == 1 else
                          "none" if problem == "regression" else "softmax")
-
-    @classmethod
-    def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *, max_length: int | None = None,
-                        cuda_graphs: bool = True, layout: str = "auto") -> "Classifier":
-        """Load a ...ForSequenceClassification folder (config.json, model.safetensors, tokenizer.json)."""
-        return cls(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs, layout=layout)
 
     def logits(self, inputs, *, batch_tokens: int | None = None, truncate: bool = True) -> tuple[np.ndarray, int]:
         """((N, num_labels) float32 logits, the tokens the inputs took) of texts, or of (text, text)
@@ -60,8 +77,7 @@ class Classifier:
         if not inputs:
             return np.zeros((0, self.num_labels), np.float32), 0
         pairs = all(isinstance(x, (tuple, list)) for x in inputs)
-        return head_logits(self._encoder, inputs, pairs=pairs, batch_tokens=batch_tokens, truncate=truncate,
-                           what="input")
+        return self._head_logits(inputs, pairs=pairs, batch_tokens=batch_tokens, truncate=truncate, what="input")
 
     def scores(self, logits: np.ndarray) -> np.ndarray:
         """The pipeline's function_to_apply on logits (N, num_labels)."""
@@ -84,12 +100,3 @@ class Classifier:
         order = np.argsort(-row, kind="stable")[:top_k]
         best = [{"label": self.labels[i], "score": float(row[i])} for i in order]
         return best[0] if top_k == 1 else best
-
-    def close(self, *, cancel: bool = False):
-        self._encoder.close(cancel=cancel)
-
-    def __enter__(self) -> "Classifier":
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .classifier import head_logits
+from .classifier import SequenceHead
 from .config import read_json
-from .encoder import Encoder, _as_list
+from .encoder import _as_list
 from .errors import ConfigError, InputError
 from .hub import model_folder
 
@@ -15,29 +15,18 @@ from .hub import model_folder
 ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity"}
 
 
-class Reranker:
+class Reranker(SequenceHead):
     """Scores for text pairs. Thread-safe like Encoder (calls share one engine); close it, or
     use it as a context manager, to stop the engine's threads."""
 
-    def __init__(self, path, *, device: str = "auto", dtype: str | None = None, max_length: int | None = None,
-                 cuda_graphs: bool = True, layout: str = "auto"):
-        self._encoder = Encoder(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs,
-                                layout=layout, classifier=True)
-        self.path, self.device, self.dtype = self._encoder.path, self._encoder.device, self._encoder.dtype
-        self.max_length = self._encoder.max_length
+    def __init__(self, path, **options):
+        super().__init__(path, **options)
         least = self._encoder.tokenizer.special_tokens(pair=True) + 2  # a token of each text, at least
         if self.max_length < least:
             self._encoder.close()
             raise InputError(f"max_length {self.max_length} is too short for a pair: this model's pair format adds "
                              f"{least - 2} special tokens, so at least {least} leave one token of each text")
-        self.num_labels = self._encoder.dim
         self.activation = _activation(self._encoder.config_path, self.num_labels)
-
-    @classmethod
-    def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *, max_length: int | None = None,
-                        cuda_graphs: bool = True, layout: str = "auto") -> "Reranker":
-        """Load a cross-encoder folder (config.json, model.safetensors, tokenizer.json)."""
-        return cls(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs, layout=layout)
 
     def predict(self, pairs, *, batch_tokens: int | None = None, activation: bool = True) -> np.ndarray:
         """Scores of (text, text) pairs, in input order: (N,) with one label, else (N, num_labels).
@@ -51,8 +40,8 @@ class Reranker:
         pairs = _as_list(pairs)
         if not pairs:
             return np.zeros((0,) if self.num_labels == 1 else (0, self.num_labels), np.float32), 0
-        logits, tokens = head_logits(self._encoder, pairs, pairs=True, batch_tokens=batch_tokens, truncate=truncate,
-                                     what="pair")
+        logits, tokens = self._head_logits(pairs, pairs=True, batch_tokens=batch_tokens, truncate=truncate,
+                                           what="pair")
         scores = 1.0 / (1.0 + np.exp(-logits)) if activation and self.activation == "sigmoid" else logits
         return (scores[:, 0] if self.num_labels == 1 else scores).astype(np.float32), tokens
 
@@ -71,15 +60,6 @@ class Reranker:
         order = np.argsort(-scores, kind="stable")[:top_k]
         return [{"corpus_id": int(i), "score": float(scores[i]), **({"text": documents[i]} if return_documents else {})}
                 for i in order]
-
-    def close(self, *, cancel: bool = False):
-        self._encoder.close(cancel=cancel)
-
-    def __enter__(self) -> "Reranker":
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def model_task(path) -> str:
