@@ -146,8 +146,8 @@ class Generator:
         for start in range(0, len(ids), wave):
             found += self._worker.call(self._search, ids[start:start + wave], params)
         results = []
-        for text, hypotheses in zip(texts, found):
-            cands = [Candidate(self.decode(t), t, s) for t, s in hypotheses]
+        for text, scored in zip(texts, found):
+            cands = [Candidate(self.decode(t), t, s) for t, s in scored]
             results.append(GenerationResult(text, cands[0].text, cands[0].token_ids, cands[0].score, cands))
         return results
 
