@@ -17,7 +17,7 @@ import numpy as np
 
 from . import Encoder, FtengineError, Reranker
 from .backends import DEVICES
-from .cli_support import Commands, close_engine, exits_when_stopped, fail, rate, text_option
+from .cli_support import Commands, close_engine, closes_on_failure, exits_when_stopped, fail, rate, text_option
 from .cli_text import classify, generate, translate
 from .encoder import DTYPES, ENCODER_DTYPES, EncodeStats
 from .errors import DeviceError, InputError
@@ -93,43 +93,36 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
     number, or --id-field). The input is read and the output written as the work goes, so memory
     does not grow with the file."""
     encoder = None
-    try:
-        with exits_when_stopped(on_stop=lambda: close_engine(encoder)):
-            fmt = output_format(output, fmt)
-            in_fmt = input_format(input_path, input_format_name)
-            if in_fmt == "txt" and (text_field is not None or id_field is not None):
-                raise InputError("--text-field and --id-field apply to jsonl, csv, tsv and parquet input; "
-                                 f"{input_path} is read as text lines (see --input-format)")
-            if fmt == "npy" and id_field is not None:
-                raise InputError(f"--id-field: {output} is .npy output, which holds the embeddings alone (in input "
-                                 "order); write .jsonl or .parquet to keep the ids")
-            text_option(prompt, "--prompt", empty=True)
-            check_writable(output)
-            records = open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field,
-                                   errors=errors)
-            ranges = _ranges(precision, ranges_path, calibration_path)
-            encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length,
-                                              cuda_graphs=cuda_graphs, layout=layout)
-            post = dict(prompt_name=prompt_name, prompt=prompt, dimensions=dimensions, precision=precision,
-                        ranges=ranges)
-            stats = EncodeStats()
-            start = time.perf_counter()
-            show_bar = not quiet and sys.stderr.isatty()
-            from tqdm import tqdm
-            with tqdm(unit="line", disable=not show_bar, file=sys.stderr) as bar, \
-                    EmbeddingWriter(output, fmt, encoder.output_dim(pooling, dimensions=dimensions, precision=precision),
-                                    output_dtype(precision), key_name=records.key_name,
-                                    key_type=records.key_type) as writer:
-                embed_records(encoder, records, writer, batch_tokens=batch_tokens, pooling=pooling,
-                              normalize=normalize, truncate=truncate, stats=stats, progress=bar.update, **post)
-            stats.seconds = time.perf_counter() - start
-            encoder.close()
-    except FtengineError as e:
-        close_engine(encoder)
-        fail(str(e))
-    except BrokenPipeError:
-        close_engine(encoder)
-        raise
+    with closes_on_failure(lambda: close_engine(encoder)):
+        fmt = output_format(output, fmt)
+        in_fmt = input_format(input_path, input_format_name)
+        if in_fmt == "txt" and (text_field is not None or id_field is not None):
+            raise InputError("--text-field and --id-field apply to jsonl, csv, tsv and parquet input; "
+                             f"{input_path} is read as text lines (see --input-format)")
+        if fmt == "npy" and id_field is not None:
+            raise InputError(f"--id-field: {output} is .npy output, which holds the embeddings alone (in input "
+                             "order); write .jsonl or .parquet to keep the ids")
+        text_option(prompt, "--prompt", empty=True)
+        check_writable(output)
+        records = open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field,
+                               errors=errors)
+        ranges = _ranges(precision, ranges_path, calibration_path)
+        encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length,
+                                          cuda_graphs=cuda_graphs, layout=layout)
+        post = dict(prompt_name=prompt_name, prompt=prompt, dimensions=dimensions, precision=precision,
+                    ranges=ranges)
+        stats = EncodeStats()
+        start = time.perf_counter()
+        show_bar = not quiet and sys.stderr.isatty()
+        from tqdm import tqdm
+        with tqdm(unit="line", disable=not show_bar, file=sys.stderr) as bar, \
+                EmbeddingWriter(output, fmt, encoder.output_dim(pooling, dimensions=dimensions, precision=precision),
+                                output_dtype(precision), key_name=records.key_name,
+                                key_type=records.key_type) as writer:
+            embed_records(encoder, records, writer, batch_tokens=batch_tokens, pooling=pooling,
+                          normalize=normalize, truncate=truncate, stats=stats, progress=bar.update, **post)
+        stats.seconds = time.perf_counter() - start
+        encoder.close()
     if not quiet:
         busy = stats.device_seconds / stats.seconds if stats.seconds > 0 else 0.0
         click.echo(
@@ -376,27 +369,20 @@ def rerank(input_path, query, model_path, top_k, device, dtype, max_length, batc
     """Score each line of INPUT against --query with a cross-encoder; print JSONL
     {"index": line number from 0, "score": ...}, best first (CrossEncoder.rank's order)."""
     reranker = None
-    try:
-        with exits_when_stopped(on_stop=lambda: close_engine(reranker)):
-            text_option(query, "--query")
-            lines = iter_lines(input_path, errors=errors)
-            reranker = Reranker.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
-            if reranker.num_labels != 1:
-                raise InputError(f"{model_path}: rerank needs one score per pair; this model has "
-                                 f"{reranker.num_labels} labels")
-            parts = []
-            while window := list(islice(lines, RERANK_WINDOW)):
-                parts.append(reranker.predict([(query, d) for d in window], batch_tokens=batch_tokens))
-            reranker.close()
-            if not parts:
-                raise InputError(f"no documents in {'<stdin>' if input_path == '-' else input_path}: rerank scores "
-                                 "one document a line")
-    except FtengineError as e:
-        close_engine(reranker)
-        fail(str(e))
-    except BrokenPipeError:
-        close_engine(reranker)
-        raise
+    with closes_on_failure(lambda: close_engine(reranker)):
+        text_option(query, "--query")
+        lines = iter_lines(input_path, errors=errors)
+        reranker = Reranker.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
+        if reranker.num_labels != 1:
+            raise InputError(f"{model_path}: rerank needs one score per pair; this model has "
+                             f"{reranker.num_labels} labels")
+        parts = []
+        while window := list(islice(lines, RERANK_WINDOW)):
+            parts.append(reranker.predict([(query, d) for d in window], batch_tokens=batch_tokens))
+        reranker.close()
+        if not parts:
+            raise InputError(f"no documents in {'<stdin>' if input_path == '-' else input_path}: rerank scores "
+                             "one document a line")
     scores = np.concatenate(parts) if parts else np.zeros(0, np.float32)
     order = np.argsort(-scores, kind="stable")[:top_k]
     for i in order:  # line by line: one huge write to a pipe whose reader left can end without an error

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import click
 
-from .errors import InputError
+from .errors import FtengineError, InputError
 from .textio import unicode_text
 
 
@@ -114,3 +114,19 @@ def close_engine(engine):
     """Cancel an Encoder's or Reranker's work in flight and free it (None: nothing yet)."""
     if engine is not None:
         engine.close(cancel=True)
+
+
+@contextmanager
+def closes_on_failure(close):
+    """The body of a command that drives an engine: on Ctrl-C or SIGTERM (exits_when_stopped),
+    on an FtengineError (then one line, exit status 1) and on a reader that went away (re-raised
+    for Commands), `close()` runs first."""
+    try:
+        with exits_when_stopped(on_stop=close):
+            yield
+    except FtengineError as e:
+        close()
+        fail(str(e))
+    except BrokenPipeError:
+        close()
+        raise

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import sys
 import time
-from itertools import islice
 
 import click
 
 from .backends import DEVICES
-from .cli_support import close_engine, exits_when_stopped, fail, rate, text_option
+from .cli_support import close_engine, closes_on_failure, exits_when_stopped, fail, rate, text_option
 from .encoder import DTYPES, ENCODER_DTYPES
 from .errors import FtengineError, InputError
 from .records import INPUT_FORMATS, input_format, open_records
@@ -123,36 +122,27 @@ def classify(input_path, output, model_path, input_format_name, text_field, id_f
     JSON line or Parquet row a record, in order, as the work goes."""
     from .classifier import Classifier
     classifier = None
-    try:
-        with exits_when_stopped(on_stop=lambda: close_engine(classifier)):
-            in_fmt = input_format(input_path, input_format_name)
-            if in_fmt == "txt" and (text_field is not None or id_field is not None):
-                raise InputError("--text-field and --id-field apply to jsonl, csv, tsv and parquet input; "
-                                 f"{input_path} is read as text lines (see --input-format)")
-            check_writable(output)
-            records = open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field,
-                                   errors=errors)
-            classifier = Classifier.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
-            start, lines = time.perf_counter(), 0
-            from tqdm import tqdm
-            texts = iter(records.texts)
-            with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
-                    RecordWriter(output, "parquet" if output.lower().endswith(".parquet") else "jsonl") as writer:
-                while window := list(islice(texts, CLASSIFY_WINDOW)):
-                    keys = records.take_keys(len(window))
-                    found = classifier.predict(window, top_k=top_k, batch_tokens=batch_tokens)
-                    writer.write_records([{records.key_name: key, **(f if top_k == 1 else {"labels": f})}
-                                          for key, f in zip(keys, found)])
-                    lines += len(window)
-                    bar.update(len(window))
-            seconds = time.perf_counter() - start
-            classifier.close()
-    except FtengineError as e:
-        close_engine(classifier)
-        fail(str(e))
-    except BrokenPipeError:
-        close_engine(classifier)
-        raise
+    with closes_on_failure(lambda: close_engine(classifier)):
+        in_fmt = input_format(input_path, input_format_name)
+        if in_fmt == "txt" and (text_field is not None or id_field is not None):
+            raise InputError("--text-field and --id-field apply to jsonl, csv, tsv and parquet input; "
+                             f"{input_path} is read as text lines (see --input-format)")
+        check_writable(output)
+        records = open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field,
+                               errors=errors)
+        classifier = Classifier.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
+        start, lines = time.perf_counter(), 0
+        from tqdm import tqdm
+        with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
+                RecordWriter(output, "parquet" if output.lower().endswith(".parquet") else "jsonl") as writer:
+            for keys, window in records.windows(CLASSIFY_WINDOW):
+                found = classifier.predict(window, top_k=top_k, batch_tokens=batch_tokens)
+                writer.write_records([{records.key_name: key, **(f if top_k == 1 else {"labels": f})}
+                                      for key, f in zip(keys, found)])
+                lines += len(window)
+                bar.update(len(window))
+        seconds = time.perf_counter() - start
+        classifier.close()
     if not quiet:
         click.echo(f"ftengine: {lines} lines, on {classifier.device} ({classifier.dtype}), {seconds:.2f} s, "
                    f"{rate(lines, seconds)} lines/s -> {'stdout' if output == '-' else output}", err=True)
@@ -213,44 +203,34 @@ def translate(input_path, output, model_path, input_format_name, text_field, src
                    early_stopping=None if early_stopping is None else
                    {"true": True, "false": False, "never": "never"}[early_stopping])
     translator = None
-    try:
-        with exits_when_stopped():
-            in_fmt = input_format(input_path, input_format_name)
-            if in_fmt == "txt" and text_field is not None:
-                raise InputError(f"--text-field applies to jsonl, csv, tsv and parquet input; {input_path} is read "
-                                 "as text lines (see --input-format)")
-            as_json = as_json or output.lower().endswith(".jsonl")
-            check_writable(output)
-            records = open_records(input_path, in_fmt, text_field=text_field or "text", errors=errors)
-            translator = Translator.from_pretrained(model_path, device=device, dtype=dtype)
-            if src_lang is not None:
-                raise InputError(f"--src-lang: {model_path} translates from one source language "
-                                 f"({translator.config.model_type}); leave the option out")
-            translator.params(**options)  # every option checked before the first source is read
-            translator.text.check_language(tgt_lang, "--tgt-lang")
-            start, lines, tokens = time.perf_counter(), 0, 0
-            from tqdm import tqdm
-            texts = iter(records.texts)
-            with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
-                    LineWriter(output) as writer:
-                while window := list(islice(texts, TRANSLATE_WINDOW)):
-                    keys = records.take_keys(len(window))
-                    results = translator.translate(window, tgt_lang=tgt_lang, max_batch=max_batch,
-                                                   truncate=truncate, **options)
-                    writer.write_lines([json.dumps({records.key_name: key, **r.to_json()}, ensure_ascii=False)
-                                        if as_json else r.text.replace("\n", " ") for key, r in zip(keys, results)])
-                    lines += len(window)
-                    tokens += sum(len(c.token_ids) for r in results for c in r.candidates[:1])
-                    bar.update(len(window))
-            seconds = time.perf_counter() - start
-            translator.close()
-    except FtengineError as e:
-        if translator is not None:
-            translator.close()
-        fail(str(e))
-    except BrokenPipeError:
+    with closes_on_failure(lambda: translator is not None and translator.close()):
+        in_fmt = input_format(input_path, input_format_name)
+        if in_fmt == "txt" and text_field is not None:
+            raise InputError(f"--text-field applies to jsonl, csv, tsv and parquet input; {input_path} is read "
+                             "as text lines (see --input-format)")
+        as_json = as_json or output.lower().endswith(".jsonl")
+        check_writable(output)
+        records = open_records(input_path, in_fmt, text_field=text_field or "text", errors=errors)
+        translator = Translator.from_pretrained(model_path, device=device, dtype=dtype)
+        if src_lang is not None:
+            raise InputError(f"--src-lang: {model_path} translates from one source language "
+                             f"({translator.config.model_type}); leave the option out")
+        translator.params(**options)  # every option checked before the first source is read
+        translator.text.check_language(tgt_lang, "--tgt-lang")
+        start, lines, tokens = time.perf_counter(), 0, 0
+        from tqdm import tqdm
+        with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
+                LineWriter(output) as writer:
+            for keys, window in records.windows(TRANSLATE_WINDOW):
+                results = translator.translate(window, tgt_lang=tgt_lang, max_batch=max_batch,
+                                               truncate=truncate, **options)
+                writer.write_lines([json.dumps({records.key_name: key, **r.to_json()}, ensure_ascii=False)
+                                    if as_json else r.text.replace("\n", " ") for key, r in zip(keys, results)])
+                lines += len(window)
+                tokens += sum(len(c.token_ids) for r in results for c in r.candidates[:1])
+                bar.update(len(window))
+        seconds = time.perf_counter() - start
         translator.close()
-        raise
     if not quiet:
         click.echo(f"ftengine: {lines} lines, {tokens} tokens generated, on {translator.device} ({translator.dtype}), "
                    f"{seconds:.2f} s, {rate(lines, seconds)} lines/s, {rate(tokens, seconds)} tokens/s "

@@ -17,6 +17,7 @@ import os
 import sys
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from .errors import InputError
 from .textio import REPLACE_HINT, iter_lines, unicode_text
@@ -61,6 +62,12 @@ class Records:
 
     def take_keys(self, n: int) -> list:
         return [self.keys.popleft() for _ in range(n)]
+
+    def windows(self, size: int):
+        """(keys, texts) of the next `size` records at a time (fewer at the end), as they are read."""
+        texts = iter(self.texts)
+        while window := list(islice(texts, size)):
+            yield self.take_keys(len(window)), window
 
 
 def embed_records(encoder, records: Records, writer, **options):

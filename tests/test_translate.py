@@ -226,3 +226,14 @@ def test_cuda_low_precision_agrees_and_graphs_change_no_bit(marian_gpu, cuda_tra
             reference = full.translate(TEXTS, **options)
             same = sum(x.token_ids == y.token_ids for x, y in zip(a, reference))
             print(f"{dtype} {options or 'greedy'}: {same} of {len(TEXTS)} translations equal fp32's")
+
+
+def test_translate_ctrl_c_is_interrupted_with_130_and_writes_nothing(marian, tmp_path, monkeypatch):
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Translator, "translate", interrupted)
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("".join(t + "\n" for t in TEXTS), encoding="utf-8")
+    r = CliRunner().invoke(main, ["translate", str(src), "-o", str(out), "--model", str(marian), "--device", "cpu"])
+    assert r.exit_code == 130 and "ftengine: interrupted" in r.stderr and "Traceback" not in r.output, r.output
+    assert not out.exists()
