@@ -153,23 +153,12 @@ def test_classify_to_parquet(classifier_model, tmp_path):
 
 
 def test_threads_share_one_classifier(classifier_model):
-    import threading
+    from concurrent.futures import ThreadPoolExecutor
     with Classifier.from_pretrained(classifier_model, device="cpu") as classifier:
         expected = classifier.predict(TEXTS, top_k=None)
-        found, errors = {}, []
-
-        def run(i):
-            try:
-                found[i] = classifier.predict(TEXTS[i % 2:] + TEXTS[:i % 2], top_k=None)
-            except Exception as e:  # reported below
-                errors.append(e)
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert not errors
-    for i, got in found.items():
+        with ThreadPoolExecutor(6) as pool:
+            found = list(pool.map(lambda i: classifier.predict(TEXTS[i % 2:] + TEXTS[:i % 2], top_k=None), range(6)))
+    for i, got in enumerate(found):
         order = TEXTS[i % 2:] + TEXTS[:i % 2]
         for text, labels in zip(order, got):
             ref = expected[TEXTS.index(text)]

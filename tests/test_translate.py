@@ -5,7 +5,7 @@ the checkpoint's generation defaults: the pad token banned, eos forced at the la
 of mixed lengths equal to one by one, threads, and the `ftengine translate` command."""
 
 import json
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -55,6 +55,16 @@ def hf_generate(hf, text: str, **options):
     return hypotheses, None if scores is None else scores.tolist()
 
 
+def assert_matches_hf(results, hf, options):
+    """Each TEXTS result's candidates are HF generate's hypotheses, token for token, with its
+    beam scores."""
+    for text, result in zip(TEXTS, results):
+        hypotheses, scores = hf_generate(hf, text, **options)
+        assert [c.token_ids for c in result.candidates] == hypotheses, text
+        if scores is not None:
+            assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= BEAM_SCORE_FP32
+
+
 def test_tokenizer_matches_marian_tokenizer(marian, hf):
     _, tokenizer = hf
     ours = MarianText(marian)
@@ -97,12 +107,9 @@ def test_encoder_states_and_first_logits_match_hf(marian, hf):
 def test_translations_match_hf_generate(marian, hf, options):
     with Translator.from_pretrained(marian, device="cpu") as translator:
         results = translator.translate(TEXTS, **options)
-    for text, result in zip(TEXTS, results):
-        hypotheses, scores = hf_generate(hf, text, **options)
-        assert [c.token_ids for c in result.candidates] == hypotheses, text
-        if scores is not None:
-            assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= BEAM_SCORE_FP32
-        assert result.text == hf[1].decode(hypotheses[0], skip_special_tokens=True)
+    assert_matches_hf(results, hf, options)
+    for result in results:
+        assert result.text == hf[1].decode(result.candidates[0].token_ids, skip_special_tokens=True)
 
 
 def test_a_batch_of_mixed_lengths_equals_one_by_one(marian):
@@ -119,19 +126,9 @@ def test_a_batch_of_mixed_lengths_equals_one_by_one(marian):
 def test_threads_share_one_translator(marian):
     with Translator.from_pretrained(marian, device="cpu") as translator:
         expected = [r.token_ids for r in translator.translate(TEXTS, num_beams=2)]
-        found, errors = {}, []
-
-        def run(i):
-            try:
-                found[i] = [r.token_ids for r in translator.translate(TEXTS, num_beams=2)]
-            except Exception as e:  # reported below
-                errors.append(e)
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert not errors and all(v == expected for v in found.values())
+        with ThreadPoolExecutor(4) as pool:
+            found = list(pool.map(lambda _: [r.token_ids for r in translator.translate(TEXTS, num_beams=2)], range(4)))
+    assert found == [expected] * 4
 
 
 def test_seeded_sampling_repeats_and_options_are_checked(marian):
@@ -204,11 +201,7 @@ GPU_OPTIONS = [{}, {"num_beams": 4}, {"num_beams": 3, "num_return_sequences": 2,
 def test_cuda_fp32_translations_match_hf(marian_gpu, hf_gpu, cuda_translator, options):
     with cuda_translator(marian_gpu, dtype="fp32") as translator:
         results = translator.translate(TEXTS, **options)
-    for text, result in zip(TEXTS, results):
-        hypotheses, scores = hf_generate(hf_gpu, text, **options)
-        assert [c.token_ids for c in result.candidates] == hypotheses, text
-        if scores is not None:
-            assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= BEAM_SCORE_FP32
+    assert_matches_hf(results, hf_gpu, options)
 
 
 @pytest.mark.gpu
