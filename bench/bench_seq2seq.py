@@ -1,15 +1,16 @@
 """Encoder-decoder benchmark: ftengine (CUDA) against HF `generate` in the same process.
 
-Marian-base's shapes (opus-mt-en-de: d_model 512, 6 + 6 layers, 8 heads, FFN 2,048, swish, a
-58,101-token shared vocabulary) with HF's random initialisation, saved once and loaded by both;
-fp16; 32-token sources of random ids, 64 new tokens (min_new_tokens 64 on both sides, so that
+Two models' shapes with HF's random initialisation, each saved once and loaded by both:
+Marian-base (opus-mt-en-de: d_model 512, 6 + 6 post-LayerNorm layers, 8 heads, FFN 2,048, swish,
+a 58,101-token vocabulary) and NLLB-200-distilled-600M (M2M100: d_model 1,024, 12 + 12
+pre-LayerNorm layers, 16 heads, FFN 4,096, ReLU, a 256,206-token vocabulary); fp16; 32-token sources of random ids, 64 new tokens (min_new_tokens 64 on both sides, so that
 both generate exactly as many); batch 1 and 32; greedy and beam 4. ftengine is timed from token
 ids in (the encoder pass, the memory's projection, the prefill and every step) to the chosen ids
 on the host; HF from input ids on the GPU to its output ids (sdpa attention). Median of repeats
 after warm-up. Reported: ms per step (a new token of every sequence), generated tokens/s, and the
 encoder pass alone.
 
-Usage: python bench/bench_seq2seq.py --out bench/results
+Usage: python bench/bench_seq2seq.py --out bench/results [--models marian-base,nllb-600m]
 """
 
 from __future__ import annotations
@@ -42,14 +43,22 @@ MARIAN_BASE = dict(vocab_size=58101, d_model=512, encoder_layers=6, decoder_laye
                    decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, activation_function="swish",
                    max_position_embeddings=512, scale_embedding=True, pad_token_id=58100, eos_token_id=0,
                    decoder_start_token_id=58100)
-TARGETS = {("greedy", 1): "<= 0.2 ms/token", ("beam 4", 32): ">= 50,000 tokens/s"}
+NLLB_600M = dict(vocab_size=256206, d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+                 decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, activation_function="relu",
+                 max_position_embeddings=1024, scale_embedding=True, pad_token_id=1, eos_token_id=2, bos_token_id=0,
+                 decoder_start_token_id=2)
+MODELS = {"marian-base": ("MarianConfig", "MarianMTModel", MARIAN_BASE),
+          "nllb-600m": ("M2M100Config", "M2M100ForConditionalGeneration", NLLB_600M)}
+TARGETS = {("marian-base", "greedy", 1): "<= 0.2 ms/token", ("marian-base", "beam 4", 32): ">= 50,000 tokens/s"}
 
 
-def save_marian_base(folder: Path):
+def save_model(name: str, folder: Path):
     import torch
-    from transformers import MarianConfig, MarianMTModel
+    import transformers
+    config_class, model_class, shapes = MODELS[name]
     torch.manual_seed(0)
-    MarianMTModel(MarianConfig(**MARIAN_BASE)).save_pretrained(str(folder))
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**shapes))
+    model.half().save_pretrained(str(folder))
 
 
 def ours(folder: Path, sources: list, beams: int) -> dict:
@@ -92,50 +101,67 @@ def theirs(model, sources: list, beams: int) -> float:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--models", default=",".join(MODELS))
     args = p.parse_args()
     import cupy
     import torch
     import transformers
-    from transformers import MarianMTModel
     rng = np.random.default_rng(0)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "marian-base"
-        save_marian_base(folder)
-        model = MarianMTModel.from_pretrained(folder, dtype=torch.float16, attn_implementation="sdpa").cuda().eval()
-        for mode, batch in CASES:
-            beams = 4 if mode.startswith("beam") else 1
-            sources = rng.integers(1, MARIAN_BASE["vocab_size"] - 1, (batch, SOURCE)).tolist()
-            for s in sources:
-                s[-1] = MARIAN_BASE["eos_token_id"]
-            found = ours(folder, sources, beams)
-            hf_ms = theirs(model, sources, beams)
-            row = {"mode": mode, "batch": batch, "source": SOURCE, "new_tokens": NEW,
-                   "ftengine_ms_per_step": round(found["ms"] / NEW, 4),
-                   "ftengine_tokens_per_s": round(batch * NEW / found["ms"] * 1e3),
-                   "ftengine_encode_ms": round(found["encode_ms"], 4),
-                   "hf_ms_per_step": round(hf_ms / NEW, 4), "hf_tokens_per_s": round(batch * NEW / hf_ms * 1e3),
-                   "speedup": round(hf_ms / found["ms"], 1), "target": TARGETS.get((mode, batch), "")}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+    for name in args.models.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            rows += bench_model(name, Path(tmp) / name, rng)
+    write_results(rows, Path(args.out), cupy, torch, transformers)
+
+
+def bench_model(name: str, folder: Path, rng) -> list:
+    import torch
+    import transformers
+    shapes = MODELS[name][2]
+    save_model(name, folder)
+    model = getattr(transformers, MODELS[name][1]).from_pretrained(folder, dtype=torch.float16,
+                                                                   attn_implementation="sdpa").cuda().eval()
+    rows = []
+    for mode, batch in CASES:
+        beams = 4 if mode.startswith("beam") else 1
+        # ids clear of the specials, eos last
+        sources = rng.integers(4, shapes["vocab_size"] - 1, (batch, SOURCE)).tolist()
+        for s in sources:
+            s[-1] = shapes["eos_token_id"]
+        found = ours(folder, sources, beams)
+        hf_ms = theirs(model, sources, beams)
+        row = {"model": name, "mode": mode, "batch": batch, "source": SOURCE, "new_tokens": NEW,
+               "ftengine_ms_per_step": round(found["ms"] / NEW, 4),
+               "ftengine_tokens_per_s": round(batch * NEW / found["ms"] * 1e3),
+               "ftengine_encode_ms": round(found["encode_ms"], 4),
+               "hf_ms_per_step": round(hf_ms / NEW, 4), "hf_tokens_per_s": round(batch * NEW / hf_ms * 1e3),
+               "speedup": round(hf_ms / found["ms"], 1), "target": TARGETS.get((name, mode, batch), "")}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def write_results(rows: list, out: Path, cupy, torch, transformers):
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     device = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     result = {"device": device, "date": date.today().isoformat(), "rows": rows,
               "versions": {"python": platform.python_version(), "cupy": cupy.__version__, "torch": torch.__version__,
                            "transformers": transformers.__version__}}
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "seq2seq.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Encoder-decoder benchmark — {device}, {result['date']}", "",
-             "Marian-base shapes (opus-mt-en-de), HF random initialisation, fp16; 32-token sources, 64 new tokens "
+             "Marian-base (opus-mt-en-de) and NLLB-200-distilled-600M shapes, HF random initialisation, fp16; "
+             "32-token sources, 64 new tokens "
              "(min_new_tokens 64 on both sides). ftengine: token ids in -> chosen ids on the host (encoder, memory, "
              "prefill, steps); HF `generate` with sdpa, inputs on the GPU. ms per step = whole generation / 64; "
              "tokens/s = batch x 64 / whole generation.", "",
-             "| mode | batch | ftengine ms/step | ftengine tokens/s | ftengine encoder ms | HF ms/step | HF tokens/s "
-             "| speed-up | target |", "|---|---|---|---|---|---|---|---|---|"]
+             "| model | mode | batch | ftengine ms/step | ftengine tokens/s | ftengine encoder ms | HF ms/step "
+             "| HF tokens/s | speed-up | target |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['batch']} | {r['ftengine_ms_per_step']} | {r['ftengine_tokens_per_s']:,} | "
-                     f"{r['ftengine_encode_ms']} | {r['hf_ms_per_step']} | {r['hf_tokens_per_s']:,} | "
+        lines.append(f"| {r['model']} | {r['mode']} | {r['batch']} | {r['ftengine_ms_per_step']} | "
+                     f"{r['ftengine_tokens_per_s']:,} | {r['ftengine_encode_ms']} | {r['hf_ms_per_step']} | {r['hf_tokens_per_s']:,} | "
                      f"{r['speedup']}x | {r['target']} |")
     (out / "seq2seq.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

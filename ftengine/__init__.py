@@ -11,7 +11,7 @@ Public API:
     Generator.from_pretrained(path, device="auto", dtype=None)
     Generator.generate(prompts, *, max_new_tokens, ...) -> list[GenerationResult]
     Translator.from_pretrained(path, device="auto", dtype=None)
-    Translator.translate(texts, *, tgt_lang=None, num_beams=..., ...) -> list[TranslationResult]
+    Translator.translate(texts, *, src_lang=None, tgt_lang=None, num_beams=..., ...) -> list[TranslationResult]
 """
 
 from .classifier import Classifier

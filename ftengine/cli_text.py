@@ -156,13 +156,16 @@ TRANSLATE_WINDOW = 512  # sources read, translated (sorted by length into batche
 @click.option("-o", "--output", default="-", show_default=True,
               help="Output file: one translation a line, or with --json (or a .jsonl name) one JSON object a "
                    "source; '-' writes to stdout.")
-@click.option("--model", "model_path", required=True, help="Encoder-decoder checkpoint folder (Marian / opus-mt).")
+@click.option("--model", "model_path", required=True,
+              help="Encoder-decoder checkpoint folder or Hub id (Marian / opus-mt, BART, mBART, M2M100 / NLLB).")
 @click.option("--input-format", "input_format_name", type=click.Choice(INPUT_FORMATS), default=None,
               help="Input format. Default: from the input's file name; text lines on stdin.")
 @click.option("--text-field", "--text-column", "text_field", default=None,
               help="The JSONL field or CSV/TSV/Parquet column holding the source text. Default: text.")
-@click.option("--src-lang", default=None, help="The source language, for multilingual models that take one.")
-@click.option("--tgt-lang", default=None, help="The target language (a multilingual Marian model's >>lang<< code).")
+@click.option("--src-lang", default=None,
+              help="The source language of a multilingual model, as its tokenizer spells it (eng_Latn, en_XX).")
+@click.option("--tgt-lang", default=None,
+              help="The target language: NLLB's fra_Latn, mBART's fr_XX, a multilingual Marian model's >>fra<< as fra.")
 @click.option("--num-beams", type=click.IntRange(min=1), default=None, help="Beam search width (default: the model's).")
 @click.option("--num-return-sequences", type=click.IntRange(min=1), default=None,
               help="Hypotheses per source in --json candidates (at most --num-beams).")
@@ -212,17 +215,14 @@ def translate(input_path, output, model_path, input_format_name, text_field, src
         check_writable(output)
         records = open_records(input_path, in_fmt, text_field=text_field or "text", errors=errors)
         translator = Translator.from_pretrained(model_path, device=device, dtype=dtype)
-        if src_lang is not None:
-            raise InputError(f"--src-lang: {model_path} translates from one source language "
-                             f"({translator.config.model_type}); leave the option out")
-        translator.params(**options)  # every option checked before the first source is read
-        translator.text.check_language(tgt_lang, "--tgt-lang")
+        translator.check_languages(src_lang, tgt_lang, ("--src-lang", "--tgt-lang"))
+        translator.params(tgt_lang, **options)  # every option checked before the first source is read
         start, lines, tokens = time.perf_counter(), 0, 0
         from tqdm import tqdm
         with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
                 LineWriter(output) as writer:
             for keys, window in records.windows(TRANSLATE_WINDOW):
-                results = translator.translate(window, tgt_lang=tgt_lang, max_batch=max_batch,
+                results = translator.translate(window, src_lang=src_lang, tgt_lang=tgt_lang, max_batch=max_batch,
                                                truncate=truncate, **options)
                 writer.write_lines([json.dumps({records.key_name: key, **r.to_json()}, ensure_ascii=False)
                                     if as_json else r.text.replace("\n", " ") for key, r in zip(keys, results)])

@@ -344,17 +344,22 @@ def load_gpt2_config(model_dir: Path) -> GPT2Config:
 
 # encoder-decoder activation_function -> the feed-forward's activation (add_bias_act / erf GELU)
 SEQ2SEQ_ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}
-SEQ2SEQ_FAMILIES = ("marian",)
+# model_type -> (pre-LayerNorm layers with a final LayerNorm per stack, LayerNorm after the
+# embedding, positions: "sinusoidal" (Marian's), "fairseq" (sinusoids offset past the pad id) or
+# "learned" (offset by 2, BART's))
+SEQ2SEQ_FAMILIES = {"marian": (False, False, "sinusoidal"), "bart": (False, True, "learned"),
+                    "mbart": (True, True, "learned"), "m2m_100": (True, False, "fairseq")}
+LEARNED_POSITION_OFFSET = 2
 # generation_config.json fields the encoder-decoders use, read as the defaults of each call
 GENERATION_FIELDS = ("num_beams", "max_length", "max_new_tokens", "min_length", "min_new_tokens", "length_penalty",
                      "no_repeat_ngram_size", "early_stopping", "repetition_penalty", "do_sample", "temperature",
-                     "top_k", "top_p", "num_return_sequences", "bad_words_ids", "forced_eos_token_id",
-                     "renormalize_logits")
+                     "top_k", "top_p", "num_return_sequences", "bad_words_ids", "forced_bos_token_id",
+                     "forced_eos_token_id", "renormalize_logits")
 
 
 @dataclass(frozen=True)
 class Seq2SeqConfig:
-    model_type: str                # "marian" (Helsinki-NLP opus-mt-*)
+    model_type: str                # "marian" (Helsinki-NLP opus-mt-*), "bart", "mbart", "m2m_100" (and NLLB)
     vocab_size: int                # 58101 (opus-mt-en-de): one vocabulary for both sides
     d_model: int                   # 512
     encoder_layers: int            # 6
@@ -371,6 +376,9 @@ class Seq2SeqConfig:
     pad_token_id: int              # 58100
     eos_token_id: int              # 0
     decoder_start_token_id: int    # 58100 (the pad token)
+    pre_norm: bool                 # False: LayerNorm after each residual (Marian, BART); True: before, and at the end
+    layernorm_embedding: bool      # True: a LayerNorm right after token + position embeddings (BART, mBART)
+    positions: str                 # "sinusoidal", "fairseq" or "learned" (SEQ2SEQ_FAMILIES)
     generation: dict               # generation_config.json's GENERATION_FIELDS, e.g. {"num_beams": 4}
 
     @property
@@ -387,17 +395,20 @@ class Seq2SeqConfig:
         if data.get("share_encoder_decoder_embeddings") is False:
             raise ConfigError(f"{path}: separate source and target vocabularies (share_encoder_decoder_embeddings "
                               "false) are not supported")
-        if data.get("normalize_before") or data.get("add_final_layer_norm"):
+        if model_type == "marian" and (data.get("normalize_before") or data.get("add_final_layer_norm")):
             raise ConfigError(f"{path}: pre-LayerNorm Marian variants (normalize_before) are not supported")
         d_model, encoder_heads = keys.width_and_heads("d_model", "encoder_attention_heads")
         _, decoder_heads = keys.width_and_heads("d_model", "decoder_attention_heads")
         act = keys.one_of("activation_function", tuple(SEQ2SEQ_ACTIVATIONS), "gelu")
         ids = {name: keys.at_least(name, 0) for name in ("pad_token_id", "eos_token_id")}
-        start = (generation or {}).get("decoder_start_token_id",
-                                       data.get("decoder_start_token_id", ids["pad_token_id"]))
+        start = (generation or {}).get("decoder_start_token_id", data.get("decoder_start_token_id"))
+        if start is None:  # HF generate starts with the bos token then; Marian's start is its pad
+            start = data.get("bos_token_id", ids["pad_token_id"]) if model_type != "marian" else ids["pad_token_id"]
         if not isinstance(start, int) or isinstance(start, bool) or start < 0:
             raise ConfigError(f"{path}: decoder_start_token_id must be a non-negative int, found {start!r}")
-        defaults = {k: v for k, v in (generation or {}).items() if k in GENERATION_FIELDS and v is not None}
+        # HF reads the generation defaults from config.json where generation_config.json is absent
+        defaults = {k: v for k, v in (data if generation is None else generation).items()
+                    if k in GENERATION_FIELDS and v is not None}
         return cls(
             model_type=model_type,
             vocab_size=keys.positive("vocab_size"),
@@ -414,6 +425,9 @@ class Seq2SeqConfig:
             layer_norm_eps=1e-5,
             tie_word_embeddings=bool(data.get("tie_word_embeddings", True)),
             decoder_start_token_id=start,
+            pre_norm=SEQ2SEQ_FAMILIES[model_type][0],
+            layernorm_embedding=SEQ2SEQ_FAMILIES[model_type][1],
+            positions=SEQ2SEQ_FAMILIES[model_type][2],
             generation=defaults,
             **ids,
         )

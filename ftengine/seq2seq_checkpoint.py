@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import SafetensorsFiles, _collect, _expected, _slots
-from .config import Seq2SeqConfig
+from .config import LEARNED_POSITION_OFFSET, Seq2SeqConfig
 
 _E = lambda c: (c.d_model,)  # noqa: E731
 _EE = lambda c: (c.d_model, c.d_model)  # noqa: E731
@@ -45,15 +45,23 @@ def _layer_names(side: str, ffn) -> dict:
     return names
 
 
-MARIAN_ENCODER_LAYER = _layer_names("encoder", lambda c: c.encoder_ffn)
-MARIAN_DECODER_LAYER = _layer_names("decoder", lambda c: c.decoder_ffn)
-MARIAN_SHARED = "model.shared.weight"
-MARIAN_OPTIONAL = {"final_logits_bias": ("final_logits_bias", lambda c: (1, c.vocab_size)),
-                   "model.encoder.embed_positions.weight": ("encoder_positions", lambda c: (c.max_positions, c.d_model)),
-                   "model.decoder.embed_positions.weight": ("decoder_positions", lambda c: (c.max_positions, c.d_model))}
-MARIAN_HEAD = "lm_head.weight"
-# copies of the shared table that older checkpoints also saved (tied: the same values)
-MARIAN_TIED_COPIES = [re.compile(p) for p in (r"model\.(encoder|decoder)\.embed_tokens\.weight",)]
+ENCODER_LAYER = _layer_names("encoder", lambda c: c.encoder_ffn)
+DECODER_LAYER = _layer_names("decoder", lambda c: c.decoder_ffn)
+SHARED = "model.shared.weight"
+HEAD = "lm_head.weight"
+_P = lambda c: (c.max_positions + (LEARNED_POSITION_OFFSET if c.positions == "learned" else 0), c.d_model)  # noqa: E731
+# tensors a family may store: Marian's stored sinusoids, BART's learned positions
+OPTIONAL = {"final_logits_bias": ("final_logits_bias", lambda c: (1, c.vocab_size)),
+            "model.encoder.embed_positions.weight": ("encoder_positions", _P),
+            "model.decoder.embed_positions.weight": ("decoder_positions", _P)}
+# LayerNorms by the config's flags: after the embedding; at the end of each stack (pre-LayerNorm)
+EMBEDDING_NORMS = {f"model.{side}.layernorm_embedding.{p}": (f"{side}_embedding_{slot}", _E)
+                   for side in ("encoder", "decoder") for p, slot in (("weight", "gamma"), ("bias", "beta"))}
+FINAL_NORMS = {f"model.{side}.layer_norm.{p}": (f"{side}_final_{slot}", _E)
+               for side in ("encoder", "decoder") for p, slot in (("weight", "gamma"), ("bias", "beta"))}
+# copies of the shared table that checkpoints also save (tied: the same values); M2M100's sinusoid buffers
+IGNORED = [re.compile(p) for p in (r"model\.(encoder|decoder)\.embed_tokens\.weight",
+                                   r"model\.(encoder|decoder)\.embed_positions\.(weights|_float_tensor)")]
 
 
 @dataclass
@@ -61,10 +69,11 @@ class Seq2SeqWeights:
     embed: np.ndarray              # (V, E): the shared token table, x sqrt(E) where scale_embedding
     lm_head: np.ndarray            # (V, E)
     logits_bias: np.ndarray        # (V,) float32: final_logits_bias
-    encoder_positions: np.ndarray  # (P, E)
+    encoder_positions: np.ndarray  # (P, E): row i is source position i's
     decoder_positions: np.ndarray  # (P, E)
     encoder: list                  # per layer: {slot: array} (qkv_weight (3E, E), ...)
     decoder: list                  # per layer, with cross_q_weight (3E, E: Q then zeros), cross_kv_weight (3E, E)
+    norms: dict                    # {encoder,decoder}_{embedding,final}_{gamma,beta} as the config has them
 
 
 def sinusoidal_positions(n: int, dim: int) -> np.ndarray:
@@ -79,18 +88,38 @@ def sinusoidal_positions(n: int, dim: int) -> np.ndarray:
     return out
 
 
+def fairseq_positions(n: int, dim: int, pad: int) -> np.ndarray:
+    """M2M100 / NLLB's positions (n, dim) for source or target positions 0..n-1, which fairseq
+    numbers from pad + 1: sin then cos of position x 10000^(-k / (dim/2 - 1)), computed in float32 as
+    HF M2M100SinusoidalPositionalEmbedding computes them."""
+    half = dim // 2
+    rate = np.float32(math.log(10000) / (half - 1))
+    freqs = np.exp(np.arange(half, dtype=np.float32) * -rate)
+    angles = (np.arange(n, dtype=np.float32) + np.float32(pad + 1))[:, None] * freqs[None, :]
+    out = np.zeros((n, dim), np.float32)
+    out[:, :half], out[:, half:2 * half] = np.sin(angles), np.cos(angles)
+    return out
+
+
 def load_seq2seq_weights(model_dir: Path, config: Seq2SeqConfig) -> Seq2SeqWeights:
     files = SafetensorsFiles(model_dir)
     stored = set(files.names())
-    top_names = {MARIAN_SHARED: ("embed", lambda c: (c.vocab_size, c.d_model))}
-    top_names.update({name: slot for name, slot in MARIAN_OPTIONAL.items() if name in stored})
-    ignored = list(MARIAN_TIED_COPIES)
-    if MARIAN_HEAD in stored and not config.tie_word_embeddings:
-        top_names[MARIAN_HEAD] = ("lm_head", lambda c: (c.vocab_size, c.d_model))
-    elif MARIAN_HEAD in stored:
-        ignored.append(re.compile(re.escape(MARIAN_HEAD)))
-    encoder = _expected(top_names, MARIAN_ENCODER_LAYER, config.encoder_layers, config)
-    decoder = _expected({}, MARIAN_DECODER_LAYER, config.decoder_layers, config)
+    top_names = {SHARED: ("embed", lambda c: (c.vocab_size, c.d_model))}
+    optional = dict(OPTIONAL)
+    if config.positions == "learned":
+        top_names.update({k: optional.pop(k) for k in list(optional) if "embed_positions" in k})
+    top_names.update({name: slot for name, slot in optional.items() if name in stored})
+    if config.layernorm_embedding:
+        top_names.update(EMBEDDING_NORMS)
+    if config.pre_norm:
+        top_names.update(FINAL_NORMS)
+    ignored = list(IGNORED)
+    if HEAD in stored and not config.tie_word_embeddings:
+        top_names[HEAD] = ("lm_head", lambda c: (c.vocab_size, c.d_model))
+    elif HEAD in stored:
+        ignored.append(re.compile(re.escape(HEAD)))
+    encoder = _expected(top_names, ENCODER_LAYER, config.encoder_layers, config)
+    decoder = _expected({}, DECODER_LAYER, config.decoder_layers, config)
     expected = {**encoder, **decoder}
     what = f"a {config.model_type} model of {config.encoder_layers} + {config.decoder_layers} layers"
     arrays = _collect(Path(model_dir), files, expected, ignored, lambda name: name, what)
@@ -98,14 +127,19 @@ def load_seq2seq_weights(model_dir: Path, config: Seq2SeqConfig) -> Seq2SeqWeigh
     _, decoder_layers = _slots({k: v for k, v in arrays.items() if k in decoder}, decoder, config.decoder_layers)
     table = top["embed"]
     scale = np.float32(math.sqrt(config.d_model)) if config.scale_embedding else np.float32(1.0)
-    positions = sinusoidal_positions(config.max_positions, config.d_model)
+    if config.positions == "fairseq":
+        positions = fairseq_positions(config.max_positions, config.d_model, config.pad_token_id)
+    else:
+        positions = sinusoidal_positions(config.max_positions, config.d_model)
+    skip = LEARNED_POSITION_OFFSET if config.positions == "learned" else 0
     return Seq2SeqWeights(
         embed=table * scale, lm_head=top.get("lm_head", table),
         logits_bias=top["final_logits_bias"].reshape(-1) if "final_logits_bias" in top
         else np.zeros(config.vocab_size, np.float32),
-        encoder_positions=top.get("encoder_positions", positions),
-        decoder_positions=top.get("decoder_positions", positions),
-        encoder=[_fuse(p) for p in encoder_layers], decoder=[_fuse(p) for p in decoder_layers])
+        encoder_positions=top["encoder_positions"][skip:] if "encoder_positions" in top else positions,
+        decoder_positions=top["decoder_positions"][skip:] if "decoder_positions" in top else positions,
+        encoder=[_fuse(p) for p in encoder_layers], decoder=[_fuse(p) for p in decoder_layers],
+        norms={k: v for k, v in top.items() if "_embedding_" in k or "_final_" in k})
 
 
 def _fuse(p: dict) -> dict:

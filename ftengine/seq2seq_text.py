@@ -1,10 +1,15 @@
 """Text <-> token ids for the encoder-decoders, through the checkpoint's own files: Marian's
 source.spm / target.spm + vocab.json with the `sentencepiece` library (the `translate` extra), as
-HF MarianTokenizer splits and joins them."""
+HF MarianTokenizer splits and joins them; BART's, mBART's and NLLB's tokenizer.json with
+`tokenizers`, with the language codes placed as HF's tokenizers place them.
+
+Each splits a source into (prefix, body, suffix) ids, so that a long source is cut in its body,
+and says what a target language changes in the decoder (its start token, its forced first token)."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from .errors import ConfigError, InputError
@@ -50,22 +55,133 @@ class MarianText:
 
     def encode(self, text: str) -> list:
         """The source's token ids, </s> last."""
+        return [t for part in self.source_parts(text) for t in part]
+
+    def source_parts(self, text: str, src_lang: str | None = None, tgt_lang: str | None = None) -> tuple:
+        """([], the pieces' ids (a >>tgt_lang<< code first, or one the text starts with), [</s>])."""
+        if tgt_lang is not None:
+            text = f">>{tgt_lang}<< {text}"
         code = []
         if text.startswith(">>") and (end := text.find("<<")) != -1:
             code, text = [text[:end + 2]], text[end + 2:]
         pieces = code + self.source.encode(text, out_type=str)
-        return [self.vocab.get(piece, self.unk_id) for piece in pieces] + [self.eos_id]
+        return [], [self.vocab.get(piece, self.unk_id) for piece in pieces], [self.eos_id]
+
+    target_codes = frozenset()  # the decoder never needs a language code: it goes in the source
+
+    def target(self, tgt_lang: str | None) -> dict:
+        """What the target language sets in the decoder: nothing."""
+        return {}
 
     def decode(self, ids) -> str:
         """Generated ids as text, special tokens left out."""
         pieces = [self.pieces.get(i) or self.source.id_to_piece(i) for i in ids if i not in self.special]
         return self.source.decode_pieces(pieces).replace("\u2581", " ").strip()
 
-    def check_language(self, code: str | None, where: str):
-        """Refuse a >>lang<< code the vocabulary lacks, listing the ones it has."""
-        if code is not None and f">>{code}<<" not in self.codes:
+    def check_languages(self, src_lang: str | None, tgt_lang: str | None, names=("src_lang", "tgt_lang")):
+        """Marian models translate from one source language; refuse a >>lang<< code the vocabulary
+        lacks, listing the ones it has."""
+        if src_lang is not None:
+            raise InputError(f"{names[0]}: this Marian model translates from one source language; leave it out")
+        if tgt_lang is not None and f">>{tgt_lang}<<" not in self.codes:
             known = ", ".join(sorted(c[2:-2] for c in self.codes)) or "none (a single-target model)"
-            raise InputError(f"{where}: unknown target language {code!r}; this model knows: {known}")
+            raise InputError(f"{names[1]}: unknown target language {tgt_lang!r}; this model knows: {known}")
+
+
+# language codes as the Hub's files spell them: mBART's en_XX, NLLB's eng_Latn, M2M100's __en__
+LANGUAGE_CODE = re.compile(r"[a-z]{2,3}_[A-Z][A-Za-z]{1,3}|__[a-z]{2,3}(_[a-z]+)?__")
+# the source language HF's tokenizers assume when none is given
+DEFAULT_SOURCE = ("eng_Latn", "en_XX")
+# tokenizer classes that put the language code after </s> and start the decoder with the target's
+SUFFIX_CODE_CLASSES = ("MBartTokenizer", "MBartTokenizerFast")
+
+
+class TokenizerJsonText:
+    """tokenizer.json through `tokenizers`, as HF's BART, mBART(-50) and NLLB tokenizers use it:
+    without language codes the file's post-processor places the special tokens; with them the
+    source is [src_lang] + text + [</s>] (mBART-50, NLLB) or text + [</s>, src_lang] (mBART, NLLB's
+    legacy_behaviour), and the target language is the decoder's forced first token (mBART-50,
+    NLLB) or its start token (mBART). Decoding is HF's decode(skip_special_tokens=True)."""
+
+    def __init__(self, folder: Path):
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(f"{folder}: no tokenizer.json (this family's tokenizer is read from it)")
+        from tokenizers import Tokenizer
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            raise ConfigError(f"{path}: cannot read the tokenizer ({e})") from None
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        settings = {}
+        if (folder / "tokenizer_config.json").is_file():
+            settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        listed = settings.get("extra_special_tokens") or settings.get("additional_special_tokens") or []
+        if not isinstance(listed, list):
+            listed = []
+        added = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        names = [_token(n, "") for n in listed] or added
+        self.codes = {n: self.tokenizer.token_to_id(n) for n in names
+                      if LANGUAGE_CODE.fullmatch(n) and self.tokenizer.token_to_id(n) is not None}
+        eos = _token(settings.get("eos_token"), "</s>")
+        self.eos_id = self.tokenizer.token_to_id(eos)
+        if self.codes and self.eos_id is None:
+            raise ConfigError(f"{path} has no eos token {eos!r}")
+        self.suffix_codes = settings.get("tokenizer_class") in SUFFIX_CODE_CLASSES \
+            or bool(settings.get("legacy_behaviour"))
+        default = settings.get("src_lang")
+        self.default_source = default if default in self.codes else \
+            next((c for c in DEFAULT_SOURCE if c in self.codes), None)
+        self.clean_up = bool(settings.get("clean_up_tokenization_spaces", False))
+        empty = self.tokenizer.encode("").ids
+        probe = self.tokenizer.encode("a", add_special_tokens=False).ids
+        full = self.tokenizer.encode("a").ids
+        cut = next((k for k in range(len(empty) + 1) if full[k:k + len(probe)] == probe), 0)
+        self.specials = (empty[:cut], empty[cut:])  # the post-processor's tokens before and after the text
+
+    def source_parts(self, text: str, src_lang: str | None = None, tgt_lang: str | None = None) -> tuple:
+        body = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if not self.codes:
+            return list(self.specials[0]), body, list(self.specials[1])
+        code = self.codes[src_lang or self.default_source]
+        if self.suffix_codes:
+            return [], body, [self.eos_id, code]
+        return [code], body, [self.eos_id]
+
+    @property
+    def target_codes(self) -> frozenset:
+        """The language codes' ids: a multilingual decoder starts with or is forced to one."""
+        return frozenset(self.codes.values())
+
+    def target(self, tgt_lang: str | None) -> dict:
+        if tgt_lang is None:
+            return {}
+        code = self.codes[tgt_lang]
+        return {"decoder_start_token_id": code} if self.suffix_codes else {"forced_bos_token_id": code}
+
+    def decode(self, ids) -> str:
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return _clean_up_spaces(text) if self.clean_up else text
+
+    def check_languages(self, src_lang: str | None, tgt_lang: str | None, names=("src_lang", "tgt_lang")):
+        """Refuse codes the tokenizer lacks (listing those it has), and a multilingual model's
+        source without a language."""
+        for name, code in zip(names, (src_lang, tgt_lang)):
+            if code is None or code in self.codes:
+                continue
+            known = ", ".join(sorted(self.codes)) or "none (not a multilingual model)"
+            raise InputError(f"{name}: unknown language {code!r}; this model knows: {known}")
+        if self.codes and src_lang is None and self.default_source is None:
+            raise InputError(f"{names[0]}: this model takes the source's language; one of {', '.join(sorted(self.codes))}")
+
+
+def _clean_up_spaces(text: str) -> str:
+    """HF's clean_up_tokenization: no space before punctuation and English contractions."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
 
 
 def _token(value, default: str) -> str:
@@ -76,6 +192,4 @@ def _token(value, default: str) -> str:
 
 def load_text(folder: Path, model_type: str):
     """The tokenizer a checkpoint's family uses."""
-    if model_type == "marian":
-        return MarianText(folder)
-    raise ConfigError(f"{folder}: no tokenizer for model_type {model_type!r}")
+    return MarianText(folder) if model_type == "marian" else TokenizerJsonText(folder)

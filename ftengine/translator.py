@@ -1,5 +1,5 @@
-"""Translator: source texts -> translations with encoder-decoder checkpoints (Marian / opus-mt so
-far), HF `generate`'s results on either backend."""
+"""Translator: source texts -> translations (or summaries) with encoder-decoder checkpoints
+(Marian / opus-mt, BART, mBART, M2M100 / NLLB), HF `generate`'s results on either backend."""
 
 from __future__ import annotations
 
@@ -77,13 +77,16 @@ class Translator:
 
     # ------------------------------------------------------------------ options
 
-    def params(self, **options) -> tuple[GenerationParams, tuple, int | None]:
-        """(GenerationParams, banned tokens, forced eos token) of a call: generation_config.json's
-        fields, overridden by `options` (OPTIONS, as HF generate names them)."""
+    def params(self, tgt_lang: str | None = None, **options) -> tuple[GenerationParams, dict]:
+        """(GenerationParams, the decoder's constraints) of a call: generation_config.json's fields,
+        overridden by the target language's (its start or forced first token) and by `options`
+        (OPTIONS, as HF generate names them). The constraints: decoder_start, banned (tokens),
+        forced_bos and forced_eos (a token or None)."""
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise InputError(f"unknown generation option(s): {', '.join(unknown)}; known: {', '.join(OPTIONS)}")
         g = dict(self.config.generation)
+        g.update(self.text.target(tgt_lang))
         for name, value in options.items():
             if value is not None:
                 g[name] = value
@@ -106,38 +109,59 @@ class Translator:
             num_beams=g.get("num_beams", 1), length_penalty=g.get("length_penalty", 1.0),
             early_stopping=g.get("early_stopping", False), num_return_sequences=g.get("num_return_sequences", 1),
         ).checked(vocab_size=self.config.vocab_size)
-        for token in banned:
-            if not 0 <= token < self.config.vocab_size:
-                raise InputError(f"bad_words_ids: token {token} is outside the vocabulary")
-        return params, tuple(banned), g.get("forced_eos_token_id")
+        constraints = {"decoder_start": g.get("decoder_start_token_id", self.config.decoder_start_token_id),
+                       "banned": tuple(banned), "forced_bos": g.get("forced_bos_token_id"),
+                       "forced_eos": g.get("forced_eos_token_id")}
+        for name, tokens in (("bad_words_ids", banned), ("forced_bos_token_id", [constraints["forced_bos"]]),
+                             ("forced_eos_token_id", [constraints["forced_eos"]])):
+            for token in tokens:
+                if token is not None and not (isinstance(token, int) and 0 <= token < self.config.vocab_size):
+                    raise InputError(f"{name}: token {token!r} is outside the vocabulary")
+        return params, constraints
 
     # ------------------------------------------------------------------ translation
 
-    def encode_sources(self, texts: list, *, tgt_lang: str | None = None, truncate: bool = True) -> list:
-        """Each text's token ids (a >>lang<< code before it for tgt_lang), cut to the model's
-        longest source (keeping </s>) or refused with truncate=False."""
-        self.text.check_language(tgt_lang, "tgt_lang")
+    def check_languages(self, src_lang: str | None, tgt_lang: str | None, names=("src_lang", "tgt_lang")):
+        """Refuse languages the model lacks, and no target language where the model translates into
+        several and its generation_config.json names none; names: how the caller calls the two."""
+        self.text.check_languages(src_lang, tgt_lang, names)
+        codes = self.text.target_codes
+        g = {"decoder_start_token_id": self.config.decoder_start_token_id, **self.config.generation,
+             **self.text.target(tgt_lang)}
+        if codes and g.get("forced_bos_token_id") not in codes and g["decoder_start_token_id"] not in codes:
+            raise InputError(f"{names[1]}: this model translates into several languages; name one of "
+                             f"{', '.join(sorted(self.text.codes))}")
+
+    def encode_sources(self, texts: list, *, src_lang: str | None = None, tgt_lang: str | None = None,
+                       truncate: bool = True) -> list:
+        """Each text's token ids with the language codes its family places, cut to the model's
+        longest source in the text's part (the special tokens kept) or refused with truncate=False."""
+        self.text.check_languages(src_lang, tgt_lang)
         limit = self.config.max_positions
         out = []
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise InputError(f"source {i + 1} is a {type(text).__name__}, not a str")
-            ids = self.text.encode(f">>{tgt_lang}<< {text}" if tgt_lang else text)
-            if len(ids) > limit:
+            prefix, body, suffix = self.text.source_parts(text, src_lang, tgt_lang)
+            size = len(prefix) + len(body) + len(suffix)
+            if size > limit:
                 if not truncate:
-                    raise InputError(f"source {i + 1} has {len(ids)} tokens, more than the model's {limit}")
-                ids = ids[:limit - 1] + ids[-1:]
-            out.append(ids)
+                    raise InputError(f"source {i + 1} has {size} tokens, more than the model's {limit}")
+                body = body[:max(0, limit - len(prefix) - len(suffix))]
+            out.append(prefix + body + suffix)
         return out
 
-    def translate(self, texts, *, tgt_lang: str | None = None, max_batch: int | None = None, truncate: bool = True,
-                  **options) -> list:
-        """One TranslationResult per source text, in input order. options: OPTIONS (HF generate's
-        names; default: the checkpoint's generation_config.json). Sources run in batches of at
-        most max_batch decoder rows (sources x num_beams), sorted by length."""
+    def translate(self, texts, *, src_lang: str | None = None, tgt_lang: str | None = None,
+                  max_batch: int | None = None, truncate: bool = True, **options) -> list:
+        """One TranslationResult per source text, in input order. src_lang / tgt_lang: language
+        codes as the model's tokenizer spells them (NLLB's eng_Latn, mBART's en_XX, a Marian
+        model's >>fra<< as fra). options: OPTIONS (HF generate's names; default: the checkpoint's
+        generation_config.json). Sources run in batches of at most max_batch decoder rows
+        (sources x num_beams), sorted by length."""
         texts = [texts] if isinstance(texts, str) else list(texts)
-        params, banned, forced = self.params(**options)
-        sources = self.encode_sources(texts, tgt_lang=tgt_lang, truncate=truncate)
+        self.check_languages(src_lang, tgt_lang)
+        params, constraints = self.params(tgt_lang, **options)
+        sources = self.encode_sources(texts, src_lang=src_lang, tgt_lang=tgt_lang, truncate=truncate)
         if not sources:
             return []
         rows = self._max_rows(max_batch, params)
@@ -146,7 +170,7 @@ class Translator:
         per_batch = max(1, rows // params.num_beams)
         for start in range(0, len(order), per_batch):
             chunk = order[start:start + per_batch]
-            hypotheses = self._worker.call(self._search, [sources[i] for i in chunk], params, banned, forced)
+            hypotheses = self._worker.call(self._search, [sources[i] for i in chunk], params, constraints)
             found.update(zip(chunk, hypotheses))
         results = []
         for i, text in enumerate(texts):
@@ -184,11 +208,12 @@ class Translator:
                                              max_len=length, max_source=source, graphs=self.cuda_graphs)
         return r
 
-    def _search(self, sources: list, params, banned: tuple, forced) -> list:
+    def _search(self, sources: list, params, constraints: dict) -> list:
         """Hypotheses [(new token ids, score)] per source; runs on the worker thread."""
         nb = params.num_beams
         runner = self._runner_for(len(sources) * nb, max(len(s) for s in sources), params)
-        runner.set_constraints(banned=banned, forced_eos=forced)
-        prompts = [[self.config.decoder_start_token_id] for _ in sources]
+        runner.set_constraints(banned=constraints["banned"], forced_bos=constraints["forced_bos"],
+                               forced_eos=constraints["forced_eos"])
+        prompts = [[constraints["decoder_start"]] for _ in sources]
         runner.encode(sources, copies=nb)
         return hypotheses(runner, prompts, params)

@@ -559,7 +559,14 @@ def write_marian_checkpoint(folder, *, seed: int = 0, d_model=32, layers=2, head
     (folder / "generation_config.json").write_text(json.dumps(gen))
     rng = np.random.default_rng(seed)
     tensors = {"model.shared.weight": rng.normal(0, 1.0, (v, d_model)),
-               "final_logits_bias": rng.normal(0, 0.3, (1, v))}
+               "final_logits_bias": rng.normal(0, 0.3, (1, v)), **_seq2seq_layers(rng, d_model, layers, ffn)}
+    save_file({k: np.ascontiguousarray(a, np.float32) for k, a in tensors.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def _seq2seq_layers(rng, d_model: int, layers: int, ffn: int) -> dict:
+    """Every layer's tensors of a BART-style encoder-decoder."""
+    tensors = {}
     for side in ("encoder", "decoder"):
         for i in range(layers):
             base = f"model.{side}.layers.{i}"
@@ -571,11 +578,97 @@ def write_marian_checkpoint(folder, *, seed: int = 0, d_model=32, layers=2, head
             norms = ["self_attn_layer_norm", "final_layer_norm"] + (["encoder_attn_layer_norm"] if side == "decoder"
                                                                     else [])
             for norm in norms:
-                tensors[f"{base}.{norm}.weight"] = 1.0 + rng.normal(0, 0.2, d_model)
-                tensors[f"{base}.{norm}.bias"] = rng.normal(0, 0.2, d_model)
+                _norm(tensors, f"{base}.{norm}", rng, d_model)
             tensors[f"{base}.fc1.weight"] = rng.normal(0, 0.4, (ffn, d_model))
             tensors[f"{base}.fc1.bias"] = rng.normal(0, 0.2, ffn)
             tensors[f"{base}.fc2.weight"] = rng.normal(0, 0.4, (d_model, ffn))
             tensors[f"{base}.fc2.bias"] = rng.normal(0, 0.2, d_model)
+    return tensors
+
+
+def _norm(tensors: dict, name: str, rng, d_model: int):
+    tensors[f"{name}.weight"] = 1.0 + rng.normal(0, 0.2, d_model)
+    tensors[f"{name}.bias"] = rng.normal(0, 0.2, d_model)
+
+
+# family -> (model_type, tokenizer_class, language codes, activation, scale_embedding)
+SEQ2SEQ_FIXTURES = {
+    "bart": ("bart", "BartTokenizer", [], "gelu", False),
+    "mbart": ("mbart", "MBart50Tokenizer", ["en_XX", "fr_XX", "de_DE"], "gelu", True),
+    "nllb": ("m2m_100", "NllbTokenizer", ["eng_Latn", "fra_Latn", "deu_Latn"], "relu", True),
+}
+
+
+def write_multilingual_tokenizer(folder: Path, tokenizer_class: str, codes: list) -> int:
+    """An NLLB-style (BPE) or mBART-50-style (Unigram) tokenizer.json: sentencepiece pieces after
+    <s> 0, <pad> 1, </s> 2, <unk> 3, then the language codes and <mask> as special tokens, with the
+    Metaspace splitting HF's tokenizers build; tokenizer_config.json names the class, the codes and
+    the first as the source language. Returns the vocabulary size."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+    from tokenizers.models import BPE, Unigram
+    if tokenizer_class == "NllbTokenizer":
+        tok = Tokenizer(BPE(unk_token="<unk>"))
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=ROBERTA_SPECIAL, show_progress=False)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.train_from_iterator(MARIAN_CORPUS, trainer=trainer)
+    else:
+        pieces = [(t, 0.0) for t in ROBERTA_SPECIAL] + [("\u2581" + w, -3.0 - len(w) / 10) for w in WORDS]
+        pieces += [(c, -8.0) for c in string.ascii_lowercase + string.digits + string.punctuation + "\u2581"]
+        tok = Tokenizer(Unigram(pieces + [(c, 0.0) for c in codes + ["<mask>"]], unk_id=3))
+        tok.normalizer = normalizers.Replace(Regex(r" {2,}"), " ")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
+    tok.decoder = decoders.Metaspace(prepend_scheme="always", split=True)
+    tok.add_special_tokens(ROBERTA_SPECIAL + codes + ["<mask>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": tokenizer_class, "src_lang": codes[0], "extra_special_tokens": codes,
+        "bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>", "unk_token": "<unk>",
+        "pad_token": "<pad>", "mask_token": "<mask>"}), encoding="utf-8")
+    return tok.get_vocab_size()
+
+
+def write_bart_family_checkpoint(folder, family: str, *, seed: int = 0, d_model=32, layers=2, heads=4, ffn=37,
+                                 max_positions=64, generation: dict | None = None) -> Path:
+    """A random BART, mBART-50 or NLLB (model_type m2m_100) folder in HF's format with its
+    tokenizer: BART's byte-level BPE, mBART-50's and NLLB's BPE with language codes."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model_type, tokenizer_class, codes, activation, scaled = SEQ2SEQ_FIXTURES[family]
+    if family == "mbart":  # HF's MBart50Tokenizer numbers every mBART-50 code whatever the files say
+        from transformers.models.mbart50.tokenization_mbart50 import FAIRSEQ_LANGUAGE_CODES
+        codes = codes + [c for c in FAIRSEQ_LANGUAGE_CODES if c not in codes]
+    if codes:
+        v = write_multilingual_tokenizer(folder, tokenizer_class, codes)
+    else:
+        write_bpe_tokenizer(folder)
+        (folder / "tokenizer_config.json").write_text(json.dumps({
+            **json.loads((folder / "tokenizer_config.json").read_text()), "tokenizer_class": tokenizer_class}))
+        from tokenizers import Tokenizer
+        v = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+    config = {"model_type": model_type, "vocab_size": v, "d_model": d_model, "encoder_layers": layers,
+              "decoder_layers": layers, "encoder_attention_heads": heads, "decoder_attention_heads": heads,
+              "encoder_ffn_dim": ffn, "decoder_ffn_dim": ffn, "activation_function": activation,
+              "max_position_embeddings": max_positions, "scale_embedding": scaled, "tie_word_embeddings": True,
+              "bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2,
+              "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "is_encoder_decoder": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    gen = {"bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2, "max_length": 24}
+    if family == "bart":  # as bart-large-cnn's
+        gen.update({"forced_bos_token_id": 0, "forced_eos_token_id": 2, "no_repeat_ngram_size": 3,
+                    "length_penalty": 2.0, "num_beams": 4, "early_stopping": True, "min_length": 3})
+    elif family == "mbart":
+        gen["forced_eos_token_id"] = 2
+    gen.update(generation or {})
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    rng = np.random.default_rng(seed)
+    tensors = {"model.shared.weight": rng.normal(0, 1.0, (v, d_model)), **_seq2seq_layers(rng, d_model, layers, ffn)}
+    for side in ("encoder", "decoder"):
+        if model_type in ("bart", "mbart"):
+            tensors[f"model.{side}.embed_positions.weight"] = rng.normal(0, 0.5, (max_positions + 2, d_model))
+            _norm(tensors, f"model.{side}.layernorm_embedding", rng, d_model)
+        if model_type in ("mbart", "m2m_100"):
+            _norm(tensors, f"model.{side}.layer_norm", rng, d_model)
+    if model_type != "m2m_100":
+        tensors["final_logits_bias"] = rng.normal(0, 0.3, (1, v))
     save_file({k: np.ascontiguousarray(a, np.float32) for k, a in tensors.items()}, str(folder / "model.safetensors"))
     return folder

@@ -1,6 +1,10 @@
-"""The encoder-decoders (Marian; the BART family next), written once against the ops interface:
-an encoder pass over the sources, each decoder layer's cross-attention keys and values projected
-once per source, then GPT-2's generation steps (models/generation.py) over the decoder.
+"""The encoder-decoders (Marian, BART, mBART, M2M100 / NLLB), written once against the ops
+interface: an encoder pass over the sources, each decoder layer's cross-attention keys and values
+projected once per source, then GPT-2's generation steps (models/generation.py) over the decoder.
+
+Marian and BART put each LayerNorm after its residual sum (hidden = LN(hidden + f(hidden))); mBART
+and M2M100 before (hidden += f(LN(hidden)), a last LayerNorm per stack), written as GPT-2 writes
+it: each product adds into hidden and leaves the next LayerNorm's output in `normed`.
 
 Tokens are rows, as in GPT-2. The sources are packed back to back (no padding) through the
 encoder and the fused variable-length attention. Their memory lives in a per-layer cache of
@@ -52,6 +56,12 @@ class Seq2SeqRunner(GenerationRunner):
         self.encoder_positions, self.decoder_positions = up(weights.encoder_positions), up(weights.decoder_positions)
         self.encoder = [{k: up(v) for k, v in layer.items()} for layer in weights.encoder]
         self.decoder = [{k: up(v) for k, v in layer.items()} for layer in weights.decoder]
+        norms = {k: up(v) for k, v in weights.norms.items()}
+        self.norms = {side: self._norm_chain(side, layers, norms)
+                      for side, layers in (("encoder", self.encoder), ("decoder", self.decoder))}
+        self.embedding_norms = {side: (norms[f"{side}_embedding_gamma"], norms[f"{side}_embedding_beta"])
+                                for side in ("encoder", "decoder") if c.layernorm_embedding}
+        self.out = "normed" if c.pre_norm else "hidden"  # the stacks' output, which products read
         b, e, v = max_batch, c.d_model, c.vocab_size
         src, dec = max_batch * max_source, max_batch * PROMPT_MAX  # encoder rows, decoder prefill rows
         rows = max(src, dec)
@@ -71,6 +81,7 @@ class Seq2SeqRunner(GenerationRunner):
             "mem_rows": (b, np.int32),           # (B,): each decoder row's source
             "mem_last": (b, np.int32),           # (B,): its source's last position
             "hidden": (rows * e, self.dtype),    # (T, E)
+            "normed": (rows * e if c.pre_norm else 0, self.dtype),  # (T, E): pre-LayerNorm's LN(hidden)
             "qkv": (rows * 3 * e, self.dtype),   # (T, 3E)
             "ctx": (rows * e, self.dtype),       # (T, E)
             "proj": (rows * e, self.dtype),      # (T, E)
@@ -83,28 +94,38 @@ class Seq2SeqRunner(GenerationRunner):
         self.ws = Workspace(ops, table)
         ops.zero(self.ws.view("choice", (b * ops.CHOICE_STATE_WORDS,)))
         self._bias = weights.logits_bias.astype(np.float32)
-        self.set_constraints(banned=(), forced_eos=None)
+        self.set_constraints(banned=(), forced_bos=None, forced_eos=None)
         self._mem_rows = self._mem_last = np.zeros(0, np.int64)  # host copies of ws mem_rows / mem_last
 
-    def set_constraints(self, *, banned, forced_eos):
-        """Tokens the decoder never chooses (generation's single-token bad_words_ids) and the token
-        forced at the last step (forced_eos_token_id, None: none), as biases on the logits after
-        final_logits_bias: NEG on a banned token, and on every token but the forced one at the last
-        step. Beam scores equal HF's where it renormalises the logits after its processors."""
+    def set_constraints(self, *, banned, forced_bos, forced_eos):
+        """Tokens the decoder never chooses (generation's single-token bad_words_ids), the token forced
+        first (forced_bos_token_id) and the one forced at the last step (forced_eos_token_id; None:
+        none), as biases on the logits after final_logits_bias: NEG on a banned token, and on every
+        token but the forced one at its step. The forced token's log-probability is then 0, as HF
+        sets it; at a step both force, eos wins as in HF's processor order."""
         self._constrained = self._bias.copy()
         self._constrained[list(banned)] += NEG
-        self._forced = None
-        if forced_eos is not None:
-            self._forced = self._constrained + NEG
-            self._forced[forced_eos] = self._constrained[forced_eos]
+        self._forced = {}
+        for step, token in (("first", forced_bos), ("last", forced_eos)):
+            if token is not None:
+                self._forced[step] = self._constrained + NEG
+                self._forced[step][token] = self._constrained[token]
         self._upload("logits_bias", self._constrained, np.float32)
+        self._bias_now = self._constrained
 
     def _before_step(self, step: int, params):
-        """The last step takes the forced token's bias, the first the plain one (each upload queued
-        in order with the steps)."""
-        if self._forced is not None and step in (0, params.max_new_tokens - 1):
-            last = step == params.max_new_tokens - 1
-            self._upload("logits_bias", self._forced if last else self._constrained, np.float32)
+        """Each step's logits bias (forced first, forced last or the plain one), uploaded in order
+        with the steps where it changes."""
+        forced = self._forced
+        if step == params.max_new_tokens - 1 and "last" in forced:
+            bias = forced["last"]
+        elif step == 0 and "first" in forced:
+            bias = forced["first"]
+        else:
+            bias = self._constrained
+        if bias is not self._bias_now:
+            self._upload("logits_bias", bias, np.float32)
+            self._bias_now = bias
 
     def _caches(self, i: int):
         c = self.config
@@ -141,19 +162,16 @@ class Seq2SeqRunner(GenerationRunner):
         self._upload("source_inputs", inputs)
         d_in = ws.view("source_inputs", (3 * t + n + 1,))
         d_ids, d_pos, d_seq, cu_seqlens = d_in[:t], d_in[t:2 * t], d_in[2 * t:3 * t], d_in[3 * t:]
-        hidden = ws.view("hidden", (t, e))
-        ops.embed_positions(hidden, d_ids, d_pos, self.embed, self.encoder_positions)
+        self._embed(t, "encoder", d_ids, d_pos, self.encoder_positions)
         longest = int(sizes.max())
 
         def attend(i, qkv, ctx):
             ops.varlen_attention(ctx, qkv, self.encoder[i]["qkv_bias"], cu_seqlens, heads=c.encoder_heads,
                                  max_seqlen=longest)
-        for i, w in enumerate(self.encoder):
-            self._self_attention(t, w, lambda qkv, ctx, i=i: attend(i, qkv, ctx))
-            self._feed_forward(t, w, c.encoder_ffn)
-        qkv = ws.view("qkv", (t, 3 * e))
+        self._stack(t, "encoder", attend)
+        qkv, memory = ws.view("qkv", (t, 3 * e)), ws.view(self.out, (t, e))
         for i, w in enumerate(self.decoder):  # each layer's memory: keys and values of the encoder's output
-            ops.matmul(qkv, hidden, w["cross_kv_weight"])
+            ops.matmul(qkv, memory, w["cross_kv_weight"])
             ops.write_kv_cache(*self._memory(i), qkv, w["cross_kv_bias"], d_seq, d_pos, heads=c.decoder_heads)
         self._mem_rows = np.arange(n * copies) // copies
         self._mem_last = sizes[self._mem_rows] - 1
@@ -162,46 +180,74 @@ class Seq2SeqRunner(GenerationRunner):
 
     # ------------------------------------------------------------------ layers
 
-    def _self_attention(self, t: int, w: dict, attend):
-        """hidden = LayerNorm(hidden + attention(hidden)) over t rows (post-LayerNorm)."""
+    def _norm_chain(self, side: str, layers: list, norms: dict) -> list:
+        """The (gamma, beta) of each sub-layer in order (self-attention, cross-attention, feed-forward
+        per layer). Post-LayerNorm: the norm after each sub-layer. Pre-LayerNorm: the norm before
+        each, then the stack's final one (one more entry)."""
+        kinds = ("ln1", "ln2", "ln3") if side == "decoder" else ("ln1", "ln3")
+        chain = [(w[f"{k}_gamma"], w[f"{k}_beta"]) for w in layers for k in kinds]
+        if self.config.pre_norm:
+            chain.append((norms[f"{side}_final_gamma"], norms[f"{side}_final_beta"]))
+        return chain
+
+    def _embed(self, t: int, side: str, ids, positions, table):
+        """hidden = the t rows' token + position embeddings (LayerNorm'd where the family does);
+        pre-LayerNorm: normed = the first sub-layer's LayerNorm of them."""
+        ops, ws, e, eps = self.ops, self.ws, self.config.d_model, self.config.layer_norm_eps
+        hidden = ws.view("hidden", (t, e))
+        if side in self.embedding_norms:
+            summed = ws.view("proj", (t, e))
+            ops.embed_positions(summed, ids, positions, self.embed, table)
+            ops.layernorm(hidden, summed, *self.embedding_norms[side], eps=eps)
+        else:
+            ops.embed_positions(hidden, ids, positions, self.embed, table)
+        if self.config.pre_norm:
+            ops.layernorm(ws.view("normed", (t, e)), hidden, *self.norms[side][0], eps=eps)
+
+    def _residual(self, t: int, x, weight, bias, norm):
+        """hidden gets x @ weight^T + bias added. Post-LayerNorm: hidden = norm(that sum); pre:
+        normed = norm(hidden), the next sub-layer's input."""
+        ops, ws = self.ops, self.ws
+        e, eps = self.config.d_model, self.config.layer_norm_eps
+        hidden, product = ws.view("hidden", (t, e)), ws.view("proj", (t, e))
+        partials = ws.view("partials", (self.partials_size,))
+        if self.config.pre_norm:
+            ops.matmul_residual_layernorm(hidden, ws.view("normed", (t, e)), x, weight, bias, *norm, eps=eps,
+                                          product=product, partials=partials)
+        else:
+            ops.matmul_bias_residual_layernorm(hidden, x, weight, bias, hidden, *norm, eps=eps, product=product,
+                                               partials=partials)
+
+    def _stack(self, t: int, side: str, attend_self, attend_cross=None):
+        """A stack's layers over t rows, from _embed's output; its output ends in ws[self.out]."""
         ops, c, ws = self.ops, self.config, self.ws
         e = c.d_model
-        hidden, qkv, ctx = ws.view("hidden", (t, e)), ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e))
-        ops.matmul(qkv, hidden, w["qkv_weight"])
-        attend(qkv, ctx)
-        self._add_norm(t, ctx, w["attn_out_weight"], w["attn_out_bias"], w["ln1_gamma"], w["ln1_beta"])
-
-    def _add_norm(self, t: int, x, weight, bias, gamma, beta):
-        ws = self.ws
-        e = self.config.d_model
-        hidden = ws.view("hidden", (t, e))
-        self.ops.matmul_bias_residual_layernorm(hidden, x, weight, bias, hidden, gamma, beta,
-                                                eps=self.config.layer_norm_eps, product=ws.view("proj", (t, e)),
-                                                partials=ws.view("partials", (self.partials_size,)))
-
-    def _feed_forward(self, t: int, w: dict, ffn: int):
-        """hidden = LayerNorm(hidden + fc2(act(fc1(hidden))))."""
-        ops, ws = self.ops, self.ws
-        hidden, inter = ws.view("hidden", (t, self.config.d_model)), ws.view("inter", (t, ffn))
-        if self.config.activation == "gelu":
-            ops.matmul_bias_gelu(inter, hidden, w["fc1_weight"], w["fc1_bias"], form="erf")
-        else:
-            ops.matmul(inter, hidden, w["fc1_weight"])
-            ops.add_bias_act(inter, inter, w["fc1_bias"], act=self.config.activation)
-        self._add_norm(t, inter, w["fc2_weight"], w["fc2_bias"], w["ln3_gamma"], w["ln3_beta"])
+        x, qkv, ctx = ws.view(self.out, (t, e)), ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e))
+        chain = iter(self.norms[side][1:] if c.pre_norm else self.norms[side])
+        ffn = c.decoder_ffn if side == "decoder" else c.encoder_ffn
+        inter = ws.view("inter", (t, ffn))
+        for i, w in enumerate(self.decoder if side == "decoder" else self.encoder):
+            ops.matmul(qkv, x, w["qkv_weight"])
+            attend_self(i, qkv, ctx)
+            self._residual(t, ctx, w["attn_out_weight"], w["attn_out_bias"], next(chain))
+            if attend_cross is not None:
+                ops.matmul(qkv, x, w["cross_q_weight"])
+                attend_cross(i, qkv, ctx)
+                self._residual(t, ctx, w["cross_out_weight"], w["cross_out_bias"], next(chain))
+            if c.activation == "gelu":
+                ops.matmul_bias_gelu(inter, x, w["fc1_weight"], w["fc1_bias"], form="erf")
+            else:
+                ops.matmul(inter, x, w["fc1_weight"])
+                ops.add_bias_act(inter, inter, w["fc1_bias"], act=c.activation)
+            self._residual(t, inter, w["fc2_weight"], w["fc2_bias"], next(chain))
 
     def _decoder_layers(self, t: int, attend_self, mem_seq, mem_last):
-        """The decoder's layers over t rows (ws hidden, from the embedding); cross-attention of row j
-        over the memory of source mem_seq[j], positions 0..mem_last[j]."""
-        ops, c, ws = self.ops, self.config, self.ws
-        e = c.d_model
-        qkv, ctx = ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e))
-        for i, w in enumerate(self.decoder):
-            self._self_attention(t, w, lambda q, x, i=i: attend_self(i, q, x))
-            ops.matmul(qkv, ws.view("hidden", (t, e)), w["cross_q_weight"])
-            ops.cached_attention(ctx, qkv, w["cross_q_bias"], *self._memory(i), mem_seq, mem_last, heads=c.decoder_heads)
-            self._add_norm(t, ctx, w["cross_out_weight"], w["cross_out_bias"], w["ln2_gamma"], w["ln2_beta"])
-            self._feed_forward(t, w, c.decoder_ffn)
+        """The decoder's layers over t rows (from _embed); cross-attention of row j over the memory
+        of source mem_seq[j], positions 0..mem_last[j]."""
+        def attend_cross(i, qkv, ctx):
+            self.ops.cached_attention(ctx, qkv, self.decoder[i]["cross_q_bias"], *self._memory(i), mem_seq, mem_last,
+                                      heads=self.config.decoder_heads)
+        self._stack(t, "decoder", attend_self, attend_cross)
 
     def _logits(self, rows: int, hidden):
         ops, ws, v = self.ops, self.ws, self.config.vocab_size
@@ -240,7 +286,7 @@ class Seq2SeqRunner(GenerationRunner):
         seen = ws.view("seen", (self.max_batch, c.vocab_size))
         ops.zero(seen)
         ops.mark_seen(seen, d_ids, d_row)
-        ops.embed_positions(ws.view("hidden", (t, e)), d_ids, d_pos, self.embed, self.decoder_positions)
+        self._embed(t, "decoder", d_ids, d_pos, self.decoder_positions)
         longest = int(sizes.max())
 
         def attend(i, qkv, ctx):
@@ -253,7 +299,7 @@ class Seq2SeqRunner(GenerationRunner):
                 ops.cached_attention(ctx, qkv, bias, k_cache, v_cache, d_row, d_pos, heads=c.decoder_heads)
         self._decoder_layers(t, attend, d_mem, d_last)
         last = ws.view("last", (n, e))
-        ops.gather_rows(last, ws.view("hidden", (t, e)), last_rows)
+        ops.gather_rows(last, ws.view(self.out, (t, e)), last_rows)
         self._logits(n, last)
 
     def _decode_launches(self, b: int, indirect: bool = False):
@@ -261,10 +307,10 @@ class Seq2SeqRunner(GenerationRunner):
         ops, c, ws = self.ops, self.config, self.ws
         ids, pos = ws.view("next_ids", (b,)), ws.view("next_pos", (b,))
         indir = ws.view("indir", (b, self.max_len)) if indirect else None
-        ops.embed_positions(ws.view("hidden", (b, c.d_model)), ids, pos, self.embed, self.decoder_positions)
+        self._embed(b, "decoder", ids, pos, self.decoder_positions)
 
         def attend(i, qkv, ctx):
             ops.decode_attention(ctx, qkv, self.decoder[i]["qkv_bias"], *self._caches(i), pos, indir,
                                  heads=c.decoder_heads)
         self._decoder_layers(b, attend, ws.view("mem_rows", (b,)), ws.view("mem_last", (b,)))
-        self._logits(b, ws.view("hidden", (b, c.d_model)))
+        self._logits(b, ws.view(self.out, (b, c.d_model)))

@@ -1,0 +1,223 @@
+"""BART, mBART-50 and NLLB (M2M100) encoder-decoders against HF transformers on small random
+checkpoints in each family's exact format: the tokenizer's ids and text with language codes, the
+encoder's output and the first step's logits, greedy and beam search token for token with their
+scores under each checkpoint's generation defaults (BART-cnn's forced <s>, n-gram ban, length
+penalty and minimum length; the target language as the forced first token), and the bad input
+the language options take."""
+
+import numpy as np
+import pytest
+
+from ftengine import InputError, Translator
+from ftengine.backends import numpy_ops
+from ftengine.config import load_seq2seq_config
+from ftengine.models.seq2seq import Seq2SeqRunner
+from ftengine.seq2seq_checkpoint import load_seq2seq_weights
+from ftengine.seq2seq_text import load_text
+from tests.tolerances import BEAM_SCORE_FP32, HF_FP32_MAX_ABS
+from weights.fixtures import write_bart_family_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a dog", "", "some other words were there",
+         "Ünïcödé ✓ text, with punctuation!"]
+# family -> (source language, target language) as its tokenizer spells them
+LANGUAGES = {"bart": (None, None), "mbart": ("en_XX", "fr_XX"), "nllb": ("eng_Latn", "deu_Latn")}
+
+
+@pytest.fixture(scope="module", params=list(LANGUAGES))
+def family(request, tmp_path_factory):
+    folder = write_bart_family_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=5)
+    return request.param, folder
+
+
+@pytest.fixture(scope="module")
+def hf(family):
+    import torch
+    torch.manual_seed(0)
+    name, folder = family
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    if LANGUAGES[name][0]:
+        tokenizer.src_lang = LANGUAGES[name][0]
+    return model, tokenizer
+
+
+def hf_generate(hf, text: str, tgt_lang: str | None, **options):
+    """HF's hypotheses (new ids after the start token, padding dropped) and beam scores."""
+    import torch
+    model, tokenizer = hf
+    if tgt_lang is not None:
+        options["forced_bos_token_id"] = tokenizer.convert_tokens_to_ids(tgt_lang)
+    inputs = tokenizer([text], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, **options, output_scores=True, return_dict_in_generate=True)
+    pad = model.config.pad_token_id
+    hypotheses = [[t for t in row[1:].tolist() if t != pad] for row in out.sequences]
+    scores = getattr(out, "sequences_scores", None)
+    return hypotheses, None if scores is None else scores.tolist()
+
+
+def test_tokenizer_matches_hf(family, hf):
+    name, folder = family
+    _, tokenizer = hf
+    config = load_seq2seq_config(folder)
+    ours = load_text(folder, config.model_type)
+    languages = [None] if name == "bart" else list(LANGUAGES[name])
+    for src_lang in languages:
+        if src_lang is not None:
+            tokenizer.src_lang = src_lang
+        for text in TEXTS + ["  spaced   out  ", "zzz qqq", "<mask> inside"]:
+            ids = tokenizer(text).input_ids
+            assert [t for part in ours.source_parts(text, src_lang) for t in part] == ids, (src_lang, text)
+            assert ours.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True), text
+    tokenizer.src_lang = LANGUAGES[name][0] if LANGUAGES[name][0] else None
+
+
+def test_encoder_output_and_first_logits_match_hf(family, hf):
+    import torch
+    name, folder = family
+    model, tokenizer = hf
+    config = load_seq2seq_config(folder)
+    runner = Seq2SeqRunner(config, load_seq2seq_weights(folder, config), numpy_ops, dtype="fp32", max_batch=4,
+                           max_len=16, max_source=32)
+    sources = [tokenizer(t).input_ids for t in TEXTS[:3]]
+    runner.encode(sources)
+    total = sum(map(len, sources))
+    states = np.array(numpy_ops.to_host(runner.ws.view(runner.out, (total, config.d_model))))
+    start = config.decoder_start_token_id
+    runner.prefill([[start]] * len(sources))
+    logits = runner.logits(len(sources))
+    at = 0
+    for i, ids in enumerate(sources):
+        with torch.no_grad():
+            ref_states = model.get_encoder()(torch.tensor([ids])).last_hidden_state[0].numpy()
+            ref_logits = model(input_ids=torch.tensor([ids]),
+                               decoder_input_ids=torch.tensor([[start]])).logits[0, -1].numpy()
+        assert np.abs(states[at:at + len(ids)] - ref_states).max() <= HF_FP32_MAX_ABS
+        assert np.abs(logits[i] - ref_logits).max() <= HF_FP32_MAX_ABS
+        at += len(ids)
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"num_beams": 1, "max_new_tokens": 6},
+    {"num_beams": 4},
+    {"num_beams": 3, "num_return_sequences": 2, "length_penalty": 0.6, "no_repeat_ngram_size": 2},
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+def test_translations_match_hf_generate(family, hf, options):
+    name, folder = family
+    src_lang, tgt_lang = LANGUAGES[name]
+    with Translator.from_pretrained(folder, device="cpu") as translator:
+        results = translator.translate(TEXTS, src_lang=src_lang, tgt_lang=tgt_lang, **options)
+    for text, result in zip(TEXTS, results):
+        hypotheses, scores = hf_generate(hf, text, tgt_lang, **options)
+        assert [c.token_ids for c in result.candidates] == hypotheses, text
+        if scores is not None:
+            assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= BEAM_SCORE_FP32
+        assert result.text == hf[1].decode(result.token_ids, skip_special_tokens=True)
+        if tgt_lang is not None:  # the target language's code is the first token generated
+            assert result.token_ids[0] == hf[1].convert_tokens_to_ids(tgt_lang)
+
+
+def test_language_options_are_checked(family):
+    name, folder = family
+    with Translator.from_pretrained(folder, device="cpu") as translator:
+        if name == "bart":
+            with pytest.raises(InputError, match="unknown language 'fr_XX'; this model knows: none"):
+                translator.translate(TEXTS, tgt_lang="fr_XX")
+            return
+        with pytest.raises(InputError, match="tgt_lang: this model translates into several languages"):
+            translator.translate(TEXTS)
+        with pytest.raises(InputError, match="src_lang: unknown language 'xx'; this model knows: .*"
+                                             + LANGUAGES[name][1]):
+            translator.translate(TEXTS, src_lang="xx", tgt_lang=LANGUAGES[name][1])
+        long = translator.translate(["word " * 200], tgt_lang=LANGUAGES[name][1])[0]
+        assert long.token_ids[0] == translator.text.codes[LANGUAGES[name][1]]
+        sources = translator.encode_sources(["word " * 200], src_lang=LANGUAGES[name][0])
+        assert len(sources[0]) == translator.config.max_positions and sources[0][-1] == translator.config.eos_token_id
+        assert sources[0][0] == translator.text.codes[LANGUAGES[name][0]]
+
+
+def test_translate_command_takes_the_languages(family, hf, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from ftengine.cli import main
+    name, folder = family
+    src_lang, tgt_lang = LANGUAGES[name]
+    src = tmp_path / "in.txt"
+    src.write_text("".join(t + "\n" for t in TEXTS), encoding="utf-8")
+    languages = [] if name == "bart" else ["--src-lang", src_lang, "--tgt-lang", tgt_lang]
+    out = tmp_path / "out.jsonl"
+    r = CliRunner().invoke(main, ["translate", str(src), "-o", str(out), "--model", str(folder), "--device", "cpu",
+                                  "--num-beams", "2", "--quiet", *languages])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [row["token_ids"] for row in rows] == [hf_generate(hf, t, tgt_lang, num_beams=2)[0][0] for t in TEXTS]
+    if name == "bart":
+        return
+    for args, message in (([], "--tgt-lang: this model translates into several languages"),
+                          (["--tgt-lang", "xx_YY"], "--tgt-lang: unknown language 'xx_YY'"),
+                          (["--src-lang", "yy", "--tgt-lang", tgt_lang], "--src-lang: unknown language 'yy'")):
+        r = CliRunner().invoke(main, ["translate", str(src), "--model", str(folder), "--device", "cpu", *args])
+        assert r.exit_code == 1 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+
+
+@pytest.fixture(scope="module")
+def cuda_translator():
+    pytest.importorskip("cupy")
+    from ftengine.backends import cuda_available
+    if not cuda_available():
+        pytest.skip("needs a CUDA GPU and CuPy")
+    return lambda folder, **kw: Translator.from_pretrained(folder, device="cuda", **kw)
+
+
+@pytest.fixture(scope="module", params=list(LANGUAGES))
+def family_gpu(request, tmp_path_factory):
+    """Head size 32, which the CUDA encoder's fused attention takes."""
+    folder = write_bart_family_checkpoint(tmp_path_factory.mktemp(f"{request.param}-gpu"), request.param, seed=6,
+                                          d_model=64, heads=2, ffn=96)
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    if LANGUAGES[request.param][0]:
+        tokenizer.src_lang = LANGUAGES[request.param][0]
+    return request.param, folder, (model, tokenizer)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{"num_beams": 1}, {"num_beams": 4}], ids=["greedy", "beam4"])
+def test_cuda_fp32_translations_match_hf(family_gpu, cuda_translator, options):
+    name, folder, hf = family_gpu
+    src_lang, tgt_lang = LANGUAGES[name]
+    with cuda_translator(folder, dtype="fp32") as translator:
+        results = translator.translate(TEXTS, src_lang=src_lang, tgt_lang=tgt_lang, **options)
+        alone = [translator.translate([t], src_lang=src_lang, tgt_lang=tgt_lang, **options)[0] for t in TEXTS]
+    assert [r.token_ids for r in results] == [r.token_ids for r in alone]
+    for text, result in zip(TEXTS, results):
+        hypotheses, scores = hf_generate(hf, text, tgt_lang, **options)
+        assert [c.token_ids for c in result.candidates] == hypotheses, text
+        if scores is not None:
+            assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= BEAM_SCORE_FP32
+
+
+def test_a_folder_missing_its_parts_is_refused_by_name(family, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from ftengine.errors import CheckpointError, ConfigError
+    name, folder = family
+    copy = tmp_path / name
+    shutil.copytree(folder, copy)
+    (copy / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match="no tokenizer.json"):
+        Translator.from_pretrained(copy, device="cpu")
+    shutil.copy(folder / "tokenizer.json", copy / "tokenizer.json")
+    tensors = load_file(str(folder / "model.safetensors"))
+    missing = "model.decoder.layer_norm.weight" if name != "bart" else "model.decoder.layernorm_embedding.weight"
+    del tensors[missing]
+    save_file(tensors, str(copy / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"missing: .*{missing}"):
+        Translator.from_pretrained(copy, device="cpu")
