@@ -31,10 +31,11 @@ class SequenceHead:
         """Load a ...ForSequenceClassification folder (config.json, model.safetensors, tokenizer.json)."""
         return cls(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs, layout=layout)
 
-    def _head_logits(self, inputs: list, *, pairs: bool, batch_tokens, truncate: bool, what: str) -> tuple:
-        """((N, labels) float32 logits, the tokens the inputs took) of texts or (text, text) pairs;
+    def _submit(self, inputs: list, *, pairs: bool, batch_tokens, truncate: bool, what: str) -> tuple:
+        """(the engine's future of an EncodeResult whose embeddings are the head's logits, the tokens
+        the inputs took) of texts or (text, text) pairs, tokenised in the calling thread;
         truncate=False refuses an input longer than max_length (TooLongError naming the `what` at
-        its 0-based place) instead of cutting it."""
+        its 0-based place) instead of cutting it. Cancelling the future drops work not yet run."""
         encoder = self._encoder
         tokens = encoder.tokenizer.encode_pairs(inputs) if pairs else encoder.tokenizer.encode(inputs)
         if not truncate and tokens.truncated.any():
@@ -43,8 +44,12 @@ class SequenceHead:
                                max_length=encoder.max_length)
         if pairs and encoder.config.type_vocab_size == 1:  # RoBERTa, DistilBERT: no token types to give
             tokens.type_ids[:] = 0
-        result = encoder.submit_tokens(tokens, batch_tokens=batch_tokens).result()
-        return result.embeddings.astype(np.float32), int(tokens.tokens)
+        return encoder.submit_tokens(tokens, batch_tokens=batch_tokens), int(tokens.tokens)
+
+    @staticmethod
+    def head_logits(result) -> np.ndarray:
+        """(N, labels) float32 logits of a finished _submit future's EncodeResult."""
+        return result.embeddings.astype(np.float32)
 
     def close(self, *, cancel: bool = False):
         self._encoder.close(cancel=cancel)
@@ -73,11 +78,19 @@ class Classifier(SequenceHead):
         """((N, num_labels) float32 logits, the tokens the inputs took) of texts, or of (text, text)
         pairs (tokenised as the model's tokenizer pairs them). truncate=False refuses an input
         longer than max_length (TooLongError) instead of cutting it."""
+        future, tokens = self.submit_logits(inputs, batch_tokens=batch_tokens, truncate=truncate)
+        return (np.zeros((0, self.num_labels), np.float32) if future is None else
+                self.head_logits(future.result())), tokens
+
+    def submit_logits(self, inputs, *, batch_tokens: int | None = None, truncate: bool = True) -> tuple:
+        """logits' work without waiting: (the engine's future, or None for no inputs; the tokens).
+        head_logits(future.result()) gives the logits; a service awaits the future and cancels it
+        when its client goes away."""
         inputs = _as_list(inputs)
         if not inputs:
-            return np.zeros((0, self.num_labels), np.float32), 0
+            return None, 0
         pairs = all(isinstance(x, (tuple, list)) for x in inputs)
-        return self._head_logits(inputs, pairs=pairs, batch_tokens=batch_tokens, truncate=truncate, what="input")
+        return self._submit(inputs, pairs=pairs, batch_tokens=batch_tokens, truncate=truncate, what="input")
 
     def scores(self, logits: np.ndarray) -> np.ndarray:
         """The pipeline's function_to_apply on logits (N, num_labels)."""

@@ -37,13 +37,25 @@ class Reranker(SequenceHead):
                truncate: bool = True) -> tuple[np.ndarray, int]:
         """(predict's scores, the tokens the pairs took). truncate=False refuses a pair longer than
         max_length (TooLongError, naming its 0-based place) instead of cutting it longest-first."""
+        future, tokens = self.submit_scores(pairs, batch_tokens=batch_tokens, truncate=truncate)
+        return self.finish_scores(future, activation=activation), tokens
+
+    def submit_scores(self, pairs, *, batch_tokens: int | None = None, truncate: bool = True) -> tuple:
+        """scores' work without waiting: (the engine's future, or None for no pairs; the tokens).
+        finish_scores(future) gives the scores once it is done; a service awaits the future and
+        cancels it when its client goes away."""
         pairs = _as_list(pairs)
         if not pairs:
-            return np.zeros((0,) if self.num_labels == 1 else (0, self.num_labels), np.float32), 0
-        logits, tokens = self._head_logits(pairs, pairs=True, batch_tokens=batch_tokens, truncate=truncate,
-                                           what="pair")
+            return None, 0
+        return self._submit(pairs, pairs=True, batch_tokens=batch_tokens, truncate=truncate, what="pair")
+
+    def finish_scores(self, future, *, activation: bool = True) -> np.ndarray:
+        """The scores of a submit_scores future (waiting for it if need be)."""
+        if future is None:
+            return np.zeros((0,) if self.num_labels == 1 else (0, self.num_labels), np.float32)
+        logits = self.head_logits(future.result())
         scores = 1.0 / (1.0 + np.exp(-logits)) if activation and self.activation == "sigmoid" else logits
-        return (scores[:, 0] if self.num_labels == 1 else scores).astype(np.float32), tokens
+        return (scores[:, 0] if self.num_labels == 1 else scores).astype(np.float32)
 
     def rank(self, query: str, documents, *, top_k: int | None = None, return_documents: bool = False,
              batch_tokens: int | None = None) -> list[dict]:

@@ -369,19 +369,28 @@ class Service:
                    "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}}
         return Response(_dumps(payload), media_type="application/json"), count, result.tokens
 
-    async def _scores(self, query: str, documents: list, *, raw: bool, truncate: bool) -> tuple:
-        """(scores, tokens) of (query, document) pairs through the engine, off the event loop (the
-        pairs are tokenised in the calling thread); errors as HTTP failures."""
-        pairs = [(query, d) for d in documents]
+    async def _head(self, request, submit, too_long: str) -> tuple:
+        """(the finished engine future or None, tokens) of a classifier head's work: submit()
+        tokenises off the event loop and returns (future, tokens); the future is awaited as
+        /embed's is, cancelled if the client goes away. too_long: the 413 message's subject."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(None, lambda: self.reranker.scores(
-                pairs, batch_tokens=self.limits.max_batch_tokens, activation=not raw, truncate=truncate))
+            future, tokens = await loop.run_in_executor(None, submit)
+            if future is not None:
+                await self._answer(request, future)
+            return future, tokens
         except TooLongError as e:
-            raise HTTPFailure(413, f"text {e.index} with the query is longer than the maximum input length "
+            raise HTTPFailure(413, f"{too_long.format(index=e.index)} longer than the maximum input length "
                                    f"{e.max_length} tokens; send truncate: true to cut it", "Validation") from None
         except InputError as e:
             raise _validation(str(e)) from None
+
+    async def _scores(self, request, query: str, documents: list, *, raw: bool, truncate: bool) -> tuple:
+        """(scores, tokens) of (query, document) pairs through the engine; errors as HTTP failures."""
+        pairs = [(query, d) for d in documents]
+        future, tokens = await self._head(request, lambda: self.reranker.submit_scores(
+            pairs, batch_tokens=self.limits.max_batch_tokens, truncate=truncate), "text {index} with the query is")
+        return self.reranker.finish_scores(future, activation=not raw), tokens
 
     def _query(self, body: dict) -> str:
         query = body.get("query")
@@ -403,7 +412,7 @@ class Service:
         texts = _texts(body["texts"], "texts")
         self._check_count(len(texts), "texts")
         raw, return_text = _bool(body, "raw_scores", False), _bool(body, "return_text", False)
-        scores, tokens = await self._scores(query, texts, raw=raw, truncate=_bool(body, "truncate", False))
+        scores, tokens = await self._scores(request, query, texts, raw=raw, truncate=_bool(body, "truncate", False))
         order = np.argsort(-scores, kind="stable")
         reply = [{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if return_text else {})}
                  for i in order]
@@ -433,7 +442,7 @@ class Service:
         if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
             raise _validation(f"top_n must be an integer >= 1, found {top_n!r}")
         return_documents = _bool(body, "return_documents", False)
-        scores, tokens = await self._scores(query, texts, raw=False, truncate=True)
+        scores, tokens = await self._scores(request, query, texts, raw=False, truncate=True)
         order = np.argsort(-scores, kind="stable")[:top_n]
         results = [{"index": int(i), "relevance_score": float(scores[i]),
                     **({"document": {"text": texts[i]}} if return_documents else {})} for i in order]
@@ -469,15 +478,9 @@ class Service:
             raise _validation("inputs must be all texts or all pairs")
         self._check_count(len(inputs), "inputs")
         raw, truncate = _bool(body, "raw_scores", False), _bool(body, "truncate", False)
-        loop = asyncio.get_running_loop()
-        try:
-            logits, tokens = await loop.run_in_executor(None, lambda: self.classifier.logits(
-                inputs, batch_tokens=self.limits.max_batch_tokens, truncate=truncate))
-        except TooLongError as e:
-            raise HTTPFailure(413, f"input {e.index} is longer than the maximum input length {e.max_length} tokens; "
-                                   "send truncate: true to cut it", "Validation") from None
-        except InputError as e:
-            raise _validation(str(e)) from None
+        future, tokens = await self._head(request, lambda: self.classifier.submit_logits(
+            inputs, batch_tokens=self.limits.max_batch_tokens, truncate=truncate), "input {index} is")
+        logits = self.classifier.head_logits(future.result())
         rows = logits if raw else self.classifier.scores(logits)
         reply = [self.classifier.ranked(row, None) for row in rows]
         return Response(_dumps(reply[0] if single else reply), media_type="application/json"), len(inputs), tokens

@@ -109,3 +109,33 @@ def test_bad_requests_are_one_json_error(server, path, body, status, message):
 def test_info_says_reranker(server):
     info = httpx.get(server.url + "/info").json()
     assert info["model_type"] == {"reranker": {}} and info["max_input_length"] == 64
+
+
+@pytest.mark.parametrize("path, field", [("/rerank", "texts"), ("/v1/rerank", "documents")])
+def test_a_client_that_leaves_cancels_its_scoring(reranker_model, path, field):
+    """A client that closes its connection while its pairs wait on the engine gets its work
+    cancelled (counted as 499, as /embed's), and the service answers the next client."""
+    import json
+    import re
+    import socket
+    import time
+    s = Server(reranker_model, "--max-client-batch-size", 20000)
+    try:
+        body = json.dumps({"query": QUERY, field: texts_for(5, 20000)}).encode()
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as gone:
+            gone.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(0.05)
+        route = "rerank" if path == "/rerank" else "cohere"
+        deadline, metrics = time.monotonic() + 60, ""
+        while time.monotonic() < deadline:
+            metrics = httpx.get(s.url + "/metrics").text
+            if re.search(r'ftengine_requests_total\{[^}]*status="499"', metrics):
+                break
+            time.sleep(0.1)
+        assert re.search(rf'ftengine_requests_total\{{[^}}]*route="{route}"[^}}]*status="499"', metrics), metrics
+        r = httpx.post(s.url + path, json={"query": QUERY, field: ["a fox", "the dog"]}, timeout=30)
+        assert r.status_code == 200
+    finally:
+        code, out = s.stop()
+    assert code == 0 and "Traceback" not in out
