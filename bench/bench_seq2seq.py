@@ -1,16 +1,18 @@
 """Encoder-decoder benchmark: ftengine (CUDA) against HF `generate` in the same process.
 
-Two models' shapes with HF's random initialisation, each saved once and loaded by both:
+Three models' shapes with HF's random initialisation, each saved once and loaded by both:
 Marian-base (opus-mt-en-de: d_model 512, 6 + 6 post-LayerNorm layers, 8 heads, FFN 2,048, swish,
-a 58,101-token vocabulary) and NLLB-200-distilled-600M (M2M100: d_model 1,024, 12 + 12
-pre-LayerNorm layers, 16 heads, FFN 4,096, ReLU, a 256,206-token vocabulary); fp16; 32-token sources of random ids, 64 new tokens (min_new_tokens 64 on both sides, so that
+a 58,101-token vocabulary), NLLB-200-distilled-600M (M2M100: d_model 1,024, 12 + 12
+pre-LayerNorm layers, 16 heads, FFN 4,096, ReLU, a 256,206-token vocabulary) and t5-base (d_model
+768, 12 + 12 RMS-norm layers, 12 heads, relative position biases, FFN 3,072, ReLU, 32,128
+tokens, tied head); fp16; 32-token sources of random ids, 64 new tokens (min_new_tokens 64 on both sides, so that
 both generate exactly as many); batch 1 and 32; greedy and beam 4. ftengine is timed from token
 ids in (the encoder pass, the memory's projection, the prefill and every step) to the chosen ids
 on the host; HF from input ids on the GPU to its output ids (sdpa attention). Median of repeats
 after warm-up. Reported: ms per step (a new token of every sequence), generated tokens/s, and the
 encoder pass alone.
 
-Usage: python bench/bench_seq2seq.py --out bench/results [--models marian-base,nllb-600m]
+Usage: python bench/bench_seq2seq.py --out bench/results [--models marian-base,nllb-600m,t5-base]
 """
 
 from __future__ import annotations
@@ -47,8 +49,12 @@ NLLB_600M = dict(vocab_size=256206, d_model=1024, encoder_layers=12, decoder_lay
                  decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, activation_function="relu",
                  max_position_embeddings=1024, scale_embedding=True, pad_token_id=1, eos_token_id=2, bos_token_id=0,
                  decoder_start_token_id=2)
+T5_BASE = dict(vocab_size=32128, d_model=768, d_kv=64, d_ff=3072, num_layers=12, num_decoder_layers=12, num_heads=12,
+               relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="relu",
+               tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 MODELS = {"marian-base": ("MarianConfig", "MarianMTModel", MARIAN_BASE),
-          "nllb-600m": ("M2M100Config", "M2M100ForConditionalGeneration", NLLB_600M)}
+          "nllb-600m": ("M2M100Config", "M2M100ForConditionalGeneration", NLLB_600M),
+          "t5-base": ("T5Config", "T5ForConditionalGeneration", T5_BASE)}
 TARGETS = {("marian-base", "greedy", 1): "<= 0.2 ms/token", ("marian-base", "beam 4", 32): ">= 50,000 tokens/s"}
 
 
@@ -152,7 +158,8 @@ def write_results(rows: list, out: Path, cupy, torch, transformers):
     out.mkdir(parents=True, exist_ok=True)
     (out / "seq2seq.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Encoder-decoder benchmark — {device}, {result['date']}", "",
-             "Marian-base (opus-mt-en-de) and NLLB-200-distilled-600M shapes, HF random initialisation, fp16; "
+             "Marian-base (opus-mt-en-de), NLLB-200-distilled-600M and t5-base shapes, HF random initialisation, "
+             "fp16; "
              "32-token sources, 64 new tokens "
              "(min_new_tokens 64 on both sides). ftengine: token ids in -> chosen ids on the host (encoder, memory, "
              "prefill, steps); HF `generate` with sdpa, inputs on the GPU. ms per step = whole generation / 64; "

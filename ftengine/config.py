@@ -348,7 +348,10 @@ SEQ2SEQ_ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": 
 # embedding, positions: "sinusoidal" (Marian's), "fairseq" (sinusoids offset past the pad id) or
 # "learned" (offset by 2, BART's))
 SEQ2SEQ_FAMILIES = {"marian": (False, False, "sinusoidal"), "bart": (False, True, "learned"),
-                    "mbart": (True, True, "learned"), "m2m_100": (True, False, "fairseq")}
+                    "mbart": (True, True, "learned"), "m2m_100": (True, False, "fairseq"),
+                    "t5": (True, False, "relative"), "mt5": (True, False, "relative")}
+T5_FEED_FORWARD = {"relu": ("relu", False), "gated-gelu": ("gelu_tanh", True)}  # -> (activation, gated)
+T5_DEFAULT_LENGTH = 512  # T5 has no position table; its tokenizers' model_max_length
 LEARNED_POSITION_OFFSET = 2
 # generation_config.json fields the encoder-decoders use, read as the defaults of each call
 GENERATION_FIELDS = ("num_beams", "max_length", "max_new_tokens", "min_length", "min_new_tokens", "length_penalty",
@@ -368,7 +371,7 @@ class Seq2SeqConfig:
     decoder_heads: int             # 8
     encoder_ffn: int               # 2048
     decoder_ffn: int               # 2048
-    activation: str                # "silu" (Marian's swish), "relu" or "gelu" (erf)
+    activation: str                # "silu" (Marian's swish), "relu", "gelu" (erf) or "gelu_tanh" (T5's gelu_new)
     max_positions: int             # 512: the longest source and target
     scale_embedding: bool          # True: token embeddings x sqrt(d_model)
     layer_norm_eps: float          # 1e-5 (torch.nn.LayerNorm's default)
@@ -378,8 +381,12 @@ class Seq2SeqConfig:
     decoder_start_token_id: int    # 58100 (the pad token)
     pre_norm: bool                 # False: LayerNorm after each residual (Marian, BART); True: before, and at the end
     layernorm_embedding: bool      # True: a LayerNorm right after token + position embeddings (BART, mBART)
-    positions: str                 # "sinusoidal", "fairseq" or "learned" (SEQ2SEQ_FAMILIES)
+    positions: str                 # "sinusoidal", "fairseq", "learned" or "relative" (T5: SEQ2SEQ_FAMILIES)
     generation: dict               # generation_config.json's GENERATION_FIELDS, e.g. {"num_beams": 4}
+    gated: bool = False            # T5 v1.1 / flan-t5: act(wi_0 x) * (wi_1 x)
+    rms_norm: bool = False         # T5: RMS norms without bias
+    relative_buckets: int = 0      # T5: relative position buckets of the attention's bias (0: none)
+    relative_max_distance: int = 128
 
     @property
     def n_positions(self) -> int:  # the target's room, as the generation loop checks it
@@ -397,9 +404,7 @@ class Seq2SeqConfig:
                               "false) are not supported")
         if model_type == "marian" and (data.get("normalize_before") or data.get("add_final_layer_norm")):
             raise ConfigError(f"{path}: pre-LayerNorm Marian variants (normalize_before) are not supported")
-        d_model, encoder_heads = keys.width_and_heads("d_model", "encoder_attention_heads")
-        _, decoder_heads = keys.width_and_heads("d_model", "decoder_attention_heads")
-        act = keys.one_of("activation_function", tuple(SEQ2SEQ_ACTIVATIONS), "gelu")
+        shape = _t5_shape(keys, data, path) if model_type in ("t5", "mt5") else _bart_shape(keys, data)
         ids = {name: keys.at_least(name, 0) for name in ("pad_token_id", "eos_token_id")}
         start = (generation or {}).get("decoder_start_token_id", data.get("decoder_start_token_id"))
         if start is None:  # HF generate starts with the bos token then; Marian's start is its pad
@@ -412,17 +417,7 @@ class Seq2SeqConfig:
         return cls(
             model_type=model_type,
             vocab_size=keys.positive("vocab_size"),
-            d_model=d_model,
-            encoder_layers=keys.positive("encoder_layers"),
-            decoder_layers=keys.positive("decoder_layers"),
-            encoder_heads=encoder_heads,
-            decoder_heads=decoder_heads,
-            encoder_ffn=keys.positive("encoder_ffn_dim"),
-            decoder_ffn=keys.positive("decoder_ffn_dim"),
-            activation=SEQ2SEQ_ACTIVATIONS[act],
-            max_positions=keys.positive("max_position_embeddings"),
-            scale_embedding=bool(data.get("scale_embedding", False)),
-            layer_norm_eps=1e-5,
+            **shape,
             tie_word_embeddings=bool(data.get("tie_word_embeddings", True)),
             decoder_start_token_id=start,
             pre_norm=SEQ2SEQ_FAMILIES[model_type][0],
@@ -431,6 +426,36 @@ class Seq2SeqConfig:
             generation=defaults,
             **ids,
         )
+
+
+def _bart_shape(keys: _Keys, data: dict) -> dict:
+    """The layer shapes of Marian, BART, mBART and M2M100 configs."""
+    d_model, encoder_heads = keys.width_and_heads("d_model", "encoder_attention_heads")
+    _, decoder_heads = keys.width_and_heads("d_model", "decoder_attention_heads")
+    act = keys.one_of("activation_function", tuple(SEQ2SEQ_ACTIVATIONS), "gelu")
+    return dict(d_model=d_model, encoder_layers=keys.positive("encoder_layers"),
+                decoder_layers=keys.positive("decoder_layers"), encoder_heads=encoder_heads,
+                decoder_heads=decoder_heads, encoder_ffn=keys.positive("encoder_ffn_dim"),
+                decoder_ffn=keys.positive("decoder_ffn_dim"), activation=SEQ2SEQ_ACTIVATIONS[act],
+                max_positions=keys.positive("max_position_embeddings"),
+                scale_embedding=bool(data.get("scale_embedding", False)), layer_norm_eps=1e-5)
+
+
+def _t5_shape(keys: _Keys, data: dict, path: Path) -> dict:
+    """T5 / mT5's: heads of d_kv features filling d_model, RMS norms, relative position buckets."""
+    d_model, heads = keys.width_and_heads("d_model", "num_heads")
+    if keys.positive("d_kv") * heads != d_model:
+        raise ConfigError(f"{path}: d_kv {data['d_kv']} x num_heads {heads} is not d_model {d_model}; only "
+                          "attention as wide as the model is supported")
+    proj = keys.one_of("feed_forward_proj", tuple(T5_FEED_FORWARD), "relu")
+    layers = keys.positive("num_layers")
+    return dict(d_model=d_model, encoder_layers=layers, decoder_layers=keys.at_least("num_decoder_layers", 1, layers),
+                encoder_heads=heads, decoder_heads=heads, encoder_ffn=keys.positive("d_ff"),
+                decoder_ffn=keys.positive("d_ff"), activation=T5_FEED_FORWARD[proj][0],
+                gated=T5_FEED_FORWARD[proj][1], max_positions=keys.at_least("n_positions", 1, T5_DEFAULT_LENGTH),
+                scale_embedding=False, layer_norm_eps=keys.positive_float("layer_norm_epsilon", 1e-6),
+                rms_norm=True, relative_buckets=keys.at_least("relative_attention_num_buckets", 2, 32),
+                relative_max_distance=keys.at_least("relative_attention_max_distance", 2, 128))
 
 
 def load_seq2seq_config(model_dir: Path) -> Seq2SeqConfig:

@@ -101,7 +101,82 @@ def fairseq_positions(n: int, dim: int, pad: int) -> np.ndarray:
     return out
 
 
+def _t5_layer_names(side: str, gated: bool) -> dict:
+    """T5's names -> the slots of BART's layers (no biases: T5 has none)."""
+    base = f"{side}.block.{{i}}.layer"
+    attention = {f"{base}.0.SelfAttention.{x}.weight": (f"self_{y}_weight", _EE)
+                 for x, y in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))}
+    ffn_at = 2 if side == "decoder" else 1
+    names = {**attention, f"{base}.0.layer_norm.weight": ("ln1_gamma", _E),
+             f"{base}.{ffn_at}.DenseReluDense.wo.weight": ("fc2_weight", lambda c: (c.d_model, c.decoder_ffn)),
+             f"{base}.{ffn_at}.layer_norm.weight": ("ln3_gamma", _E)}
+    inputs = ("wi_0", "wi_1") if gated else ("wi",)
+    names.update({f"{base}.{ffn_at}.DenseReluDense.{w}.weight": (f"fc1_{w}", lambda c: (c.decoder_ffn, c.d_model))
+                  for w in inputs})
+    if side == "decoder":
+        names.update({f"{base}.1.EncDecAttention.{x}.weight": (f"cross_{y}_weight", _EE)
+                      for x, y in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))})
+        names[f"{base}.1.layer_norm.weight"] = ("ln2_gamma", _E)
+    return names
+
+
+def _t5_top_names(config: Seq2SeqConfig) -> dict:
+    rel = lambda c: (c.relative_buckets, c.encoder_heads)  # noqa: E731
+    names = {"shared.weight": ("embed", lambda c: (c.vocab_size, c.d_model)),
+             "encoder.final_layer_norm.weight": ("encoder_final_gamma", _E),
+             "decoder.final_layer_norm.weight": ("decoder_final_gamma", _E),
+             "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": ("encoder_relative", rel),
+             "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": ("decoder_relative", rel)}
+    if not config.tie_word_embeddings:
+        names[HEAD] = ("lm_head", lambda c: (c.vocab_size, c.d_model))
+    return names
+
+
+T5_IGNORED = [re.compile(p) for p in (r"(encoder|decoder)\.embed_tokens\.weight",)]
+
+
+def _load_t5(model_dir: Path, config: Seq2SeqConfig) -> Seq2SeqWeights:
+    """T5 / mT5 in the runner's slots: zero biases; RMS norms' (zero) betas; each attention's query
+    scaled by sqrt(d_kv), which undoes the kernels' 1 / sqrt(d) (T5 does not scale its scores);
+    tied heads scaled by d_model^-0.5 as T5 scales its decoder's output; the relative position
+    biases (buckets, heads) as float32 in `norms`."""
+    files = SafetensorsFiles(model_dir)
+    ignored = list(T5_IGNORED)
+    if config.tie_word_embeddings:
+        ignored.append(re.compile(re.escape(HEAD)))
+    encoder = _expected(_t5_top_names(config), _t5_layer_names("encoder", config.gated), config.encoder_layers, config)
+    decoder = _expected({}, _t5_layer_names("decoder", config.gated), config.decoder_layers, config)
+    what = f"a {config.model_type} model of {config.encoder_layers} + {config.decoder_layers} layers"
+    arrays = _collect(Path(model_dir), files, {**encoder, **decoder}, ignored, lambda name: name, what)
+    top, encoder_layers = _slots({k: v for k, v in arrays.items() if k in encoder}, encoder, config.encoder_layers)
+    _, decoder_layers = _slots({k: v for k, v in arrays.items() if k in decoder}, decoder, config.decoder_layers)
+    root = np.float32(math.sqrt(config.d_model // config.encoder_heads))
+    for layer in encoder_layers + decoder_layers:
+        for prefix in ("self", "cross"):
+            if f"{prefix}_q_weight" in layer:
+                layer[f"{prefix}_q_weight"] = layer[f"{prefix}_q_weight"] * root
+        inputs = [layer.pop(k) for k in ("fc1_wi_0", "fc1_wi_1", "fc1_wi") if k in layer]
+        layer["fc1_weight"] = np.concatenate(inputs)
+        for name in [k for k in layer if k.endswith("_weight") and k != "fc1_weight"] + ["fc1_weight"]:
+            layer[name.replace("_weight", "_bias")] = np.zeros(layer[name].shape[0], np.float32)
+        for norm in ("ln1", "ln2", "ln3"):
+            if f"{norm}_gamma" in layer:
+                layer[f"{norm}_beta"] = np.zeros(config.d_model, np.float32)
+    norms = {k: v for k, v in top.items() if k.endswith("_gamma") or k.endswith("_relative")}
+    norms.update({k.replace("_gamma", "_beta"): np.zeros(config.d_model, np.float32)
+                  for k in list(norms) if k.endswith("_gamma")})
+    table = top["embed"]
+    head = top["lm_head"] if "lm_head" in top else table * np.float32(config.d_model ** -0.5)
+    no_positions = np.zeros((config.max_positions, config.d_model), np.float32)
+    return Seq2SeqWeights(embed=table, lm_head=head, logits_bias=np.zeros(config.vocab_size, np.float32),
+                          encoder_positions=no_positions, decoder_positions=no_positions,
+                          encoder=[_fuse(p) for p in encoder_layers], decoder=[_fuse(p) for p in decoder_layers],
+                          norms=norms)
+
+
 def load_seq2seq_weights(model_dir: Path, config: Seq2SeqConfig) -> Seq2SeqWeights:
+    if config.positions == "relative":
+        return _load_t5(model_dir, config)
     files = SafetensorsFiles(model_dir)
     stored = set(files.names())
     top_names = {SHARED: ("embed", lambda c: (c.vocab_size, c.d_model))}

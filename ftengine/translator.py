@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
-from .backends import get_ops
+from .backends import get_ops, resolve_device
 from .config import load_seq2seq_config
 from .decoding.beam import hypotheses
 from .decoding.generate import GenerationParams, check_max_batch
@@ -49,10 +49,13 @@ class Translator:
 
     def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None, cuda_graphs: bool = True):
         path = model_folder(path)
+        config = load_seq2seq_config(path)
+        if dtype is None and config.rms_norm and resolve_device(device) == "cuda":
+            dtype = "bf16"  # T5's activations overflow fp16's range (HF clamps them; bf16 needs no clamp)
         device, dtype = decoding_device_dtype(device, dtype)
         self.path, self.device, self.dtype, self.cuda_graphs = path, device, dtype, cuda_graphs
         self.ops = get_ops(device)
-        self.config = load_seq2seq_config(path)
+        self.config = config
         self.weights = load_seq2seq_weights(path, self.config)
         self.text = load_text(path, self.config.model_type)
         self._runner = None

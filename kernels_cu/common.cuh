@@ -224,13 +224,14 @@ __device__ __forceinline__ void load_row_sum(float (&v)[ITEMS][VEC], bool (&vali
 // LayerNorm of one row held in registers, in place: each thread owns up to ITEMS vectors of VEC
 // values (vector k of the thread is columns (R::lane() + k * R::lanes()) * VEC ...). Two-pass
 // mean / variance in float; `valid[k]` says whether the thread's vector k is inside the row.
+// rms: T5's RMS norm instead (no mean taken out; the caller passes a zero beta).
 // gamma and beta are loaded after the reductions: loaded before them, to arrive meanwhile, the
 // kernels were no faster at 1-128 rows and slower from 4,096 (H100 fp16, 2026-11-26, us: 768 columns
 // at 4,096 / 32,768 rows 5.24 / 51.21 -> 5.78 / 54.24, a warp a row at 384 columns 3.24 -> 3.98).
 template <typename T, int VEC, int ITEMS, typename R = BlockRow>
 __device__ __forceinline__ void layernorm_row(float (&v)[ITEMS][VEC], const bool (&valid)[ITEMS],
                                               const T* __restrict__ gamma, const T* __restrict__ beta,
-                                              int H, float eps, float* scratch) {
+                                              int H, float eps, float* scratch, bool rms = false) {
     float sum = 0.0f;
     #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
@@ -238,7 +239,7 @@ __device__ __forceinline__ void layernorm_row(float (&v)[ITEMS][VEC], const bool
             #pragma unroll
             for (int j = 0; j < VEC; ++j) sum += v[k][j];
         }
-    const float mean = R::sum(sum, scratch) / H;
+    const float mean = rms ? 0.0f : R::sum(sum, scratch) / H;
     float sq = 0.0f;
     #pragma unroll
     for (int k = 0; k < ITEMS; ++k)
@@ -320,8 +321,8 @@ __device__ __forceinline__ void store_row(T* out, const float (&v)[ITEMS][VEC], 
 template <typename T, int VEC, int ITEMS, typename R = BlockRow>
 __device__ __forceinline__ void layernorm_row_store(T* out, float (&v)[ITEMS][VEC], const bool (&valid)[ITEMS],
                                                     const T* __restrict__ gamma, const T* __restrict__ beta,
-                                                    int H, float eps, float* scratch) {
-    layernorm_row<T, VEC, ITEMS, R>(v, valid, gamma, beta, H, eps, scratch);
+                                                    int H, float eps, float* scratch, bool rms = false) {
+    layernorm_row<T, VEC, ITEMS, R>(v, valid, gamma, beta, H, eps, scratch, rms);
     store_row<T, VEC, ITEMS, R>(out, v, valid);
 }
 

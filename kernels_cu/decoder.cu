@@ -22,10 +22,11 @@ __global__ void embed_positions(T* __restrict__ out, const int* __restrict__ ids
     }
 }
 
-// out (T, E) = LayerNorm(x); one block per row, the row in registers. `out` may alias `x`.
+// out (T, E) = LayerNorm(x) (rms: T5's RMS norm); one block per row, the row in registers. `out`
+// may alias `x`.
 template <typename T, int VEC, int ITEMS>
 __global__ void layernorm(T* out, const T* x, const T* __restrict__ gamma, const T* __restrict__ beta,
-                          int H, float eps) {
+                          int H, float eps, int rms) {
     wait_then_launch_next();
     __shared__ float scratch[32];
     const long base = (long)blockIdx.x * H;
@@ -33,7 +34,7 @@ __global__ void layernorm(T* out, const T* x, const T* __restrict__ gamma, const
     bool valid[ITEMS];
     const T* const terms[1] = {x + base};
     load_row_sum<T, VEC, ITEMS>(v, valid, terms, H);
-    layernorm_row_store<T, VEC, ITEMS>(out + base, v, valid, gamma, beta, H, eps, scratch);
+    layernorm_row_store<T, VEC, ITEMS>(out + base, v, valid, gamma, beta, H, eps, scratch, rms);
 }
 
 // out (T, E) = x + bias + residual. grid (T). `out` may alias `residual`.
@@ -53,14 +54,14 @@ __global__ void add_bias_residual(T* out, const T* __restrict__ x, const T* __re
     }
 }
 
-// hidden (T, E) += x + bias; normed = LayerNorm(hidden): a block's residual add fused with the
-// next LayerNorm (pre-LN GPT-2). One block per row, the row in registers. X float: x is SPLITS
+// hidden (T, E) += x + bias; normed = LayerNorm(hidden) (rms: T5's RMS norm): a block's residual
+// add fused with the next LayerNorm (pre-LN GPT-2). One block per row, the row in registers. X float: x is SPLITS
 // slices of float partial sums (SPLITS, T, E) of a split product (gemv.cu skinny_mma), added in
 // slice order and rounded to T, as the product would have stored their sum.
 template <typename T, typename X, int SPLITS, int VEC, int ITEMS>
 __global__ void residual_layernorm(T* hidden, T* __restrict__ normed, const X* __restrict__ x,
                                    const T* __restrict__ bias, const T* __restrict__ gamma,
-                                   const T* __restrict__ beta, int H, float eps) {
+                                   const T* __restrict__ beta, int H, float eps, int rms) {
     wait_then_launch_next();
     __shared__ float scratch[32];
     const long base = (long)blockIdx.x * H;
@@ -71,7 +72,7 @@ __global__ void residual_layernorm(T* hidden, T* __restrict__ normed, const X* _
     add_row_terms<T, VEC, ITEMS, 2>(v, valid, terms, H);
     store_row<T, VEC, ITEMS>(hidden + base, v, valid);
     round_row<T, VEC, ITEMS>(v, valid);  // the stored, rounded sum
-    layernorm_row_store<T, VEC, ITEMS>(normed + base, v, valid, gamma, beta, H, eps, scratch);
+    layernorm_row_store<T, VEC, ITEMS>(normed + base, v, valid, gamma, beta, H, eps, scratch, rms);
 }
 
 // Token t's key and value (+ bias) -> cache[seq_ids[t], head, positions[t], :], caches (B, heads, L, D);
@@ -110,6 +111,8 @@ __global__ void write_kv_cache(T* __restrict__ k_cache, T* __restrict__ v_cache,
 // ATTN_WRITE_KV (a decode step: token t's own key and value, + bias, are stored at positions[t],
 // and used from registers here, rounded as stored; no other token reads a position being written
 // in the same step: beams read their parents' rows at earlier positions).
+// rel_max_len > 0: each score gets rel_table[rel_buckets[key - position + rel_max_len - 1] * heads +
+// head] added (T5's relative position bias; no other model passes one).
 // Block ATTN_THREADS; dynamic shared memory: (blockDim / 32) * (D + 2) floats.
 #define ATTN_ROWS_ARE_TOKENS 1
 #define ATTN_INDIRECT 2
@@ -123,7 +126,8 @@ template <typename T, int VEC, bool CG>
 __device__ __forceinline__ void attend_cached(
         T* __restrict__ ctx, const T* __restrict__ qkv, const T* __restrict__ bias, T* k_cache, T* v_cache,
         const int* __restrict__ seq_ids, const int* __restrict__ positions, const int* __restrict__ indir,
-        int flags, int heads, int D, int L, int TPK, float scale, long t, int h, float* sm) {
+        int flags, int heads, int D, int L, int TPK, float scale, const float* __restrict__ rel_table,
+        const int* __restrict__ rel_buckets, int rel_max_len, long t, int h, float* sm) {
     const int E = heads * D;
     const long b = (flags & ATTN_ROWS_ARE_TOKENS) ? t : seq_ids[t];
     const int pos = positions[t], n = pos + 1;
@@ -190,7 +194,10 @@ __device__ __forceinline__ void attend_cached(
             #pragma unroll
             for (int i = 0; i < VEC; ++i) dot += q[i] * k[u][i];
             for (int off = TPK / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-            score[u] = j0 + u * groups + group < n ? dot * scale : -FT_INFINITY;
+            const int j = j0 + u * groups + group;
+            float rel = 0.0f;
+            if (rel_max_len > 0 && j < n) rel = rel_table[rel_buckets[j - pos + rel_max_len - 1] * heads + h];
+            score[u] = j < n ? dot * scale + rel : -FT_INFINITY;
             top = fmaxf(top, score[u]);
         }
         if (top > -FT_INFINITY) {  // the group has a key so far
@@ -252,11 +259,12 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(ATTN_THREADS) cached_attention(
         T* __restrict__ ctx, const T* __restrict__ qkv, const T* __restrict__ bias, T* k_cache, T* v_cache,
         const int* __restrict__ seq_ids, const int* __restrict__ positions, const int* __restrict__ indir,
-        int flags, int heads, int D, int L, int TPK, float scale) {
+        int flags, int heads, int D, int L, int TPK, float scale, const float* __restrict__ rel_table,
+        const int* __restrict__ rel_buckets, int rel_max_len) {
     wait_then_launch_next();
     extern __shared__ float sm[];
     attend_cached<T, VEC, false>(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flags, heads, D, L,
-                                 TPK, scale, blockIdx.x, blockIdx.y, sm);
+                                 TPK, scale, rel_table, rel_buckets, rel_max_len, blockIdx.x, blockIdx.y, sm);
 }
 
 // out (N, E) = x[rows]. grid (N).

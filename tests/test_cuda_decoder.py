@@ -57,6 +57,25 @@ def test_embed_layernorm_residual_gather(cu, rng, dtype, e):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("e", [768, 200])
+def test_rms_layernorm_and_residual(cu, rng, dtype, e):
+    """T5's RMS norm (rms=True) in layernorm and residual_layernorm against the NumPy twin."""
+    t = 37
+    (x, xh), (h, hh) = (quantize(cu, rng.standard_normal((t, e)) + 0.5, dtype) for _ in range(2))
+    (g, gh), (bias, biash) = (quantize(cu, rng.standard_normal(e), dtype) for _ in range(2))
+    zeros, zerosh = quantize(cu, np.zeros(e), dtype)
+    out, expected = poisoned(cu, (t, e), dtype), np.empty((t, e), np.float32)
+    cu.layernorm(out, x, g, zeros, eps=1e-6, rms=True)
+    ref.layernorm(expected, xh, gh, zerosh, eps=1e-6, rms=True)
+    assert_close(cu, out, expected, dtype)
+    normed, expected_normed = poisoned(cu, (t, e), dtype), np.empty((t, e), np.float32)
+    cu.residual_layernorm(h, normed, x, bias, g, zeros, eps=1e-6, rms=True)
+    ref.residual_layernorm(hh, expected_normed, xh, biash, gh, zerosh, eps=1e-6, rms=True)
+    assert_close(cu, h, hh, dtype)
+    assert_close(cu, normed, expected_normed, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m, k, n, skinny, blas", [
     (8, 768, 768, 2, 1), (13, 3072, 768, 8, 4), (32, 800, 200, 2, 1), (20, 96, 1000, 2, 1), (9, 1536, 64, 4, 1),
     (7, 768, 768, 1, 1), (33, 768, 768, 1, 1), (16, 256, 100, 1, 1), (300, 3072, 768, 1, 2), (6, 2064, 96, 1, 2),
@@ -629,3 +648,25 @@ def test_gpu_waves_give_the_tokens_of_one_wave(tmp_path, options):
             assert got.prompt == prompt
             assert [c.token_ids for c in got.candidates] == [c.token_ids for c in alone.candidates]
     assert 1 <= gen.default_max_batch(128) <= MAX_DEFAULT_BATCH
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, d", [(12, 64), (2, 32)])
+def test_decode_attention_with_a_relative_position_bias(cu, rng, dtype, heads, d):
+    """T5's causal relative position bias (a table of 32 buckets x heads, each key's bucket by
+    its distance back from the query) in a decode step against the NumPy twin."""
+    from ftengine.models.bert import relative_position_buckets
+    e, length, rows = heads * d, 256, 5
+    shape = (rows, heads, length, d)
+    (k, k_ref), (v, v_ref) = (quantize(cu, rng.standard_normal(shape), dtype) for _ in range(2))
+    pos = np.array([0, 1, 9, 100, 255])
+    table = rng.standard_normal((32, heads)).astype(np.float32)
+    buckets = relative_position_buckets(length, 32, 128, causal=True)
+    qkv, qkvh = quantize(cu, rng.standard_normal((rows, 3 * e)), dtype)
+    bias, biash = quantize(cu, 0.3 * rng.standard_normal(3 * e), dtype)
+    out = poisoned(cu, (rows, e), dtype)
+    cu.decode_attention(out, qkv, bias, k, v, ints(cu, pos), heads=heads,
+                        rel_bias=(cu.to_device(table, np.float32), ints(cu, buckets), length))
+    expected = np.empty((rows, e), np.float32)
+    ref.decode_attention(expected, qkvh, biash, k_ref, v_ref, pos, heads=heads, rel_bias=(table, buckets, length))
+    assert_close(cu, out, expected, dtype)

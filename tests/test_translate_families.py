@@ -1,9 +1,10 @@
-"""BART, mBART-50 and NLLB (M2M100) encoder-decoders against HF transformers on small random
-checkpoints in each family's exact format: the tokenizer's ids and text with language codes, the
+"""BART, mBART-50, NLLB (M2M100), T5 and flan-t5 encoder-decoders against HF transformers on small
+random checkpoints in each family's exact format: the tokenizer's ids and text with language codes, the
 encoder's output and the first step's logits, greedy and beam search token for token with their
 scores under each checkpoint's generation defaults (BART-cnn's forced <s>, n-gram ban, length
-penalty and minimum length; the target language as the forced first token), and the bad input
-the language options take."""
+penalty and minimum length; the target language as the forced first token; T5's relative
+position biases and RMS norms, ReLU with a tied head or gated GELU with an untied one), and the
+bad input the language options take."""
 
 import numpy as np
 import pytest
@@ -15,20 +16,26 @@ from ftengine.models.seq2seq import Seq2SeqRunner
 from ftengine.seq2seq_checkpoint import load_seq2seq_weights
 from ftengine.seq2seq_text import load_text
 from tests.tolerances import BEAM_SCORE_FP32, HF_FP32_MAX_ABS
-from weights.fixtures import write_bart_family_checkpoint
+from weights.fixtures import write_bart_family_checkpoint, write_t5_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a dog", "", "some other words were there",
          "Ünïcödé ✓ text, with punctuation!"]
 # family -> (source language, target language) as its tokenizer spells them
-LANGUAGES = {"bart": (None, None), "mbart": ("en_XX", "fr_XX"), "nllb": ("eng_Latn", "deu_Latn")}
+LANGUAGES = {"bart": (None, None), "mbart": ("en_XX", "fr_XX"), "nllb": ("eng_Latn", "deu_Latn"),
+             "t5": (None, None), "flan-t5": (None, None)}
+
+
+def write_family(name: str, folder, **shape):
+    if name in ("t5", "flan-t5"):
+        return write_t5_checkpoint(folder, gated=name == "flan-t5", **shape)
+    return write_bart_family_checkpoint(folder, name, **shape)
 
 
 @pytest.fixture(scope="module", params=list(LANGUAGES))
 def family(request, tmp_path_factory):
-    folder = write_bart_family_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=5)
-    return request.param, folder
+    return request.param, write_family(request.param, tmp_path_factory.mktemp(request.param), seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +51,8 @@ def hf(family):
 
 
 def hf_generate(hf, text: str, tgt_lang: str | None, **options):
-    """HF's hypotheses (new ids after the start token, padding dropped) and beam scores."""
+    """HF's hypotheses (new ids after the start token up to the first eos, which pads follow) and
+    beam scores. T5's pad id is also its decoder's start and a token it may generate."""
     import torch
     model, tokenizer = hf
     if tgt_lang is not None:
@@ -52,8 +60,9 @@ def hf_generate(hf, text: str, tgt_lang: str | None, **options):
     inputs = tokenizer([text], return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, **options, output_scores=True, return_dict_in_generate=True)
-    pad = model.config.pad_token_id
-    hypotheses = [[t for t in row[1:].tolist() if t != pad] for row in out.sequences]
+    eos = model.generation_config.eos_token_id
+    hypotheses = [row[1:].tolist() for row in out.sequences]
+    hypotheses = [row[:row.index(eos) + 1] if eos in row else row for row in hypotheses]
     scores = getattr(out, "sequences_scores", None)
     return hypotheses, None if scores is None else scores.tolist()
 
@@ -63,7 +72,7 @@ def test_tokenizer_matches_hf(family, hf):
     _, tokenizer = hf
     config = load_seq2seq_config(folder)
     ours = load_text(folder, config.model_type)
-    languages = [None] if name == "bart" else list(LANGUAGES[name])
+    languages = [None] if LANGUAGES[name][0] is None else list(LANGUAGES[name])
     for src_lang in languages:
         if src_lang is not None:
             tokenizer.src_lang = src_lang
@@ -123,7 +132,7 @@ def test_translations_match_hf_generate(family, hf, options):
 def test_language_options_are_checked(family):
     name, folder = family
     with Translator.from_pretrained(folder, device="cpu") as translator:
-        if name == "bart":
+        if LANGUAGES[name][0] is None:
             with pytest.raises(InputError, match="unknown language 'fr_XX'; this model knows: none"):
                 translator.translate(TEXTS, tgt_lang="fr_XX")
             return
@@ -149,14 +158,14 @@ def test_translate_command_takes_the_languages(family, hf, tmp_path):
     src_lang, tgt_lang = LANGUAGES[name]
     src = tmp_path / "in.txt"
     src.write_text("".join(t + "\n" for t in TEXTS), encoding="utf-8")
-    languages = [] if name == "bart" else ["--src-lang", src_lang, "--tgt-lang", tgt_lang]
+    languages = [] if src_lang is None else ["--src-lang", src_lang, "--tgt-lang", tgt_lang]
     out = tmp_path / "out.jsonl"
     r = CliRunner().invoke(main, ["translate", str(src), "-o", str(out), "--model", str(folder), "--device", "cpu",
                                   "--num-beams", "2", "--quiet", *languages])
     assert r.exit_code == 0, r.output
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [row["token_ids"] for row in rows] == [hf_generate(hf, t, tgt_lang, num_beams=2)[0][0] for t in TEXTS]
-    if name == "bart":
+    if src_lang is None:
         return
     for args, message in (([], "--tgt-lang: this model translates into several languages"),
                           (["--tgt-lang", "xx_YY"], "--tgt-lang: unknown language 'xx_YY'"),
@@ -177,8 +186,8 @@ def cuda_translator():
 @pytest.fixture(scope="module", params=list(LANGUAGES))
 def family_gpu(request, tmp_path_factory):
     """Head size 32, which the CUDA encoder's fused attention takes."""
-    folder = write_bart_family_checkpoint(tmp_path_factory.mktemp(f"{request.param}-gpu"), request.param, seed=6,
-                                          d_model=64, heads=2, ffn=96)
+    folder = write_family(request.param, tmp_path_factory.mktemp(f"{request.param}-gpu"), seed=6, d_model=64, heads=2,
+                          ffn=96)
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     if LANGUAGES[request.param][0]:
@@ -216,8 +225,24 @@ def test_a_folder_missing_its_parts_is_refused_by_name(family, tmp_path):
         Translator.from_pretrained(copy, device="cpu")
     shutil.copy(folder / "tokenizer.json", copy / "tokenizer.json")
     tensors = load_file(str(folder / "model.safetensors"))
-    missing = "model.decoder.layer_norm.weight" if name != "bart" else "model.decoder.layernorm_embedding.weight"
+    missing = {"bart": "model.decoder.layernorm_embedding.weight", "t5": "decoder.final_layer_norm.weight",
+               "flan-t5": "decoder.block.1.layer.2.DenseReluDense.wi_1.weight"}.get(name, "model.decoder.layer_norm.weight")
     del tensors[missing]
     save_file(tensors, str(copy / "model.safetensors"))
     with pytest.raises(CheckpointError, match=f"missing: .*{missing}"):
         Translator.from_pretrained(copy, device="cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_t5_defaults_to_bf16_and_graphs_change_no_bit(cuda_translator, tmp_path):
+    """T5 on the GPU runs in bf16 unless told (fp16 overflows its activations); bf16 translations
+    are the same with and without CUDA graphs, and their agreement with fp32's is reported."""
+    folder = write_t5_checkpoint(tmp_path / "flan", gated=True, seed=7, d_model=64, heads=2, ffn=96)
+    with cuda_translator(folder) as graphed, cuda_translator(folder, cuda_graphs=False) as direct, \
+            cuda_translator(folder, dtype="fp32") as full:
+        assert graphed.dtype == "bf16" and full.dtype == "fp32"
+        for options in ({}, {"num_beams": 4}):
+            a, b = graphed.translate(TEXTS, **options), direct.translate(TEXTS, **options)
+            assert [r.token_ids for r in a] == [r.token_ids for r in b]
+            same = sum(x.token_ids == y.token_ids for x, y in zip(a, full.translate(TEXTS, **options)))
+            print(f"t5 bf16 {options or 'greedy'}: {same} of {len(TEXTS)} translations equal fp32's")

@@ -672,3 +672,71 @@ def write_bart_family_checkpoint(folder, family: str, *, seed: int = 0, d_model=
         tensors["final_logits_bias"] = rng.normal(0, 0.3, (1, v))
     save_file({k: np.ascontiguousarray(a, np.float32) for k, a in tensors.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def write_t5_tokenizer(folder: Path) -> int:
+    """T5's tokenizer.json: a Unigram model with <pad> 0, </s> 1, <unk> 2, the pieces, then
+    <extra_id_99> .. <extra_id_0>; whitespace then Metaspace splitting and $A </s>, as HF's
+    T5Tokenizer builds them. Returns the vocabulary size."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+    special = ["<pad>", "</s>", "<unk>"]
+    extra = [f"<extra_id_{i}>" for i in range(99, -1, -1)]
+    pieces = [(t, 0.0) for t in special] + [("\u2581" + w, -3.0 - len(w) / 10) for w in WORDS]
+    pieces += [(c, -8.0) for c in string.ascii_lowercase + string.digits + string.punctuation + "\u2581"]
+    tok = Tokenizer(Unigram(pieces + [(t, 0.0) for t in extra], unk_id=2))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Metaspace(prepend_scheme="always", split=True)])
+    tok.decoder = decoders.Metaspace(prepend_scheme="always", split=True)
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                                       special_tokens=[("</s>", 1)])
+    tok.add_special_tokens(special + extra)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "T5Tokenizer", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+        "extra_ids": 100}), encoding="utf-8")
+    return tok.get_vocab_size()
+
+
+def write_t5_checkpoint(folder, *, gated: bool, seed: int = 0, d_model=32, layers=2, heads=4, ffn=37,
+                        buckets=8, max_distance=20, generation: dict | None = None) -> Path:
+    """A random T5 (ReLU, tied head: t5-small's settings) or T5 v1.1 / flan-t5 (gated GELU,
+    untied head) folder in HF's format with its tokenizer; few buckets and a short max_distance,
+    so that the fixture's short texts reach the logarithmic buckets."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    v = write_t5_tokenizer(folder) + 3  # the model's table larger than the tokenizer's, as t5's
+    config = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "vocab_size": v,
+              "d_model": d_model, "d_kv": d_model // heads, "d_ff": ffn, "num_layers": layers,
+              "num_decoder_layers": layers, "num_heads": heads, "relative_attention_num_buckets": buckets,
+              "relative_attention_max_distance": max_distance, "layer_norm_epsilon": 1e-6,
+              "feed_forward_proj": "gated-gelu" if gated else "relu", "tie_word_embeddings": not gated,
+              "dropout_rate": 0.0, "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0,
+              "is_encoder_decoder": True, "n_positions": 64}
+    (folder / "config.json").write_text(json.dumps(config))
+    gen = {"pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0, "max_length": 24}
+    gen.update(generation or {})
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    rng = np.random.default_rng(seed)
+    t = {"shared.weight": rng.normal(0, 1.0, (v, d_model))}
+    inputs = ("wi_0", "wi_1") if gated else ("wi",)
+    for side in ("encoder", "decoder"):
+        t[f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = rng.normal(0, 1.0, (buckets, heads))
+        t[f"{side}.final_layer_norm.weight"] = 1.0 + rng.normal(0, 0.2, d_model)
+        for i in range(layers):
+            base = f"{side}.block.{i}.layer"
+            attentions = ["0.SelfAttention"] + (["1.EncDecAttention"] if side == "decoder" else [])
+            for attention in attentions:
+                for proj in "qkvo":
+                    t[f"{base}.{attention}.{proj}.weight"] = rng.normal(0, 0.4 / np.sqrt(d_model // heads) if proj == "q"
+                                                                        else 0.4, (d_model, d_model))
+            ffn_at = 2 if side == "decoder" else 1
+            for at in range(ffn_at + 1):
+                t[f"{base}.{at}.layer_norm.weight"] = 1.0 + rng.normal(0, 0.2, d_model)
+            for w in inputs:
+                t[f"{base}.{ffn_at}.DenseReluDense.{w}.weight"] = rng.normal(0, 0.4, (ffn, d_model))
+            t[f"{base}.{ffn_at}.DenseReluDense.wo.weight"] = rng.normal(0, 0.4, (d_model, ffn))
+    if gated:
+        t["lm_head.weight"] = rng.normal(0, 0.3, (v, d_model))
+    save_file({k: np.ascontiguousarray(a, np.float32) for k, a in t.items()}, str(folder / "model.safetensors"))
+    return folder

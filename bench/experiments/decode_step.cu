@@ -467,7 +467,8 @@ __global__ void __launch_bounds__(STEP_THREADS, 1) decode_step(
         for (int item = blockIdx.x; item < M * heads; item += G) {
             attend_cached<T, SV, true>(ctx, qkv, prm + 6 * E, const_cast<T*>(at(STEP_K_CACHE)),
                                        const_cast<T*>(at(STEP_V_CACHE)), positions, positions, indir, flags, heads,
-                                       D, L, TPK, scale, item / heads, item % heads, reinterpret_cast<float*>(x));
+                                       D, L, TPK, scale, nullptr, nullptr, 0, item / heads, item % heads,
+                                       reinterpret_cast<float*>(x));
             __syncthreads();
         }
         ring.top_up(j + 1);

@@ -71,7 +71,7 @@ def residual_split(hidden, normed, partials, bias, gamma, beta):
     vec, items, threads = runtime._row_kernel_shape(hidden, h)
     kname = f"residual_layernorm<__half, float, {splits}, {vec}, {items}>"
     launch(kernels.kernel("decoder.cu", kname), (t,), (threads,),
-           (hidden, normed, partials, bias, gamma, beta, np.int32(h), np.float32(1e-5)))
+           (hidden, normed, partials, bias, gamma, beta, np.int32(h), np.float32(1e-5), np.int32(0)))
 
 
 def check(mod):

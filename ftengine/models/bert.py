@@ -124,15 +124,20 @@ def padded_arrays(batch: Batch, *, b: int, s: int, pad_id: int):
             padded_grid(batch.token_types, batch, b=b, s=s, fill=0), lengths)
 
 
-def relative_position_buckets(max_len: int, num_buckets: int, max_distance: int = 128) -> np.ndarray:
-    """MPNet's bucket of each relative position k - q, for k - q = -(max_len-1)..max_len-1 (index
-    k - q + max_len - 1): HF's bidirectional bucketing, exact below num_buckets / 4, logarithmic
-    up to max_distance, computed in float32 as torch does."""
+def relative_position_buckets(max_len: int, num_buckets: int, max_distance: int = 128, *,
+                              causal: bool = False) -> np.ndarray:
+    """The bucket of each relative position k - q, for k - q = -(max_len-1)..max_len-1 (index
+    k - q + max_len - 1), as HF's T5 / MPNet bucketing computes it (in float32, as torch does):
+    bidirectional (the encoders: half the buckets for keys after the query), exact below a
+    quarter of the buckets, logarithmic up to max_distance; causal (T5's decoder): keys at or
+    before the query only, exact below half the buckets."""
     rel = np.arange(-(max_len - 1), max_len, dtype=np.int64)
-    n = -rel
-    half = num_buckets // 2
-    ret = (n < 0).astype(np.int64) * half
-    n = np.abs(n)
+    if causal:
+        ret, n, half = np.zeros_like(rel), np.maximum(-rel, 0), num_buckets
+    else:
+        half = num_buckets // 2
+        ret = (rel > 0).astype(np.int64) * half
+        n = np.abs(rel)
     max_exact = half // 2
     scaled = (np.log(np.maximum(n, 1).astype(np.float32) / np.float32(max_exact))
               / np.float32(np.log(max_distance / max_exact)) * np.float32(half - max_exact))

@@ -2,9 +2,11 @@
 interface: an encoder pass over the sources, each decoder layer's cross-attention keys and values
 projected once per source, then GPT-2's generation steps (models/generation.py) over the decoder.
 
-Marian and BART put each LayerNorm after its residual sum (hidden = LN(hidden + f(hidden))); mBART
-and M2M100 before (hidden += f(LN(hidden)), a last LayerNorm per stack), written as GPT-2 writes
-it: each product adds into hidden and leaves the next LayerNorm's output in `normed`.
+Marian and BART put each LayerNorm after its residual sum (hidden = LN(hidden + f(hidden))); mBART,
+M2M100 and T5 before (hidden += f(LN(hidden)), a last LayerNorm per stack), written as GPT-2 writes
+it: each product adds into hidden and leaves the next LayerNorm's output in `normed`. T5's norms
+are RMS norms, and its self-attention scores get a bias by relative position bucket (one table a
+stack; bidirectional buckets in the encoder, causal in the decoder).
 
 Tokens are rows, as in GPT-2. The sources are packed back to back (no padding) through the
 encoder and the fused variable-length attention. Their memory lives in a per-layer cache of
@@ -22,7 +24,7 @@ from ..decoding.beam import CANDIDATE_CHUNK, NEG
 from ..errors import ConfigError, InputError
 from ..seq2seq_checkpoint import Seq2SeqWeights
 from ..workspace import Workspace
-from .bert import PACKED_HEAD_DIMS
+from .bert import PACKED_HEAD_DIMS, relative_position_buckets
 from .generation import GenerationRunner, generation_table
 
 KERNEL_FILES = ("embedding.cu", "layernorm.cu", "decoder.cu", "sampling.cu", "gemv.cu", "attention_varlen.cu",
@@ -56,7 +58,14 @@ class Seq2SeqRunner(GenerationRunner):
         self.encoder_positions, self.decoder_positions = up(weights.encoder_positions), up(weights.decoder_positions)
         self.encoder = [{k: up(v) for k, v in layer.items()} for layer in weights.encoder]
         self.decoder = [{k: up(v) for k, v in layer.items()} for layer in weights.decoder]
-        norms = {k: up(v) for k, v in weights.norms.items()}
+        norms = {k: up(v) for k, v in weights.norms.items() if not k.endswith("_relative")}
+        self.relative = {}  # side -> (float32 table (buckets, heads), buckets by k - q, max length): T5
+        if c.relative_buckets:
+            for side in ("encoder", "decoder"):
+                buckets = relative_position_buckets(c.max_positions, c.relative_buckets, c.relative_max_distance,
+                                                    causal=side == "decoder")
+                self.relative[side] = (ops.to_device(weights.norms[f"{side}_relative"], np.float32),
+                                       ops.to_device(buckets), c.max_positions)
         self.norms = {side: self._norm_chain(side, layers, norms)
                       for side, layers in (("encoder", self.encoder), ("decoder", self.decoder))}
         self.embedding_norms = {side: (norms[f"{side}_embedding_gamma"], norms[f"{side}_embedding_beta"])
@@ -87,6 +96,7 @@ class Seq2SeqRunner(GenerationRunner):
             "proj": (rows * e, self.dtype),      # (T, E)
             "partials": (self.partials_size, np.float32),
             "inter": (rows * ffn, self.dtype),   # (T, F)
+            "gate": (rows * 2 * ffn if c.gated else 0, self.dtype),  # (T, 2F): T5's two inputs of a gated FFN
             "last": (b * e, self.dtype),         # (B, E): the rows whose logits are wanted
             "logits_bias": (v, np.float32),      # (V,): final_logits_bias + banned tokens
         })
@@ -167,7 +177,7 @@ class Seq2SeqRunner(GenerationRunner):
 
         def attend(i, qkv, ctx):
             ops.varlen_attention(ctx, qkv, self.encoder[i]["qkv_bias"], cu_seqlens, heads=c.encoder_heads,
-                                 max_seqlen=longest)
+                                 max_seqlen=longest, rel_bias=self.relative.get("encoder"))
         self._stack(t, "encoder", attend)
         qkv, memory = ws.view("qkv", (t, 3 * e)), ws.view(self.out, (t, e))
         for i, w in enumerate(self.decoder):  # each layer's memory: keys and values of the encoder's output
@@ -202,7 +212,7 @@ class Seq2SeqRunner(GenerationRunner):
         else:
             ops.embed_positions(hidden, ids, positions, self.embed, table)
         if self.config.pre_norm:
-            ops.layernorm(ws.view("normed", (t, e)), hidden, *self.norms[side][0], eps=eps)
+            ops.layernorm(ws.view("normed", (t, e)), hidden, *self.norms[side][0], eps=eps, rms=self.config.rms_norm)
 
     def _residual(self, t: int, x, weight, bias, norm):
         """hidden gets x @ weight^T + bias added. Post-LayerNorm: hidden = norm(that sum); pre:
@@ -213,7 +223,7 @@ class Seq2SeqRunner(GenerationRunner):
         partials = ws.view("partials", (self.partials_size,))
         if self.config.pre_norm:
             ops.matmul_residual_layernorm(hidden, ws.view("normed", (t, e)), x, weight, bias, *norm, eps=eps,
-                                          product=product, partials=partials)
+                                          product=product, partials=partials, rms=self.config.rms_norm)
         else:
             ops.matmul_bias_residual_layernorm(hidden, x, weight, bias, hidden, *norm, eps=eps, product=product,
                                                partials=partials)
@@ -234,7 +244,11 @@ class Seq2SeqRunner(GenerationRunner):
                 ops.matmul(qkv, x, w["cross_q_weight"])
                 attend_cross(i, qkv, ctx)
                 self._residual(t, ctx, w["cross_out_weight"], w["cross_out_bias"], next(chain))
-            if c.activation == "gelu":
+            if c.gated:
+                gate = ws.view("gate", (t, 2 * ffn))
+                ops.matmul(gate, x, w["fc1_weight"])
+                ops.gated_gelu(inter, gate, w["fc1_bias"], form="tanh")
+            elif c.activation == "gelu":
                 ops.matmul_bias_gelu(inter, x, w["fc1_weight"], w["fc1_bias"], form="erf")
             else:
                 ops.matmul(inter, x, w["fc1_weight"])
@@ -293,10 +307,13 @@ class Seq2SeqRunner(GenerationRunner):
             k_cache, v_cache = self._caches(i)
             bias = self.decoder[i]["qkv_bias"]
             ops.write_kv_cache(k_cache, v_cache, qkv, bias, d_row, d_pos, heads=c.decoder_heads)
+            relative = self.relative.get("decoder")
             if e // c.decoder_heads in PACKED_HEAD_DIMS:
-                ops.varlen_attention(ctx, qkv, bias, cu_seqlens, heads=c.decoder_heads, max_seqlen=longest, causal=True)
+                ops.varlen_attention(ctx, qkv, bias, cu_seqlens, heads=c.decoder_heads, max_seqlen=longest, causal=True,
+                                     rel_bias=relative)
             else:
-                ops.cached_attention(ctx, qkv, bias, k_cache, v_cache, d_row, d_pos, heads=c.decoder_heads)
+                ops.cached_attention(ctx, qkv, bias, k_cache, v_cache, d_row, d_pos, heads=c.decoder_heads,
+                                     rel_bias=relative)
         self._decoder_layers(t, attend, d_mem, d_last)
         last = ws.view("last", (n, e))
         ops.gather_rows(last, ws.view(self.out, (t, e)), last_rows)
@@ -311,6 +328,6 @@ class Seq2SeqRunner(GenerationRunner):
 
         def attend(i, qkv, ctx):
             ops.decode_attention(ctx, qkv, self.decoder[i]["qkv_bias"], *self._caches(i), pos, indir,
-                                 heads=c.decoder_heads)
+                                 heads=c.decoder_heads, rel_bias=self.relative.get("decoder"))
         self._decoder_layers(b, attend, ws.view("mem_rows", (b,)), ws.view("mem_last", (b,)))
         self._logits(b, ws.view(self.out, (b, c.d_model)))

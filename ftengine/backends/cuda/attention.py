@@ -154,7 +154,7 @@ def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads, be
         _launch("decoder.cu", name, grid, block, args)
 
 
-def _attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flags, heads):
+def _attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flags, heads, rel_bias=None):
     t = qkv.shape[0]
     _, _, length, d = k_cache.shape
     vec = _vec(qkv, d)
@@ -165,21 +165,23 @@ def _attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flag
     # ATTENTION_MANY_BLOCKS of them on, where more blocks per SM gain more than wider ones
     threads = ATTENTION_THREADS if t * heads < ATTENTION_MANY_BLOCKS else ATTENTION_THREADS // 2
     smem = threads // 32 * (d + 2) * 4
+    table, buckets, max_len = rel_bias if rel_bias is not None else (positions, positions, 0)
     _launch("decoder.cu", f"cached_attention<{_ctype(qkv)}, {vec}>", (t, heads), (threads,),
             (ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, positions if indir is None else indir,
              np.int32(flags), np.int32(heads), np.int32(d), np.int32(length), np.int32(per_key),
-             np.float32(1.0 / np.sqrt(d))), shared_mem=smem)
+             np.float32(1.0 / np.sqrt(d)), table, buckets, np.int32(max_len)), shared_mem=smem)
 
 
-def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, heads, indir=None):
+def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, heads, indir=None, rel_bias=None):
     flags = 0 if indir is None else ATTENTION_FLAGS["indirect"]
-    _attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flags, heads)
+    _attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flags, heads, rel_bias)
 
 
 # Measurements: docs/gpu-internals.md, attention.py decode_attention
-def decode_attention(ctx, qkv, bias, k_cache, v_cache, positions, indir=None, *, heads):
-    """Writes each token's key and value into its own cache row, then attends (one kernel)."""
+def decode_attention(ctx, qkv, bias, k_cache, v_cache, positions, indir=None, *, heads, rel_bias=None):
+    """Writes each token's key and value into its own cache row, then attends (one kernel);
+    rel_bias = (float32 table (buckets, heads), buckets (2 * max_len - 1,), max_len): T5's."""
     flags = ATTENTION_FLAGS["rows_are_tokens"] | ATTENTION_FLAGS["write_kv"]
     if indir is not None:
         flags |= ATTENTION_FLAGS["indirect"]
-    _attention(ctx, qkv, bias, k_cache, v_cache, positions, positions, indir, flags, heads)
+    _attention(ctx, qkv, bias, k_cache, v_cache, positions, positions, indir, flags, heads, rel_bias)

@@ -344,9 +344,9 @@ def _split_product(parts, x, weight):
 
 
 # Measurements: docs/gpu-internals.md, gemm.py matmul_residual_layernorm
-def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials):
+def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials, rms=False):
     """hidden += x @ weight^T + bias; normed = LayerNorm(hidden), as matmul into `product` (M, N)
-    then residual_layernorm. Where split_k, or else blas_split_k, splits the product: gemv.cu
+    then residual_layernorm (rms: T5's RMS norm). Where split_k, or else blas_split_k, splits the product: gemv.cu
     skinny_mma or cuBLAS sums each K slice into `partials` (float32, partials_size elements at
     least), and residual_layernorm adds them up (rows of whole 16-byte vectors)."""
     (m, k), n = x.shape, weight.shape[0]
@@ -358,14 +358,14 @@ def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, e
     splits = max(skinny, blas)
     if splits == 1:
         matmul(product, x, weight)
-        residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps)
+        residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps, rms=rms)
         return
     parts = _split_partials(partials, splits, m, n)
     if blas > 1:
         _split_product(parts, x, weight)
     else:
         _skinny(parts, x, weight, None, 0, table=SPLIT_TILES, splits=splits)
-    residual_layernorm(hidden, normed, parts, bias, gamma, beta, eps=eps)
+    residual_layernorm(hidden, normed, parts, bias, gamma, beta, eps=eps, rms=rms)
 
 
 # Measurements: docs/gpu-internals.md, gemm.py matmul_bias_residual_layernorm

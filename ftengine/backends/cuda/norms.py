@@ -51,11 +51,11 @@ def embed_positions(out, ids, positions, wte, wpe):
             (out, ids, positions, wte, wpe, np.int32(e)))
 
 
-def layernorm(out, x, gamma, beta, *, eps):
+def layernorm(out, x, gamma, beta, *, eps, rms=False):
     t, h = out.shape
     vec, items, threads = _row_kernel_shape(out, h)
     _launch("decoder.cu", f"layernorm<{_ctype(out)}, {vec}, {items}>", (t,), (threads,),
-            (out, x, gamma, beta, np.int32(h), np.float32(eps)))
+            (out, x, gamma, beta, np.int32(h), np.float32(eps), np.int32(rms)))
 
 
 def add_bias_residual(out, x, bias, residual):
@@ -65,14 +65,15 @@ def add_bias_residual(out, x, bias, residual):
             (out, x, bias, residual, np.int32(e)))
 
 
-def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):
-    """hidden (T, E) += x + bias; normed = LayerNorm(hidden). x (T, E) of hidden's dtype, or a
-    split product's float32 partial sums (slices, T, E), added up in slice order."""
+def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps, rms=False):
+    """hidden (T, E) += x + bias; normed = LayerNorm(hidden) (rms: T5's RMS norm, beta zeros). x
+    (T, E) of hidden's dtype, or a split product's float32 partial sums (slices, T, E), added up in
+    slice order."""
     t, h = hidden.shape
     vec, items, threads = _row_kernel_shape(hidden, h)
     slices = x.shape[0] if x.ndim == 3 else 1
     _launch("decoder.cu", f"residual_layernorm<{_ctype(hidden)}, {_ctype(x)}, {slices}, {vec}, {items}>", (t,),
-            (threads,), (hidden, normed, x, bias, gamma, beta, np.int32(h), np.float32(eps)))
+            (threads,), (hidden, normed, x, bias, gamma, beta, np.int32(h), np.float32(eps), np.int32(rms)))
 
 
 def gather_rows(out, x, rows):

@@ -135,10 +135,12 @@ def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads, be
     v_cache[seq_ids[keep], :, positions[keep]] = x[keep, 2]
 
 
-def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, heads, indir=None):
+def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, heads, indir=None, rel_bias=None):
     """ctx (T, E): token t's query (columns 0..E of qkv + bias) attends to positions
     0..positions[t] of its sequence's cache (causal self-attention over the KV cache). With
-    indir (B, L), key p of sequence b is read from cache row indir[b, p] (beams share rows)."""
+    indir (B, L), key p of sequence b is read from cache row indir[b, p] (beams share rows).
+    rel_bias = (table (buckets, heads), buckets (2 * max_len - 1,), max_len): key j's score gets
+    table[buckets[j - positions[t] + max_len - 1]] added (T5)."""
     e = qkv.shape[1] // 3
     d = e // heads
     q = (qkv[:, :e] + bias[:e]).reshape(-1, heads, d)                   # (T, heads, D)
@@ -147,14 +149,17 @@ def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, he
         k = k_cache[rows, :, np.arange(p + 1)].transpose(1, 0, 2)       # (heads, p+1, D)
         v = v_cache[rows, :, np.arange(p + 1)].transpose(1, 0, 2)
         scores = np.einsum("hd,hld->hl", q[t], k) / np.sqrt(d)
+        if rel_bias is not None:
+            table, buckets, max_len = rel_bias
+            scores += table[buckets[np.arange(p + 1) - p + max_len - 1]].T
         w = np.exp(scores - scores.max(axis=-1, keepdims=True))
         w /= w.sum(axis=-1, keepdims=True)
         ctx[t] = np.einsum("hl,hld->hd", w, v).reshape(e)
 
 
-def decode_attention(ctx, qkv, bias, k_cache, v_cache, positions, indir=None, *, heads):
+def decode_attention(ctx, qkv, bias, k_cache, v_cache, positions, indir=None, *, heads, rel_bias=None):
     """A decode step: token r is sequence r's new token. Its key and value go to positions[r] of
     cache row r, then it attends as cached_attention."""
     rows = np.arange(len(positions))
     write_kv_cache(k_cache, v_cache, qkv, bias, rows, positions, heads=heads)
-    cached_attention(ctx, qkv, bias, k_cache, v_cache, rows, positions, heads=heads, indir=indir)
+    cached_attention(ctx, qkv, bias, k_cache, v_cache, rows, positions, heads=heads, indir=indir, rel_bias=rel_bias)

@@ -48,11 +48,11 @@ def partials_size(rows: int, n: int) -> int:
     return 0
 
 
-def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials):
-    """hidden += x @ weight^T + bias; normed = LayerNorm(hidden), the product through `product`
-    (`partials` unused: see partials_size)."""
+def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials, rms=False):
+    """hidden += x @ weight^T + bias; normed = LayerNorm(hidden) (rms: T5's RMS norm), the product
+    through `product` (`partials` unused: see partials_size)."""
     matmul(product, x, weight)
-    residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps)
+    residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps, rms=rms)
 
 
 def matmul_bias_residual_layernorm(out, x, weight, bias, residual, gamma, beta, *, eps, product, partials):

@@ -8,9 +8,10 @@ import numpy as np
 from .runtime import _by_row_blocks
 
 
-def _layernorm(x, gamma, beta, eps):
+def _layernorm(x, gamma, beta, eps, rms=False):
+    """LayerNorm of the last axis in float32; rms: T5's RMS norm (no mean taken out)."""
     x = x.astype(np.float32)
-    mean = x.mean(axis=-1, keepdims=True)
+    mean = np.float32(0.0) if rms else x.mean(axis=-1, keepdims=True)
     var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
     return (x - mean) / np.sqrt(var + eps) * gamma + beta
 
@@ -46,9 +47,9 @@ def embed_positions(out, ids, positions, wte, wpe):
     out[...] = wte[ids] + wpe[positions]
 
 
-def layernorm(out, x, gamma, beta, *, eps):
-    """out (T, E) = LayerNorm(x)."""
-    out[...] = _layernorm(x, gamma, beta, eps)
+def layernorm(out, x, gamma, beta, *, eps, rms=False):
+    """out (T, E) = LayerNorm(x) (rms: T5's RMS norm, beta zeros)."""
+    out[...] = _layernorm(x, gamma, beta, eps, rms)
 
 
 def add_bias_residual(out, x, bias, residual):
@@ -56,10 +57,10 @@ def add_bias_residual(out, x, bias, residual):
     out[...] = x + bias + residual
 
 
-def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps):
-    """hidden (T, E) += x + bias; normed (T, E) = LayerNorm(hidden)."""
+def residual_layernorm(hidden, normed, x, bias, gamma, beta, *, eps, rms=False):
+    """hidden (T, E) += x + bias; normed (T, E) = LayerNorm(hidden) (rms: T5's RMS norm)."""
     hidden += x + bias
-    normed[...] = _layernorm(hidden, gamma, beta, eps)
+    normed[...] = _layernorm(hidden, gamma, beta, eps, rms)
 
 
 def gather_rows(out, x, rows):
