@@ -7,8 +7,13 @@ worker processes (`--workers`); 1, 16, 64 and 256 clients, each request one shor
 a batch of 32. Reported: requests/s, embeddings/s, p50/p99 latency; for scale, the offline
 engine (`Encoder.encode` in one process) on the same texts.
 
+--task rerank / classify: the same model shape with a random ...ForSequenceClassification head
+(one label: a cross-encoder served at TEI's POST /rerank, a query and 32 texts a request; three
+labels: POST /predict, 32 texts a request), 64 clients, against Reranker.scores /
+Classifier.logits offline on the same inputs; results in serve_{task}.{json,md}.
+
 Needs the serve extra plus aiohttp. Usage:
-python bench/bench_serve.py --model-src PATH --out bench/results [--workers 1,4]
+python bench/bench_serve.py --model-src PATH --out bench/results [--workers 1,4] [--task embed|rerank|classify]
 """
 
 from __future__ import annotations
@@ -45,7 +50,15 @@ def sentences(vocab: Path, n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words, size=int(rng.integers(6, 20)))) for _ in range(n)]
 
 
-def client_process(url: str, clients: int, batch: int, texts: list, seconds: float, warmup: float, queue):
+ROUTES = {"embed": "/embed", "rerank": "/rerank", "classify": "/predict"}
+
+
+def request_body(task: str, inputs, query: str) -> dict:
+    return {"query": query, "texts": inputs} if task == "rerank" else {"inputs": inputs}
+
+
+def client_process(url: str, clients: int, batch: int, texts: list, seconds: float, warmup: float, queue,
+                   task: str = "embed"):
     """`clients` closed-loop aiohttp clients (C HTTP parser; httpx's pure-Python one cost more
     CPU per request than the server did); every answer is parsed and its shape checked."""
     import aiohttp
@@ -55,9 +68,9 @@ def client_process(url: str, clients: int, batch: int, texts: list, seconds: flo
         i = k * 131
         while time.perf_counter() < stop_at:
             inputs = [texts[(i + j) % len(texts)] for j in range(batch)] if batch > 1 else texts[i % len(texts)]
-            body = orjson.dumps({"inputs": inputs})
+            body = orjson.dumps(request_body(task, inputs, texts[(i + 1) % len(texts)]))
             t0 = time.perf_counter()
-            async with http.post(url + "/embed", data=body, headers={"content-type": "application/json"}) as r:
+            async with http.post(url + ROUTES[task], data=body, headers={"content-type": "application/json"}) as r:
                 data = await r.read()
                 if r.status != 200:
                     raise RuntimeError(f"{r.status}: {data[:200]!r}")
@@ -80,12 +93,12 @@ def client_process(url: str, clients: int, batch: int, texts: list, seconds: flo
     queue.put(asyncio.run(main()))
 
 
-def run_case(url: str, clients: int, batch: int, texts: list) -> dict:
+def run_case(url: str, clients: int, batch: int, texts: list, task: str = "embed") -> dict:
     procs = min(CLIENT_PROCESSES, clients)
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     shares = [clients // procs + (1 if p < clients % procs else 0) for p in range(procs)]
-    workers = [ctx.Process(target=client_process, args=(url, n, batch, texts, SECONDS, WARMUP, queue))
+    workers = [ctx.Process(target=client_process, args=(url, n, batch, texts, SECONDS, WARMUP, queue, task))
                for n in shares]
     for w in workers:
         w.start()
@@ -135,6 +148,43 @@ def offline(model: Path, texts: list) -> float:
         return len(texts) / (time.perf_counter() - t0)
 
 
+def offline_head(model: Path, task: str, texts: list) -> float:
+    """Inputs/s of Reranker.scores (pairs of a query and each text, 32 texts a query, as the
+    clients send them) or Classifier.logits, one process, after a warm-up."""
+    from ftengine import Classifier, Reranker
+    if task == "rerank":
+        inputs = [(texts[(i // 32 + 1) % len(texts)], t) for i, t in enumerate(texts)]
+        with Reranker.from_pretrained(model, device="cuda") as head:
+            head.scores(inputs[:2000])
+            t0 = time.perf_counter()
+            head.scores(inputs)
+            return len(inputs) / (time.perf_counter() - t0)
+    with Classifier.from_pretrained(model, device="cuda") as head:
+        head.logits(texts[:2000])
+        t0 = time.perf_counter()
+        head.logits(texts)
+        return len(texts) / (time.perf_counter() - t0)
+
+
+def markdown_head(r: dict) -> str:
+    what = ("TEI `POST /rerank`, a query and 32 texts a request, one-label cross-encoder head"
+            if r["task"] == "rerank" else "TEI `POST /predict`, 32 texts a request, three-label classification head")
+    out = [f"# HTTP service benchmark, {r['task']} — {r['device']}, {r['date']}", "",
+           f"`ftengine serve` ({what}) on 127.0.0.1, all-MiniLM-L6-v2 shape and tokenizer, random weights, fp16; "
+           f"closed-loop aiohttp clients in {CLIENT_PROCESSES} processes, {SECONDS:.0f} s per case after {WARMUP} s of "
+           f"warm-up. Offline ({'Reranker.scores' if r['task'] == 'rerank' else 'Classifier.logits'}, one process, "
+           f"same inputs): {r['offline_inputs_per_s']:,.0f} inputs/s.", "",
+           "| workers | clients | inputs per request | requests/s | inputs/s | vs offline | p50 ms | p99 ms |",
+           "|---|---|---|---|---|---|---|---|"]
+    for c in r["cases"]:
+        out.append(f"| {c['workers']} | {c['clients']} | {c['batch']} | {c['requests_per_s']:,} | "
+                   f"{c['embeddings_per_s']:,} | {c['embeddings_per_s'] / r['offline_inputs_per_s']:.2f} | "
+                   f"{c['p50_ms']} | {c['p99_ms']} |")
+    out += ["", f"Target (issue 54): with 4 workers at 64 clients, at least {TARGETS['ratio_64']:.0%} of the offline "
+            "throughput.", ""]
+    return "\n".join(out)
+
+
 def markdown(r: dict) -> str:
     out = [f"# HTTP service benchmark — {r['device']}, {r['date']}", "",
            "`ftengine serve` (TEI `POST /embed`) on 127.0.0.1, all-MiniLM-L6-v2 shape and tokenizer, random "
@@ -158,12 +208,16 @@ def main():
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--workers", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4],
                         help="server worker counts to measure (comma-separated)")
+    parser.add_argument("--task", choices=list(ROUTES), default="embed")
     args = parser.parse_args()
     from bench.bench_pipeline import make_model
     import cupy
     tmp = Path(tempfile.mkdtemp(prefix="ftengine-serve-"))
     model = make_model(args.model_src, tmp / "model")
     texts = sentences(model / "vocab.txt", 20_000)
+    if args.task != "embed":
+        head_task(args, model, texts, tmp, cupy)
+        return
     cases = []
     for workers in args.workers:
         with start_server(model, tmp, workers) as url:
@@ -176,6 +230,25 @@ def main():
     (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "serve.md").write_text(markdown(result))
     print(markdown(result))
+
+
+def head_task(args, model: Path, texts: list, tmp: Path, cupy):
+    """The rerank / classify rows: the model with a random head, 64 clients of 32 inputs each."""
+    from weights.fixtures import add_classification_head
+    for name in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"):
+        (model / name).unlink(missing_ok=True)  # a ...ForSequenceClassification folder, not an embedder
+    add_classification_head(model, num_labels=1 if args.task == "rerank" else 3)
+    cases = []
+    for workers in args.workers:
+        with start_server(model, tmp, workers) as url:
+            cases.append(dict(run_case(url, 64, 32, texts, args.task), workers=workers))
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    result = {"task": args.task, "device": props["name"].decode(), "date": date.today().isoformat(),
+              "offline_inputs_per_s": round(offline_head(model, args.task, texts)), "cases": cases}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"serve_{args.task}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"serve_{args.task}.md").write_text(markdown_head(result))
+    print(markdown_head(result))
 
 
 if __name__ == "__main__":
