@@ -390,15 +390,30 @@ def rerank(input_path, query, model_path, top_k, device, dtype, max_length, batc
     sys.stdout.flush()
 
 
+WARMUP_WORDS = ("the quick brown fox jumps over the lazy dog while a small river runs past the old mill and "
+                "people walk home after work").split()
+# (texts, words per text) a model's warm-up runs: one text, a short batch, long batches of the
+# sizes whose products take the algorithm file's timed choices
+WARMUP_BATCHES = ((1, 8), (32, 16), (256, 100), (1024, 100))
+
+
 @main.command()
 @click.option("--dtype", "dtypes", type=click.Choice(ENCODER_DTYPES), multiple=True,
               help="Compile for these dtypes only (repeatable). Default: every dtype (fp8 where the GPU has it).")
-def warmup(dtypes):
+@click.option("--model", "model_path", default=None,
+              help="Also load this model (folder or Hub id) and run it on a few batches of several sizes: what it "
+                   "compiles and the algorithm file's product choices are then on disk.")
+def warmup(dtypes, model_path):
     """Compile every CUDA kernel into CuPy's on-disk cache (e.g. while building a container
-    image), so that a first run starts without compiling."""
+    image), so that a first run starts without compiling; with --model, also run that model
+    once on batches of several sizes."""
     from .backends import cuda_available
     if not cuda_available():
         fail("warmup compiles CUDA kernels and needs a usable GPU (CuPy and a CUDA device)")
+    if model_path is not None:
+        with closes_on_failure(lambda: None):
+            seconds = _warm_model(model_path, dtypes[0] if dtypes else None)
+        click.echo(f"ftengine: {model_path} run once on {len(WARMUP_BATCHES)} batch sizes in {seconds:.1f} s", err=True)
     from .backends.cuda import families, kernels, ops
     from .models.bert import FP8_FILES
     start = time.perf_counter()
@@ -418,6 +433,48 @@ def warmup(dtypes):
              and (f not in kernels.ARCH_SPECIFIC or ops.context().wgmma)]
     kernels.prepare(files, types)
     click.echo(f"ftengine: kernels compiled for {', '.join(dtypes)} in {time.perf_counter() - start:.1f} s", err=True)
+
+
+def _warm_model(model_path: str, dtype) -> float:
+    """Run the model at model_path (an encoder, a reranker or classifier, a translator or GPT-2)
+    on the CUDA backend over WARMUP_BATCHES; the seconds it took."""
+    from .config import SEQ2SEQ_FAMILIES, read_json
+    from .reranker import model_task
+    start = time.perf_counter()
+    folder = model_folder(model_path)
+    model_type = read_json(folder / "config.json", "model config").get("model_type")
+    texts = [[" ".join(WARMUP_WORDS[(i + k) % len(WARMUP_WORDS)] for k in range(words)) for i in range(count)]
+             for count, words in WARMUP_BATCHES]
+    if model_type in SEQ2SEQ_FAMILIES or model_type == "gpt2":
+        from .generator import Generator
+        from .translator import Translator
+        kind = Translator if model_type in SEQ2SEQ_FAMILIES else Generator
+        if dtype == "fp8":
+            raise InputError("--dtype fp8 is for the encoders")
+        model = kind.from_pretrained(folder, device="cuda", dtype=dtype)
+        try:
+            for batch in texts[:3]:
+                for beams in (1, 4):
+                    if kind is Translator:
+                        languages = {"tgt_lang": min(model.text.codes)} if model.text.target_codes else {}
+                        model.translate(batch, max_new_tokens=4, num_beams=beams, **languages)
+                    else:
+                        model.generate(batch, max_new_tokens=4, num_beams=beams)
+        finally:
+            model.close()
+        return time.perf_counter() - start
+    task = model_task(folder)
+    from .classifier import Classifier
+    kind = {"embed": Encoder, "rerank": Reranker, "classify": Classifier}[task]
+    with kind.from_pretrained(folder, device="cuda", dtype=dtype) as model:
+        for batch in texts:
+            if task == "embed":
+                model.encode(batch)
+            elif task == "rerank":
+                model.predict([(WARMUP_WORDS[0], t) for t in batch])
+            else:
+                model.predict(batch)
+    return time.perf_counter() - start
 
 
 for command in (generate, translate, classify):
