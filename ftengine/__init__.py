@@ -8,6 +8,7 @@ Public API:
     Reranker.from_pretrained(path, device="auto", dtype=None)
     Reranker.predict(pairs) -> np.ndarray; Reranker.rank(query, documents, top_k=None) -> list[dict]
     Classifier.from_pretrained(path, ...).predict(texts or pairs, top_k=1) -> [{"label", "score"}]
+    TokenClassifier.from_pretrained(path, ...).predict(texts, aggregation_strategy="none") -> [[entity, ...]]
     Generator.from_pretrained(path, device="auto", dtype=None)
     Generator.generate(prompts, *, max_new_tokens, ...) -> list[GenerationResult]
     Translator.from_pretrained(path, device="auto", dtype=None)
@@ -18,6 +19,7 @@ from .classifier import Classifier
 from .encoder import EncodeStats, Encoder
 from .generator import GenerationResult, Generator
 from .reranker import Reranker
+from .token_classifier import TokenClassifier
 from .translator import TranslationResult, Translator
 from .errors import CheckpointError, ConfigError, DeviceError, FtengineError, InputError, OutputError
 
@@ -26,6 +28,7 @@ __all__ = [
     "EncodeStats",
     "Reranker",
     "Classifier",
+    "TokenClassifier",
     "Generator",
     "GenerationResult",
     "Translator",

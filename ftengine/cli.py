@@ -18,7 +18,7 @@ import numpy as np
 from . import Encoder, FtengineError, Reranker
 from .backends import DEVICES
 from .cli_support import Commands, close_engine, closes_on_failure, exits_when_stopped, fail, rate, text_option
-from .cli_text import classify, generate, translate
+from .cli_text import classify, generate, ner, translate
 from .encoder import DTYPES, ENCODER_DTYPES, EncodeStats
 from .errors import DeviceError, InputError
 from .hub import model_folder
@@ -306,8 +306,8 @@ def serve(model_paths, host, port, device, dtype, max_batch_tokens, max_client_b
           max_concurrent_requests, api_key, api_key_file, workers):
     """Serve a model over HTTP: an embedding model at TEI's POST /embed and OpenAI's POST
     /v1/embeddings, a reranker (a cross-encoder) at TEI's POST /rerank and Cohere's / Jina's POST
-    /v1/rerank, a classifier at TEI's POST /predict (needs the `serve` extra: pip install
-    ftengine[serve])."""
+    /v1/rerank, a classifier at TEI's POST /predict, a token classifier (NER) at POST /ner (needs
+    the `serve` extra: pip install ftengine[serve])."""
     try:
         from .reranker import model_task
         from .serve import ServeLimits
@@ -465,7 +465,8 @@ def _warm_model(model_path: str, dtype) -> float:
         return time.perf_counter() - start
     task = model_task(folder)
     from .classifier import Classifier
-    kind = {"embed": Encoder, "rerank": Reranker, "classify": Classifier}[task]
+    from .token_classifier import TokenClassifier
+    kind = {"embed": Encoder, "rerank": Reranker, "classify": Classifier, "ner": TokenClassifier}[task]
     with kind.from_pretrained(folder, device="cuda", dtype=dtype) as model:
         for batch in texts:
             if task == "embed":
@@ -477,7 +478,7 @@ def _warm_model(model_path: str, dtype) -> float:
     return time.perf_counter() - start
 
 
-for command in (generate, translate, classify):
+for command in (generate, translate, classify, ner):
     main.add_command(command)
 
 

@@ -15,6 +15,7 @@ from .encoder import DTYPES, ENCODER_DTYPES
 from .errors import FtengineError, InputError
 from .records import INPUT_FORMATS, input_format, open_records
 from .textio import read_lines
+from .token_classifier import STRATEGIES
 from .writers import LineWriter, RecordWriter, check_writable
 
 
@@ -147,6 +148,58 @@ def classify(input_path, output, model_path, input_format_name, text_field, id_f
         click.echo(f"ftengine: {lines} lines, on {classifier.device} ({classifier.dtype}), {seconds:.2f} s, "
                    f"{rate(lines, seconds)} lines/s -> {'stdout' if output == '-' else output}", err=True)
 
+
+@click.command()
+@click.argument("input_path", metavar="[INPUT|-]", default="-")
+@click.option("-o", "--output", default="-", show_default=True,
+              help="Output file: .parquet, or JSON lines (a .jsonl name, or '-' for stdout): a record's key, then "
+                   "its entities.")
+@click.option("--model", "model_path", required=True, help="...ForTokenClassification folder or Hub id.")
+@click.option("--input-format", "input_format_name", type=click.Choice(INPUT_FORMATS), default=None,
+              help="Input format. Default: from the input's file name; text lines on stdin.")
+@click.option("--text-field", "--text-column", "text_field", default=None,
+              help="The JSONL field or CSV/TSV/Parquet column holding the text. Default: text.")
+@click.option("--id-field", "--id-column", "id_field", default=None,
+              help="A field or column carried to the output as each record's key (default: the line or row number).")
+@click.option("--aggregation-strategy", type=click.Choice(STRATEGIES), default="simple", show_default=True,
+              help="As HF's token-classification pipeline: none (every token), simple (adjacent tokens of one "
+                   "entity), first / average / max (whole words first).")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=None)
+@click.option("--max-length", type=click.IntRange(min=2), default=None, help="Longest text in tokens (longer: cut).")
+@click.option("--errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True)
+@click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
+def ner(input_path, output, model_path, input_format_name, text_field, id_field, aggregation_strategy, device, dtype,
+        max_length, errors, quiet):
+    """Find the entities of each record of INPUT (text lines, or the text field of a JSONL, CSV,
+    TSV or Parquet file) with a token-classification model, as HF's token-classification
+    pipeline does; one JSON line or Parquet row a record ({key, "entities": [...]}), in order."""
+    from .token_classifier import TokenClassifier
+    model = None
+    with closes_on_failure(lambda: model is not None and model.close()):
+        in_fmt = input_format(input_path, input_format_name)
+        if in_fmt == "txt" and (text_field is not None or id_field is not None):
+            raise InputError("--text-field and --id-field apply to jsonl, csv, tsv and parquet input; "
+                             f"{input_path} is read as text lines (see --input-format)")
+        check_writable(output)
+        records = open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field,
+                               errors=errors)
+        model = TokenClassifier.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
+        start, lines, found = time.perf_counter(), 0, 0
+        from tqdm import tqdm
+        with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
+                RecordWriter(output, "parquet" if output.lower().endswith(".parquet") else "jsonl") as writer:
+            for keys, window in records.windows(CLASSIFY_WINDOW):
+                entities = model.predict(window, aggregation_strategy=aggregation_strategy)
+                writer.write_records([{records.key_name: key, "entities": e} for key, e in zip(keys, entities)])
+                lines += len(window)
+                found += sum(map(len, entities))
+                bar.update(len(window))
+        seconds = time.perf_counter() - start
+        model.close()
+    if not quiet:
+        click.echo(f"ftengine: {lines} lines, {found} entities, on {model.device} ({model.dtype}), {seconds:.2f} s, "
+                   f"{rate(lines, seconds)} lines/s -> {'stdout' if output == '-' else output}", err=True)
 
 TRANSLATE_WINDOW = 512  # sources read, translated (sorted by length into batches) and written at a time
 

@@ -76,8 +76,11 @@ class Reranker(SequenceHead):
 
 def model_task(path) -> str:
     """What a model folder serves: "rerank" for a ...ForSequenceClassification checkpoint of one
-    label (a cross-encoder), "classify" for one of more labels, else "embed"."""
+    label (a cross-encoder), "classify" for one of more labels, "ner" for a
+    ...ForTokenClassification one, else "embed"."""
     config = read_json(model_folder(path) / "config.json", "model config") if path is not None else {}
+    if any(str(a).endswith("ForTokenClassification") for a in config.get("architectures") or ()):
+        return "ner"
     if not any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
         return "embed"
     labels = config.get("id2label") or {}

@@ -141,15 +141,19 @@ class Service:
     def __init__(self, model, *, model_name: str, limits: ServeLimits, metrics: Metrics | None = None):
         from .classifier import Classifier
         from .reranker import Reranker
+        from .token_classifier import TokenClassifier
         self.reranker = model if isinstance(model, Reranker) else None
         self.classifier = model if isinstance(model, Classifier) else None
+        self.tokens = model if isinstance(model, TokenClassifier) else None
+        # what /tokenize, /decode and /info read (its tokenizer, config, limits), and the engine
         self.encoder = model if self.reranker is None and self.classifier is None else model._encoder
         self.model, self.model_name, self.limits = model, model_name, limits
         self.ready = False
         self.in_flight = 0
         self.metrics = metrics or Metrics()
         self.registry = self.metrics.registry
-        self.encoder._engine.on_batch = self._observe_batch
+        if self.tokens is None:  # a TokenClassifier runs its own batches
+            self.encoder._engine.on_batch = self._observe_batch
 
     def _metric(self, family: str, *labels):
         """A metric of this service: its family, labelled with the model where several share it."""
@@ -164,7 +168,9 @@ class Service:
 
     def warm_up(self):
         """One real batch before /health says 200: kernels compiled, runner built."""
-        if self.reranker is not None:
+        if self.tokens is not None:
+            self.tokens.predict(["warm up"])
+        elif self.reranker is not None:
             self.reranker.predict([("warm", "up")], batch_tokens=self.limits.max_batch_tokens)
         elif self.classifier is not None:
             self.classifier.predict(["warm up"], batch_tokens=self.limits.max_batch_tokens)
@@ -485,6 +491,30 @@ class Service:
         reply = [self.classifier.ranked(row, None) for row in rows]
         return Response(_dumps(reply[0] if single else reply), media_type="application/json"), len(inputs), tokens
 
+    async def ner(self, request):
+        """{"inputs": str | [str], "aggregation_strategy": "simple"} -> HF's token-classification
+        pipeline's entities ([{"entity_group", "score", "word", "start", "end"}], with "none"
+        [{"entity", "score", "index", "word", "start", "end"}]): a list for one text, a list of
+        them for a list."""
+        from starlette.responses import Response
+        from .token_classifier import STRATEGIES
+        body = await self._body(request)
+        if "inputs" not in body:
+            raise _validation("inputs is required")
+        single = isinstance(body["inputs"], str)
+        texts = _texts(body["inputs"], "inputs")
+        self._check_count(len(texts), "inputs")
+        strategy = body.get("aggregation_strategy", "simple")
+        if strategy not in STRATEGIES:
+            raise _validation(f"aggregation_strategy must be one of {', '.join(STRATEGIES)}, found {strategy!r}")
+        loop = asyncio.get_running_loop()
+        try:
+            found, tokens = await loop.run_in_executor(
+                None, lambda: self.tokens.entities(texts, aggregation_strategy=strategy))
+        except InputError as e:
+            raise _validation(str(e)) from None
+        return Response(_dumps(found[0] if single else found), media_type="application/json"), len(texts), tokens
+
     async def tokenize(self, request):
         """TEI: {"inputs": str | [str], "add_special_tokens": true} -> per input its tokens
         [{"id", "text", "special", "start", "stop"}] (character offsets into the input)."""
@@ -527,10 +557,11 @@ class Service:
 
     async def other_task(self, request):
         """A route of a task this model does not serve: a 404 naming the routes it does serve."""
-        mine = ("POST /predict" if self.classifier is not None else "POST /rerank, POST /v1/rerank"
-                if self.reranker is not None else "POST /embed, POST /v1/embeddings")
-        kind = "a classifier" if self.classifier is not None else "a reranker" if self.reranker is not None \
-            else "an embedding model"
+        mine = ("POST /ner" if self.tokens is not None else "POST /predict" if self.classifier is not None
+                else "POST /rerank, POST /v1/rerank" if self.reranker is not None
+                else "POST /embed, POST /v1/embeddings")
+        kind = "a token classifier" if self.tokens is not None else "a classifier" if self.classifier is not None \
+            else "a reranker" if self.reranker is not None else "an embedding model"
         raise HTTPFailure(404, f"{request.url.path} is not served here: this service runs {kind} ({mine}, "
                                "POST /tokenize, POST /decode)", "NotFound")
 
@@ -543,9 +574,11 @@ class Service:
     async def info(self, request):
         from starlette.responses import JSONResponse
         e = self.encoder
-        if self.reranker is not None or self.classifier is not None:
+        if self.reranker is not None or self.classifier is not None or self.tokens is not None:
+            labelled = self.tokens or self.classifier
             kind = {"reranker": {}} if self.reranker is not None else \
-                {"classifier": {"id2label": {str(i): name for i, name in enumerate(self.classifier.labels)}}}
+                {"token_classifier" if self.tokens is not None else "classifier":
+                 {"id2label": {str(i): name for i, name in enumerate(labelled.labels)}}}
             return JSONResponse({
                 "model_id": self.model_name, "model_path": str(e.path), "model_type": kind,
                 "max_input_length": e.max_length, "dtype": e.dtype, "device": e.device,
@@ -568,7 +601,7 @@ class Service:
             MultiProcessCollector(registry)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST), 0, 0
 
-    TASK_PATHS = ("/embed", "/v1/embeddings", "/embeddings", "/rerank", "/v1/rerank", "/predict")
+    TASK_PATHS = ("/embed", "/v1/embeddings", "/embeddings", "/rerank", "/v1/rerank", "/predict", "/ner")
 
     def route(self, path: str, name: str, handler):
         from starlette.routing import Route
@@ -582,7 +615,9 @@ class Service:
         which it serves), under `prefix`."""
         def route(path, name, handler):
             return self.route(prefix + path, name, handler)
-        if self.classifier is not None:
+        if self.tokens is not None:
+            task = [route("/ner", "ner", self.ner)]
+        elif self.classifier is not None:
             task = [route("/predict", "predict", self.predict),
                     route("/", "predict", self.predict)]  # TEI's root route
         elif self.reranker is not None:

@@ -12,11 +12,13 @@ import time
 from .serve import HTTPFailure, Service
 
 TASK_OF = {"/embed": "embed", "/embeddings": "embed", "/v1/embeddings": "embed", "/rerank": "rerank",
-           "/v1/rerank": "rerank", "/rerank/v1": "rerank", "/predict": "classify"}
+           "/v1/rerank": "rerank", "/rerank/v1": "rerank", "/predict": "classify", "/ner": "ner"}
 BY_BODY = ("/v1/embeddings", "/embeddings", "/v1/rerank", "/rerank/v1")  # routes whose body names the model
 
 
 def task(service: Service) -> str:
+    if service.tokens is not None:
+        return "ner"
     return "classify" if service.classifier is not None else "rerank" if service.reranker is not None else "embed"
 
 

@@ -127,11 +127,14 @@ def load_models(specs: list, **options) -> list:
 
 
 def load_model(task: str, path, *, device: str, dtype, max_length, batch_tokens):
-    """The Encoder (task "embed"), Reranker ("rerank") or Classifier ("classify") a service runs,
-    its options checked."""
+    """The Encoder (task "embed"), Reranker ("rerank"), Classifier ("classify") or TokenClassifier
+    ("ner") a service runs, its options checked."""
     from .classifier import Classifier
     from .encoder import Encoder
     from .reranker import Reranker
+    if task == "ner":  # runs its own batches, not the engine's (no batch_tokens to check)
+        from .token_classifier import TokenClassifier
+        return TokenClassifier.from_pretrained(path, device=device, dtype=dtype, max_length=max_length)
     if task in ("rerank", "classify"):
         model = (Reranker if task == "rerank" else Classifier).from_pretrained(path, device=device, dtype=dtype,
                                                                                 max_length=max_length)

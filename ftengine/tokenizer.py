@@ -326,6 +326,12 @@ class Tokenizer:
     def with_offsets(self, texts: list, *, add_special_tokens: bool = True) -> list:
         """Per text its tokens as (id, token text, special, (start, stop) character offsets), as
         encode would cut them (truncated to max_length, each text from a bounded prefix)."""
+        encodings = self.encodings(texts, add_special_tokens=add_special_tokens)
+        return [list(zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets)) for e in encodings]
+
+    def encodings(self, texts: list, *, add_special_tokens: bool = True) -> list:
+        """Per text the `tokenizers` Encoding (ids, type ids, tokens, offsets, special-token mask),
+        cut as encode cuts it."""
         check_texts(texts)
         limit = self.max_length * PREFIX_CHARS_PER_TOKEN
         prepared = [self._bounded(t, limit) if len(t) > limit else t for t in texts]
@@ -336,7 +342,27 @@ class Tokenizer:
             for i, text in enumerate(prepared):
                 unicode_text(text, f"text {i + 1}", "strict", hint="")
             raise
-        return [list(zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets)) for e in encodings]
+        return encodings
+
+    def join_tokens(self, tokens: list) -> str:
+        """Tokens (their text) joined as the tokenizer's decoder joins them (HF's
+        convert_tokens_to_string)."""
+        decoder = self._tok.decoder
+        return decoder.decode(tokens) if decoder is not None else " ".join(tokens)
+
+    @property
+    def marks_subwords(self) -> bool:
+        """Whether the model marks word continuations (WordPiece's "##"): HF's test of a
+        tokenizer that knows words."""
+        return bool(json.loads(self._tok.to_str())["model"].get("continuing_subword_prefix"))
+
+    @property
+    def unk_id(self) -> int | None:
+        """The unknown token's id: WordPiece / BPE name it, Unigram numbers it."""
+        model = json.loads(self._tok.to_str())["model"]
+        if isinstance(model.get("unk_token"), str):
+            return self._tok.token_to_id(model["unk_token"])
+        return model.get("unk_id")
 
     def decode(self, sequences: list, *, skip_special_tokens: bool = True) -> list:
         """Token id sequences back to text, as the tokenizer decodes them."""

@@ -27,12 +27,14 @@ def fixture_vocab() -> list[str]:
 
 
 def write_wordpiece_tokenizer(folder: Path, vocab: list[str]):
-    """tokenizer.json (BERT-style WordPiece, lowercasing) and the matching vocab.txt."""
-    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    """tokenizer.json (BERT-style WordPiece, lowercasing, the WordPiece decoder) and the matching
+    vocab.txt."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordPiece
     tok = Tokenizer(WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)  # as the Hub's BERT files have it
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", vocab.index("[CLS]")), ("[SEP]", vocab.index("[SEP]"))],
@@ -205,7 +207,7 @@ def write_bpe_tokenizer(folder: Path):
     fixture words), <s> $A </s> around each text, </s></s> between a pair."""
     from tokenizers import processors
     tok = _byte_level_bpe(ROBERTA_SPECIAL + ["<mask>"])
-    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), add_prefix_space=False)  # as roberta-base's
     tok.save(str(folder / "tokenizer.json"))
     _special_tokens_config(folder, "RobertaTokenizer")
 
@@ -739,4 +741,29 @@ def write_t5_checkpoint(folder, *, gated: bool, seed: int = 0, d_model=32, layer
     if gated:
         t["lm_head.weight"] = rng.normal(0, 0.3, (v, d_model))
     save_file({k: np.ascontiguousarray(a, np.float32) for k, a in t.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+NER_LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG", "MISC"]
+
+
+def add_token_classification_head(folder, *, labels=NER_LABELS, seed: int = 0) -> Path:
+    """Make the encoder in `folder` a ...ForTokenClassification checkpoint: classifier.weight and
+    .bias over `labels` (id2label: BIO tags, and one label without a prefix), random and large
+    enough that every label wins somewhere."""
+    from safetensors.numpy import load_file
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    kind = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert",
+            "distilbert": "DistilBert", "mpnet": "MPNet"}[config["model_type"]]
+    h = config.get("hidden_size", config.get("dim"))
+    rng = np.random.default_rng(seed)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(("pooler.", "bert.pooler."))}
+    tensors["classifier.weight"] = (rng.standard_normal((len(labels), h)) * 3.0 / np.sqrt(h)).astype(np.float32)
+    tensors["classifier.bias"] = (rng.standard_normal(len(labels)) * 0.3).astype(np.float32)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config.update(architectures=[f"{kind}ForTokenClassification"], id2label=dict(enumerate(labels)),
+                  label2id={label: i for i, label in enumerate(labels)})
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return folder

@@ -1,0 +1,211 @@
+"""TokenClassifier: token classification (NER, PII detection) with ...ForTokenClassification
+checkpoints of the BERT, RoBERTa / XLM-R / CamemBERT, DistilBERT and MPNet families, as HF's
+token-classification pipeline gives it: each token's softmax over the labels, then the
+pipeline's aggregation ("none", "simple", "first", "average", "max") into entities with their
+words and character offsets.
+
+The encoder runs on either backend; the per-token head (labels x hidden) runs on the host over
+the last hidden states."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .backends import get_ops, resolve_device
+from .checkpoint import SafetensorsFiles, load_bert_weights
+from .config import load_bert_config, read_json
+from .encoder import DTYPES, _as_list
+from .engine import SerialWorker
+from .errors import CheckpointError, ConfigError, DeviceError, InputError
+from .hub import model_folder
+from .models.bert import PACKED_HEAD_DIMS, Batch, BertRunner
+from .tokenizer import Tokenizer
+
+STRATEGIES = ("none", "simple", "first", "average", "max")
+BATCH_TOKENS = 8192  # tokens a forward pass takes at most
+
+
+class TokenClassifier:
+    """Texts -> entities. Safe to call from any number of threads: calls run one at a time on
+    the TokenClassifier's own worker thread, which owns the model's device state."""
+
+    def __init__(self, path, *, device: str = "auto", dtype: str | None = None, max_length: int | None = None):
+        path = model_folder(path)
+        self.path, self.device = path, resolve_device(device)
+        self.dtype = dtype or ("fp16" if self.device == "cuda" else "fp32")
+        if self.dtype not in DTYPES:
+            raise DeviceError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.device == "cpu" and self.dtype != "fp32":
+            raise DeviceError(f"dtype {self.dtype} needs the CUDA backend; the CPU (NumPy) backend computes in fp32")
+        self.config = load_bert_config(path)
+        if self.config.family == "modernbert":
+            raise ConfigError(f"{path}: ModernBERT token classification is not supported yet")
+        raw = read_json(path / "config.json", "model config")
+        self.weights = load_bert_weights(path, self.config)
+        self.head_weight, self.head_bias = _token_head(path, self.config.hidden_size)
+        names = raw.get("id2label") or {}
+        self.labels = [str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(len(self.head_bias))]
+        limit = self.config.max_position_embeddings
+        self.max_length = min(max_length or _tokenizer_limit(path) or limit, limit)
+        self.tokenizer = Tokenizer(path, max_length=self.max_length)
+        self._word_aware, self._unk_id = self.tokenizer.marks_subwords, self.tokenizer.unk_id
+        self.ops = get_ops(self.device)
+        self._runner = None
+        self._worker = SerialWorker("ftengine-tokens")
+
+    @classmethod
+    def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *,
+                        max_length: int | None = None) -> "TokenClassifier":
+        """Load a ...ForTokenClassification folder (config.json with id2label, model.safetensors,
+        tokenizer.json)."""
+        return cls(path, device=device, dtype=dtype, max_length=max_length)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Stop the worker thread (it starts again on the next call)."""
+        self._worker.close()
+
+    def predict(self, texts, *, aggregation_strategy: str = "none", ignore_labels=("O",)) -> list:
+        """Per text, the token-classification pipeline's entities: with "none" one dict per token
+        {"entity", "score", "index", "word", "start", "end"}; otherwise grouped {"entity_group",
+        "score", "word", "start", "end"}. Texts longer than max_length are cut, as the pipeline
+        cuts them."""
+        return self.entities(texts, aggregation_strategy=aggregation_strategy, ignore_labels=ignore_labels)[0]
+
+    def entities(self, texts, *, aggregation_strategy: str = "none", ignore_labels=("O",)) -> tuple:
+        """(predict's entities, the tokens the texts took)."""
+        if aggregation_strategy not in STRATEGIES:
+            raise InputError(f"aggregation_strategy {aggregation_strategy!r} is not one of {', '.join(STRATEGIES)}")
+        texts = _as_list(texts)
+        encodings = self.tokenizer.encodings(texts) if texts else []
+        scores = self._worker.call(self._scores, encodings)
+        found = [self._entities(text, enc, s, aggregation_strategy, set(ignore_labels))
+                 for text, enc, s in zip(texts, encodings, scores)]
+        return found, sum(len(e.ids) for e in encodings)
+
+    # ------------------------------------------------------------------ the model
+
+    def _scores(self, encodings: list) -> list:
+        """Each encoding's (tokens, labels) softmax scores; runs on the worker thread."""
+        if self._runner is None:
+            layout = "packed" if self.config.head_dim in PACKED_HEAD_DIMS else "padded"
+            self._runner = BertRunner(self.config, self.weights, self.ops, dtype=self.dtype,
+                                      max_batch_tokens=max(BATCH_TOKENS, self.max_length), max_seq_len=self.max_length,
+                                      layout=layout)
+        out, batch = [], []
+        for enc in encodings + [None]:
+            if enc is not None and (not batch or sum(len(e.ids) for e in batch) + len(enc.ids) <= BATCH_TOKENS):
+                batch.append(enc)
+                continue
+            if batch:
+                types = [e.type_ids if self.config.type_vocab_size > 1 else [0] * len(e.ids) for e in batch]
+                for hidden in self._runner.hidden_states(Batch.from_lists([e.ids for e in batch], types)):
+                    logits = hidden @ self.head_weight.T + self.head_bias
+                    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+                    out.append(shifted / shifted.sum(axis=-1, keepdims=True))
+            batch = [enc]
+        return out
+
+    # ------------------------------------------------------------------ the pipeline's aggregation
+
+    def _entities(self, text: str, enc, scores: np.ndarray, strategy: str, ignore: set) -> list:
+        tokens = []
+        for idx, (token_id, (start, end), special) in enumerate(zip(enc.ids, enc.offsets, enc.special_tokens_mask)):
+            if special:
+                continue
+            word, ref = enc.tokens[idx], text[start:end]
+            if self._word_aware:
+                subword = len(word) != len(ref)
+            else:
+                subword = start > 0 and " " not in text[start - 1:start + 1]
+            if token_id == self._unk_id:
+                word, subword = ref, False
+            tokens.append({"word": word, "scores": scores[idx], "start": start, "end": end, "index": idx,
+                           "is_subword": subword})
+        if strategy in ("none", "simple"):
+            entities = [{"entity": self.labels[int(t["scores"].argmax())], "score": float(t["scores"].max()),
+                         "index": t["index"], "word": t["word"], "start": t["start"], "end": t["end"]} for t in tokens]
+        else:
+            entities = [self._word(group, strategy) for group in _words(tokens)]
+        if strategy != "none":
+            entities = [self._group(g) for g in _groups(entities)]
+        return [e for e in entities if e.get("entity") not in ignore and e.get("entity_group") not in ignore]
+
+    def _word(self, tokens: list, strategy: str) -> dict:
+        if strategy == "first":
+            scores = tokens[0]["scores"]
+        elif strategy == "max":
+            scores = max(tokens, key=lambda t: t["scores"].max())["scores"]
+        else:
+            scores = np.nanmean(np.stack([t["scores"] for t in tokens]), axis=0)
+        best = int(scores.argmax())
+        return {"entity": self.labels[best], "score": float(scores[best]), "word": self._join(tokens),
+                "start": tokens[0]["start"], "end": tokens[-1]["end"]}
+
+    def _group(self, entities: list) -> dict:
+        return {"entity_group": entities[0]["entity"].split("-", 1)[-1],
+                "score": float(np.nanmean([e["score"] for e in entities])), "word": self._join(entities),
+                "start": entities[0]["start"], "end": entities[-1]["end"]}
+
+    def _join(self, pieces: list) -> str:
+        return self.tokenizer.join_tokens([p["word"] for p in pieces])
+
+
+def _words(tokens: list) -> list:
+    """Tokens grouped into words: a token that is not a subword starts one."""
+    groups = []
+    for token in tokens:
+        if groups and token["is_subword"]:
+            groups[-1].append(token)
+        else:
+            groups.append([token])
+    return groups
+
+
+def _tag(label: str) -> tuple:
+    if label.startswith(("B-", "I-")):
+        return label[0], label[2:]
+    return "I", label
+
+
+def _groups(entities: list) -> list:
+    """Adjacent entities of one tag, a B- label starting a new group."""
+    groups = []
+    for entity in entities:
+        bi, tag = _tag(entity["entity"])
+        if groups and tag == _tag(groups[-1][-1]["entity"])[1] and bi != "B":
+            groups[-1].append(entity)
+        else:
+            groups.append([entity])
+    return groups
+
+
+def _token_head(path: Path, hidden: int) -> tuple:
+    """classifier.weight (labels, hidden) and classifier.bias, float32."""
+    files = SafetensorsFiles(path)
+    stored = set(files.names())
+    if "classifier.weight" not in stored or "classifier.bias" not in stored:
+        raise CheckpointError(f"{path}: classifier.weight / classifier.bias are missing: not a token-classification "
+                              "checkpoint")
+    weight, bias = files.float32("classifier.weight"), files.float32("classifier.bias")
+    if weight.ndim != 2 or weight.shape[1] != hidden or bias.shape != (weight.shape[0],):
+        raise CheckpointError(f"{path}: classifier.weight is {list(weight.shape)} and classifier.bias "
+                              f"{list(bias.shape)}; expected [labels, {hidden}] and [labels]")
+    return weight, bias
+
+
+def _tokenizer_limit(path: Path) -> int | None:
+    """tokenizer_config.json's model_max_length where it is a real limit (HF truncates there)."""
+    settings = path / "tokenizer_config.json"
+    if not settings.is_file():
+        return None
+    value = json.loads(settings.read_text(encoding="utf-8")).get("model_max_length")
+    return value if isinstance(value, int) and 0 < value < 1_000_000 else None

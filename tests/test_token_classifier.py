@@ -1,0 +1,124 @@
+"""Token classification (NER) against HF's token-classification pipeline on random BERT,
+RoBERTa, XLM-R, CamemBERT and DistilBERT ...ForTokenClassification checkpoints (WordPiece,
+byte-level BPE and Unigram tokenizers): every aggregation strategy gives the pipeline's
+entities (labels, words, character offsets; scores within 1e-4) on texts with multi-token words,
+punctuation, accents and unknown tokens; texts past the model's length are cut as the pipeline
+cuts them; threads share one model; `ftengine ner` writes one record a line."""
+
+import json
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from click.testing import CliRunner
+
+from ftengine import InputError, TokenClassifier
+from ftengine.cli import main
+from ftengine.token_classifier import STRATEGIES
+from tests.tolerances import HF_FP32_MAX_ABS
+from weights.fixtures import add_token_classification_head, write_bert_checkpoint, write_encoder_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = ["hello world, the quick brown fox jumps over the lazy dog!", "Ünïcödé ✓ text with emoji 🙂 and words",
+         "microsoft company was founded in a word", "", "   ", "a-b c.d (x) [y] quickly jumping",
+         " ".join(["jumps over"] * 40)]
+
+
+@pytest.fixture(scope="module", params=["bert", "roberta", "xlm-roberta", "camembert", "distilbert"])
+def ner_model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"ner-{request.param}")
+    if request.param == "bert":
+        write_bert_checkpoint(folder, seed=3, max_positions=64)
+    else:
+        write_encoder_checkpoint(folder, request.param, seed=3)
+    settings = folder / "tokenizer_config.json"  # the model's length, as the Hub's files give it (HF cuts there)
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "model_max_length": 64}))
+    return add_token_classification_head(folder, seed=1)
+
+
+def hf_entities(folder, texts, strategy):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = transformers.pipeline("token-classification", model=str(folder), aggregation_strategy=strategy,
+                                     device="cpu")
+        return [pipe(t) for t in texts]
+
+
+def assert_same_entities(got, expected):
+    for ours, theirs in zip(got, expected):
+        assert [{k: v for k, v in e.items() if k != "score"} for e in ours] == \
+            [{k: (int(v) if k == "index" else v) for k, v in e.items() if k != "score"} for e in theirs]
+        assert all(abs(a["score"] - float(b["score"])) <= HF_FP32_MAX_ABS for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_entities_match_the_hf_pipeline(ner_model, strategy):
+    with TokenClassifier.from_pretrained(ner_model, device="cpu") as model:
+        got = model.predict(TEXTS, aggregation_strategy=strategy)
+    expected = hf_entities(ner_model, TEXTS, strategy)
+    assert sum(map(len, expected)) > 10  # the random head finds entities
+    assert_same_entities(got, expected)
+
+
+def test_threads_share_one_model_and_bad_input_is_refused(ner_model):
+    with TokenClassifier.from_pretrained(ner_model, device="cpu") as model:
+        expected = model.predict(TEXTS, aggregation_strategy="simple")
+        with ThreadPoolExecutor(4) as pool:
+            found = list(pool.map(lambda _: model.predict(TEXTS, aggregation_strategy="simple"), range(4)))
+        assert found == [expected] * 4
+        with pytest.raises(InputError, match="aggregation_strategy 'best' is not one of"):
+            model.predict(TEXTS, aggregation_strategy="best")
+        with pytest.raises(InputError, match="text 2 is a int"):
+            model.predict(["fine", 3])
+        assert model.predict([]) == []
+
+
+def test_ner_command(ner_model, tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("".join(t + "\n" for t in TEXTS), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    r = CliRunner().invoke(main, ["ner", str(src), "-o", str(out), "--model", str(ner_model), "--device", "cpu",
+                                  "--aggregation-strategy", "first"])
+    assert r.exit_code == 0, r.output
+    assert f"{len(TEXTS)} lines" in r.stderr
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [row["line"] for row in rows] == list(range(1, len(TEXTS) + 1))
+    assert_same_entities([row["entities"] for row in rows], hf_entities(ner_model, TEXTS, "first"))
+    r = CliRunner().invoke(main, ["ner", str(src), "--model", str(tmp_path), "--device", "cpu"])
+    assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.output
+
+
+def test_served_at_ner_with_the_pipelines_entities(ner_model):
+    """A real server on loopback, httpx: POST /ner for one text and for a list, /info's labels,
+    a bad strategy as one JSON error, /predict answered with the routes this model serves."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from tests.test_serve import Server
+    s = Server(ner_model)
+    try:
+        r = httpx.post(s.url + "/ner", json={"inputs": TEXTS[0], "aggregation_strategy": "first"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert_same_entities([r.json()], hf_entities(ner_model, TEXTS[:1], "first"))
+        r = httpx.post(s.url + "/ner", json={"inputs": TEXTS}, timeout=60)
+        assert_same_entities(r.json(), hf_entities(ner_model, TEXTS, "simple"))
+        r = httpx.post(s.url + "/ner", json={"inputs": TEXTS, "aggregation_strategy": "best"}, timeout=60)
+        assert r.status_code == 422 and "aggregation_strategy must be one of" in r.json()["error"]
+        assert "token_classifier" in httpx.get(s.url + "/info").json()["model_type"]
+        r = httpx.post(s.url + "/predict", json={"inputs": "x"}, timeout=60)
+        assert r.status_code == 404 and "POST /ner" in r.json()["error"]
+    finally:
+        code, out = s.stop()
+    assert code == 0 and "Traceback" not in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["none", "average"])
+def test_cuda_fp32_entities_match_the_hf_pipeline(ner_model, strategy):
+    pytest.importorskip("cupy")
+    from ftengine.backends import cuda_available
+    if not cuda_available():
+        pytest.skip("needs a CUDA GPU and CuPy")
+    with TokenClassifier.from_pretrained(ner_model, device="cuda", dtype="fp32") as model:
+        got = model.predict(TEXTS, aggregation_strategy=strategy)
+    assert_same_entities(got, hf_entities(ner_model, TEXTS, strategy))
