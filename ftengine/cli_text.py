@@ -96,18 +96,37 @@ def _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json,
 CLASSIFY_WINDOW = 4096  # records classified at a time: only their labels are kept
 
 
+def keyed_input_options(command):
+    """--input-format, --text-field and --id-field: the records of classify and ner."""
+    for option in reversed((
+            click.option("--input-format", "input_format_name", type=click.Choice(INPUT_FORMATS), default=None,
+                         help="Input format. Default: from the input's file name; text lines on stdin."),
+            click.option("--text-field", "--text-column", "text_field", default=None,
+                         help="The JSONL field or CSV/TSV/Parquet column holding the text. Default: text."),
+            click.option("--id-field", "--id-column", "id_field", default=None,
+                         help="A field or column carried to the output as each record's key (default: the line or "
+                              "row number)."))):
+        command = option(command)
+    return command
+
+
+def open_keyed_records(input_path, input_format_name, text_field, id_field, output, errors):
+    """The records of keyed_input_options, the output checked writable first."""
+    in_fmt = input_format(input_path, input_format_name)
+    if in_fmt == "txt" and (text_field is not None or id_field is not None):
+        raise InputError("--text-field and --id-field apply to jsonl, csv, tsv and parquet input; "
+                         f"{input_path} is read as text lines (see --input-format)")
+    check_writable(output)
+    return open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field, errors=errors)
+
+
 @click.command()
 @click.argument("input_path", metavar="[INPUT|-]", default="-")
 @click.option("-o", "--output", default="-", show_default=True,
               help="Output file: .parquet, or JSON lines (a .jsonl name, or '-' for stdout): a record's key, then "
                    "its label and score (with --top-k > 1 its labels).")
 @click.option("--model", "model_path", required=True, help="...ForSequenceClassification folder or Hub id.")
-@click.option("--input-format", "input_format_name", type=click.Choice(INPUT_FORMATS), default=None,
-              help="Input format. Default: from the input's file name; text lines on stdin.")
-@click.option("--text-field", "--text-column", "text_field", default=None,
-              help="The JSONL field or CSV/TSV/Parquet column holding the text. Default: text.")
-@click.option("--id-field", "--id-column", "id_field", default=None,
-              help="A field or column carried to the output as each record's key (default: the line or row number).")
+@keyed_input_options
 @click.option("--top-k", type=click.IntRange(min=1), default=1, show_default=True,
               help="Labels per record, best first: 1 writes {label, score}, more a list under labels.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
@@ -124,13 +143,7 @@ def classify(input_path, output, model_path, input_format_name, text_field, id_f
     from .classifier import Classifier
     classifier = None
     with closes_on_failure(lambda: close_engine(classifier)):
-        in_fmt = input_format(input_path, input_format_name)
-        if in_fmt == "txt" and (text_field is not None or id_field is not None):
-            raise InputError("--text-field and --id-field apply to jsonl, csv, tsv and parquet input; "
-                             f"{input_path} is read as text lines (see --input-format)")
-        check_writable(output)
-        records = open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field,
-                               errors=errors)
+        records = open_keyed_records(input_path, input_format_name, text_field, id_field, output, errors)
         classifier = Classifier.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
         start, lines = time.perf_counter(), 0
         from tqdm import tqdm
@@ -155,12 +168,7 @@ def classify(input_path, output, model_path, input_format_name, text_field, id_f
               help="Output file: .parquet, or JSON lines (a .jsonl name, or '-' for stdout): a record's key, then "
                    "its entities.")
 @click.option("--model", "model_path", required=True, help="...ForTokenClassification folder or Hub id.")
-@click.option("--input-format", "input_format_name", type=click.Choice(INPUT_FORMATS), default=None,
-              help="Input format. Default: from the input's file name; text lines on stdin.")
-@click.option("--text-field", "--text-column", "text_field", default=None,
-              help="The JSONL field or CSV/TSV/Parquet column holding the text. Default: text.")
-@click.option("--id-field", "--id-column", "id_field", default=None,
-              help="A field or column carried to the output as each record's key (default: the line or row number).")
+@keyed_input_options
 @click.option("--aggregation-strategy", type=click.Choice(STRATEGIES), default="simple", show_default=True,
               help="As HF's token-classification pipeline: none (every token), simple (adjacent tokens of one "
                    "entity), first / average / max (whole words first).")
@@ -177,13 +185,7 @@ def ner(input_path, output, model_path, input_format_name, text_field, id_field,
     from .token_classifier import TokenClassifier
     model = None
     with closes_on_failure(lambda: model is not None and model.close()):
-        in_fmt = input_format(input_path, input_format_name)
-        if in_fmt == "txt" and (text_field is not None or id_field is not None):
-            raise InputError("--text-field and --id-field apply to jsonl, csv, tsv and parquet input; "
-                             f"{input_path} is read as text lines (see --input-format)")
-        check_writable(output)
-        records = open_records(input_path, in_fmt, text_field=text_field or "text", id_field=id_field,
-                               errors=errors)
+        records = open_keyed_records(input_path, input_format_name, text_field, id_field, output, errors)
         model = TokenClassifier.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
         start, lines, found = time.perf_counter(), 0, 0
         from tqdm import tqdm

@@ -435,3 +435,18 @@ class SerialWorker:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+
+
+class OwnsWorker:
+    """A model whose calls run on its own SerialWorker (self._worker): a context manager, and
+    close() stops the worker."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Stop the worker thread (it starts again on the next call)."""
+        self._worker.close()

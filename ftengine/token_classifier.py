@@ -18,7 +18,7 @@ from .backends import get_ops, resolve_device
 from .checkpoint import SafetensorsFiles, load_bert_weights
 from .config import load_bert_config, read_json
 from .encoder import DTYPES, _as_list
-from .engine import SerialWorker
+from .engine import OwnsWorker, SerialWorker
 from .errors import CheckpointError, ConfigError, DeviceError, InputError
 from .hub import model_folder
 from .models.bert import PACKED_HEAD_DIMS, Batch, BertRunner
@@ -28,7 +28,7 @@ STRATEGIES = ("none", "simple", "first", "average", "max")
 BATCH_TOKENS = 8192  # tokens a forward pass takes at most
 
 
-class TokenClassifier:
+class TokenClassifier(OwnsWorker):
     """Texts -> entities. Safe to call from any number of threads: calls run one at a time on
     the TokenClassifier's own worker thread, which owns the model's device state."""
 
@@ -62,16 +62,6 @@ class TokenClassifier:
         """Load a ...ForTokenClassification folder (config.json with id2label, model.safetensors,
         tokenizer.json)."""
         return cls(path, device=device, dtype=dtype, max_length=max_length)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def close(self):
-        """Stop the worker thread (it starts again on the next call)."""
-        self._worker.close()
 
     def predict(self, texts, *, aggregation_strategy: str = "none", ignore_labels=("O",)) -> list:
         """Per text, the token-classification pipeline's entities: with "none" one dict per token

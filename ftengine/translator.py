@@ -11,7 +11,7 @@ from .backends import get_ops, resolve_device
 from .config import load_seq2seq_config
 from .decoding.beam import hypotheses
 from .decoding.generate import GenerationParams, check_max_batch
-from .engine import SerialWorker
+from .engine import OwnsWorker, SerialWorker
 from .errors import InputError
 from .generator import Candidate, decoding_device_dtype
 from .hub import model_folder
@@ -43,7 +43,7 @@ class TranslationResult:
                 "candidates": [vars(c) for c in self.candidates]}
 
 
-class Translator:
+class Translator(OwnsWorker):
     """Source texts -> translations. Safe to call from any number of threads: calls run one at a
     time on the Translator's own worker thread, which owns the model's device state."""
 
@@ -67,16 +67,6 @@ class Translator:
         """Load an encoder-decoder checkpoint folder (config.json, *.safetensors, the tokenizer's
         files; generation_config.json's fields are each call's defaults)."""
         return cls(Path(path), device=device, dtype=dtype, cuda_graphs=cuda_graphs)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def close(self):
-        """Stop the worker thread (it starts again on the next call)."""
-        self._worker.close()
 
     # ------------------------------------------------------------------ options
 
