@@ -172,13 +172,15 @@ def classify(input_path, output, model_path, input_format_name, text_field, id_f
 @click.option("--aggregation-strategy", type=click.Choice(STRATEGIES), default="simple", show_default=True,
               help="As HF's token-classification pipeline: none (every token), simple (adjacent tokens of one "
                    "entity), first / average / max (whole words first).")
+@click.option("--stride", type=click.IntRange(min=0), default=None,
+              help="Long texts in windows of the model's length overlapping by this many tokens (default: cut).")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default=None)
 @click.option("--max-length", type=click.IntRange(min=2), default=None, help="Longest text in tokens (longer: cut).")
 @click.option("--errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True)
 @click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
-def ner(input_path, output, model_path, input_format_name, text_field, id_field, aggregation_strategy, device, dtype,
-        max_length, errors, quiet):
+def ner(input_path, output, model_path, input_format_name, text_field, id_field, aggregation_strategy, stride, device,
+        dtype, max_length, errors, quiet):
     """Find the entities of each record of INPUT (text lines, or the text field of a JSONL, CSV,
     TSV or Parquet file) with a token-classification model, as HF's token-classification
     pipeline does; one JSON line or Parquet row a record ({key, "entities": [...]}), in order."""
@@ -187,12 +189,13 @@ def ner(input_path, output, model_path, input_format_name, text_field, id_field,
     with closes_on_failure(lambda: model is not None and model.close()):
         records = open_keyed_records(input_path, input_format_name, text_field, id_field, output, errors)
         model = TokenClassifier.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length)
+        model.predict([], aggregation_strategy=aggregation_strategy, stride=stride)  # options checked before reading
         start, lines, found = time.perf_counter(), 0, 0
         from tqdm import tqdm
         with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
                 RecordWriter(output, "parquet" if output.lower().endswith(".parquet") else "jsonl") as writer:
             for keys, window in records.windows(CLASSIFY_WINDOW):
-                entities = model.predict(window, aggregation_strategy=aggregation_strategy)
+                entities = model.predict(window, aggregation_strategy=aggregation_strategy, stride=stride)
                 writer.write_records([{records.key_name: key, "entities": e} for key, e in zip(keys, entities)])
                 lines += len(window)
                 found += sum(map(len, entities))

@@ -492,7 +492,7 @@ class Service:
         return Response(_dumps(reply[0] if single else reply), media_type="application/json"), len(inputs), tokens
 
     async def ner(self, request):
-        """{"inputs": str | [str], "aggregation_strategy": "simple"} -> HF's token-classification
+        """{"inputs": str | [str], "aggregation_strategy": "simple", "stride"?} -> HF's token-classification
         pipeline's entities ([{"entity_group", "score", "word", "start", "end"}], with "none"
         [{"entity", "score", "index", "word", "start", "end"}]): a list for one text, a list of
         them for a list."""
@@ -507,10 +507,11 @@ class Service:
         strategy = body.get("aggregation_strategy", "simple")
         if strategy not in STRATEGIES:
             raise _validation(f"aggregation_strategy must be one of {', '.join(STRATEGIES)}, found {strategy!r}")
+        stride = body.get("stride")
         loop = asyncio.get_running_loop()
         try:
             found, tokens = await loop.run_in_executor(
-                None, lambda: self.tokens.entities(texts, aggregation_strategy=strategy))
+                None, lambda: self.tokens.entities(texts, aggregation_strategy=strategy, stride=stride))
         except InputError as e:
             raise _validation(str(e)) from None
         return Response(_dumps(found[0] if single else found), media_type="application/json"), len(texts), tokens

@@ -63,23 +63,38 @@ class TokenClassifier(OwnsWorker):
         tokenizer.json)."""
         return cls(path, device=device, dtype=dtype, max_length=max_length)
 
-    def predict(self, texts, *, aggregation_strategy: str = "none", ignore_labels=("O",)) -> list:
+    def predict(self, texts, *, aggregation_strategy: str = "none", stride: int | None = None,
+                ignore_labels=("O",)) -> list:
         """Per text, the token-classification pipeline's entities: with "none" one dict per token
         {"entity", "score", "index", "word", "start", "end"}; otherwise grouped {"entity_group",
         "score", "word", "start", "end"}. Texts longer than max_length are cut, as the pipeline
-        cuts them."""
-        return self.entities(texts, aggregation_strategy=aggregation_strategy, ignore_labels=ignore_labels)[0]
+        cuts them; with a stride, split into windows of max_length tokens overlapping by `stride`,
+        each window's entities found, and overlapping ones resolved as the pipeline does (the
+        longer, then the higher score)."""
+        return self.entities(texts, aggregation_strategy=aggregation_strategy, stride=stride,
+                             ignore_labels=ignore_labels)[0]
 
-    def entities(self, texts, *, aggregation_strategy: str = "none", ignore_labels=("O",)) -> tuple:
+    def entities(self, texts, *, aggregation_strategy: str = "none", stride: int | None = None,
+                 ignore_labels=("O",)) -> tuple:
         """(predict's entities, the tokens the texts took)."""
         if aggregation_strategy not in STRATEGIES:
             raise InputError(f"aggregation_strategy {aggregation_strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if stride is not None:
+            if isinstance(stride, bool) or not isinstance(stride, int) or not 0 <= stride < self.max_length:
+                raise InputError(f"stride must be an integer within 0..{self.max_length - 1}, found {stride!r}")
+            if aggregation_strategy == "none":
+                raise InputError("stride needs an aggregation_strategy other than none (the pipeline's rule: "
+                                 "windows' tokens are only merged as entities)")
         texts = _as_list(texts)
-        encodings = self.tokenizer.encodings(texts) if texts else []
-        scores = self._worker.call(self._scores, encodings)
-        found = [self._entities(text, enc, s, aggregation_strategy, set(ignore_labels))
-                 for text, enc, s in zip(texts, encodings, scores)]
-        return found, sum(len(e.ids) for e in encodings)
+        encodings = self.tokenizer.encodings(texts, stride=stride or 0) if texts else []
+        windows = [[enc] + (list(enc.overflowing) if stride is not None else []) for enc in encodings]
+        scores = iter(self._worker.call(self._scores, [w for text_windows in windows for w in text_windows]))
+        found = []
+        for text, text_windows in zip(texts, windows):
+            per_window = [self._entities(text, w, next(scores), aggregation_strategy, set(ignore_labels))
+                          for w in text_windows]
+            found.append(per_window[0] if len(per_window) == 1 else _overlaps_resolved(sum(per_window, [])))
+        return found, sum(len(w.ids) for text_windows in windows for w in text_windows)
 
     # ------------------------------------------------------------------ the model
 
@@ -147,6 +162,25 @@ class TokenClassifier(OwnsWorker):
 
     def _join(self, pieces: list) -> str:
         return self.tokenizer.join_tokens([p["word"] for p in pieces])
+
+
+def _overlaps_resolved(entities: list) -> list:
+    """Entities of overlapping windows, by start: of two that overlap the longer stays, or at equal
+    lengths the higher score (the pipeline's aggregate_overlapping_entities, step for step)."""
+    if not entities:
+        return entities
+    entities = sorted(entities, key=lambda e: e["start"])
+    kept, previous = [], entities[0]
+    for entity in entities:
+        if previous["start"] <= entity["start"] < previous["end"]:
+            length, previous_length = entity["end"] - entity["start"], previous["end"] - previous["start"]
+            if length > previous_length or length == previous_length and entity["score"] > previous["score"]:
+                previous = entity
+        else:
+            kept.append(previous)
+            previous = entity
+    kept.append(previous)
+    return kept
 
 
 def _words(tokens: list) -> list:

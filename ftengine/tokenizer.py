@@ -291,6 +291,7 @@ class Tokenizer:
         self.lowercase_text = lowercase_text
         self._untruncated = None  # a copy without truncation, for token counts in errors
         self._prompt_lengths = {}  # prompt -> prompt_length(prompt)
+        self._strides = {}  # stride -> a copy of the tokenizer cutting overlapping windows
         # converting ids to arrays is a third of the tokenising time: skip the type ids when the
         # post-processor gives every token of a single text type 0 (BERT's template does)
         self._zero_types = _single_text_types_are_zero(json.loads(tok.to_str()).get("post_processor"))
@@ -329,20 +330,36 @@ class Tokenizer:
         encodings = self.encodings(texts, add_special_tokens=add_special_tokens)
         return [list(zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets)) for e in encodings]
 
-    def encodings(self, texts: list, *, add_special_tokens: bool = True) -> list:
+    def encodings(self, texts: list, *, add_special_tokens: bool = True, stride: int = 0) -> list:
         """Per text the `tokenizers` Encoding (ids, type ids, tokens, offsets, special-token mask),
-        cut as encode cuts it."""
+        cut as encode cuts it; stride > 0: the whole text, the windows after the first in the
+        Encoding's `overflowing`, each overlapping the one before by `stride` tokens."""
         check_texts(texts)
         limit = self.max_length * PREFIX_CHARS_PER_TOKEN
-        prepared = [self._bounded(t, limit) if len(t) > limit else t for t in texts]
+        prepared = texts if stride else [self._bounded(t, limit) if len(t) > limit else t for t in texts]
         prepared = [t.lower() for t in prepared] if self.lowercase_text else prepared
+        tok = self._strided(stride) if stride else self._tok
         try:
-            encodings = self._tok.encode_batch(prepared, add_special_tokens=add_special_tokens)
+            encodings = tok.encode_batch(prepared, add_special_tokens=add_special_tokens)
         except Exception:
             for i, text in enumerate(prepared):
                 unicode_text(text, f"text {i + 1}", "strict", hint="")
             raise
         return encodings
+
+    def _strided(self, stride: int):
+        """A copy of the tokenizer that truncates into windows overlapping by `stride` tokens."""
+        found = self._strides.get(stride)
+        if found is None:
+            from tokenizers import Tokenizer as HFTokenizer
+            found = HFTokenizer.from_str(self._tok.to_str())
+            found.no_padding()
+            try:
+                found.enable_truncation(max_length=self.max_length, stride=stride)
+            except Exception as e:  # tokenizers' own check of the stride against the length
+                raise InputError(f"stride {stride}: {e}") from None
+            self._strides[stride] = found
+        return found
 
     def join_tokens(self, tokens: list) -> str:
         """Tokens (their text) joined as the tokenizer's decoder joins them (HF's

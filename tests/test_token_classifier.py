@@ -61,6 +61,29 @@ def test_entities_match_the_hf_pipeline(ner_model, strategy):
     assert_same_entities(got, expected)
 
 
+LONG = [" ".join(["the quick brown fox jumps over the lazy dog, microsoft company!"] * 9),
+        "hello world " * 40, "a short one"]
+
+
+@pytest.mark.parametrize("strategy", ["simple", "first", "max"])
+def test_long_texts_in_overlapping_windows_match_the_hf_pipeline(ner_model, strategy):
+    """stride: windows of the model's length overlapping by 16 tokens, overlapping entities
+    resolved as the pipeline resolves them."""
+    with TokenClassifier.from_pretrained(ner_model, device="cpu") as model:
+        got = model.predict(LONG, aggregation_strategy=strategy, stride=16)
+        assert max(e["end"] for e in got[0]) > len(LONG[0]) - 20  # entities from the last window
+        with pytest.raises(InputError, match="stride needs an aggregation_strategy other than none"):
+            model.predict(LONG, stride=16)
+        with pytest.raises(InputError, match="stride must be an integer within 0..63"):
+            model.predict(LONG, aggregation_strategy="first", stride=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = transformers.pipeline("token-classification", model=str(ner_model), aggregation_strategy=strategy,
+                                     stride=16, device="cpu")
+        expected = [pipe(t) for t in LONG]
+    assert_same_entities(got, expected)
+
+
 def test_threads_share_one_model_and_bad_input_is_refused(ner_model):
     with TokenClassifier.from_pretrained(ner_model, device="cpu") as model:
         expected = model.predict(TEXTS, aggregation_strategy="simple")
@@ -85,8 +108,9 @@ def test_ner_command(ner_model, tmp_path):
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [row["line"] for row in rows] == list(range(1, len(TEXTS) + 1))
     assert_same_entities([row["entities"] for row in rows], hf_entities(ner_model, TEXTS, "first"))
-    r = CliRunner().invoke(main, ["ner", str(src), "--model", str(tmp_path), "--device", "cpu"])
-    assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.output
+    for args in (["--model", str(tmp_path)], ["--model", str(ner_model), "--stride", "99"]):
+        r = CliRunner().invoke(main, ["ner", str(src), "--device", "cpu", *args])
+        assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.output
 
 
 def test_served_at_ner_with_the_pipelines_entities(ner_model):
@@ -102,6 +126,9 @@ def test_served_at_ner_with_the_pipelines_entities(ner_model):
         assert_same_entities([r.json()], hf_entities(ner_model, TEXTS[:1], "first"))
         r = httpx.post(s.url + "/ner", json={"inputs": TEXTS}, timeout=60)
         assert_same_entities(r.json(), hf_entities(ner_model, TEXTS, "simple"))
+        r = httpx.post(s.url + "/ner", json={"inputs": LONG, "aggregation_strategy": "max", "stride": 16}, timeout=60)
+        with TokenClassifier.from_pretrained(ner_model, device="cpu") as model:
+            assert r.json() == model.predict(LONG, aggregation_strategy="max", stride=16)
         r = httpx.post(s.url + "/ner", json={"inputs": TEXTS, "aggregation_strategy": "best"}, timeout=60)
         assert r.status_code == 422 and "aggregation_strategy must be one of" in r.json()["error"]
         assert "token_classifier" in httpx.get(s.url + "/info").json()["model_type"]
