@@ -18,16 +18,14 @@ from .serve import LOG_FORMAT, Service, ServeLimits
 
 WORKER_ENV = "FTENGINE_SERVE_WORKER"  # a worker process's settings (JSON), set by serve_workers
 SHUTDOWN_GRACE_SECONDS = 60  # after SIGTERM / SIGINT, requests still open after this are cut off
-# seconds an idle keep-alive connection stays open. uvicorn's default of 5 races with pooled clients:
-# a request sent on a pooled connection just as the server closes it fails with a read error (seen
-# with 64 httpx clients on a busy 2-core machine). Clients' pools keep connections longer than 5 s.
-KEEP_ALIVE_SECONDS = 75
 
 
 def _uvicorn_config(app, **options):
     import uvicorn
+    from .serve_http import KEEP_ALIVE_SECONDS
     return uvicorn.Config(app, access_log=False, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
-                          timeout_keep_alive=KEEP_ALIVE_SECONDS, **options)
+                          timeout_keep_alive=KEEP_ALIVE_SECONDS, http="ftengine.serve_http:GuardedHttpToolsProtocol",
+                          **options)
 
 
 def build_app(loaded: list, limits: ServeLimits):

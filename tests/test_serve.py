@@ -371,6 +371,39 @@ def test_a_stalled_body_times_out_and_frees_its_slot(st_model):
         assert s.stop()[0] == 0
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_slow_or_endless_request_heads_are_cut_off(st_model, workers):
+    """A head that trickles in is answered 408 and closed within the head deadline; one that grows
+    past the head limit 431 at once; the service answers others meanwhile (with --workers too:
+    its workers import the protocol)."""
+    from ftengine.serve_http import HEAD_BYTES, HEAD_SECONDS
+    s = Server(st_model, "--workers", workers)
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=60) as slow, \
+                socket.create_connection(("127.0.0.1", s.port), timeout=60) as endless:
+            start = time.monotonic()
+            slow.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\n")
+            endless.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 4096)
+            sent = 4096
+            while sent <= HEAD_BYTES:
+                try:
+                    endless.sendall(b"a" * 8192)
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                sent += 8192
+            assert endless.recv(65536).startswith(b"HTTP/1.1 431")
+            assert httpx.post(s.url + "/embed", json={"inputs": "y"}).status_code == 200
+            for _ in range(3):  # a trickle: the deadline counts from the head's first byte
+                time.sleep(1)
+                slow.sendall(b"X-Slow: 1\r\n")
+            reply = slow.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 408") and HEAD_SECONDS <= time.monotonic() - start < HEAD_SECONDS + 10
+            assert slow.recv(65536) == b""  # closed
+        assert httpx.post(s.url + "/embed", json={"inputs": "y"}).status_code == 200
+    finally:
+        assert s.stop()[0] == 0
+
+
 def test_a_client_that_leaves_mid_body_is_no_internal_error(st_model):
     s = Server(st_model)
     try:
