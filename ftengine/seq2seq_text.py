@@ -165,15 +165,90 @@ class TokenizerJsonText:
         return _clean_up_spaces(text) if self.clean_up else text
 
     def check_languages(self, src_lang: str | None, tgt_lang: str | None, names=("src_lang", "tgt_lang")):
-        """Refuse codes the tokenizer lacks (listing those it has), and a multilingual model's
-        source without a language."""
-        for name, code in zip(names, (src_lang, tgt_lang)):
-            if code is None or code in self.codes:
+        _check_codes(self.codes, self.default_source, src_lang, tgt_lang, names)
+
+
+M2M100_FILES = ("sentencepiece.bpe.model", "vocab.json")
+SPECIAL_PIECES = ("<s>", "</s>", "<pad>", "<unk>")
+
+
+class M2M100Text:
+    """HF's M2M100Tokenizer (the m2m100_418M / 1.2B checkpoints, which ship no tokenizer.json):
+    sentencepiece pieces looked up in vocab.json, the language codes (__en__, ...) numbered after
+    the vocabulary in the order the tokenizer's files list them; a source is [__src__] + text +
+    [</s>], the target language the decoder's forced first token; decoding leaves the special
+    tokens out and joins the pieces with sentencepiece."""
+
+    def __init__(self, folder: Path):
+        missing = [name for name in M2M100_FILES if not (folder / name).is_file()]
+        if missing:
+            raise ConfigError(f"{folder}: no tokenizer.json, and M2M100's tokenizer files are missing: "
+                              f"{', '.join(missing)}")
+        try:
+            import sentencepiece
+        except ImportError:
+            raise ConfigError("M2M100 checkpoints without tokenizer.json tokenise with sentencepiece: "
+                              "pip install 'ftengine[translate]'") from None
+        self.vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+        listed = []
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (folder / name).is_file() and not listed:
+                settings = json.loads((folder / name).read_text(encoding="utf-8"))
+                listed = settings.get("extra_special_tokens") or settings.get("additional_special_tokens") or []
+        names = [n for n in (_token(x, "") for x in listed) if re.fullmatch(r"__[a-z]{2,3}(_[a-z]+)?__", n)]
+        if not names:
+            raise ConfigError(f"{folder}: the tokenizer's files list no language codes (__en__, ...)")
+        self.codes = {n[2:-2]: len(self.vocab) + i for i, n in enumerate(names)}
+        self.eos_id, self.unk_id = self.vocab["</s>"], self.vocab["<unk>"]
+        self.special = {self.vocab[t] for t in SPECIAL_PIECES if t in self.vocab}
+        self.special |= set(self.codes.values())
+        self.pieces = {i: piece for piece, i in self.vocab.items()}
+        self.default_source = "en" if "en" in self.codes else None
+        try:
+            self.model = sentencepiece.SentencePieceProcessor(model_file=str(folder / "sentencepiece.bpe.model"))
+        except (OSError, RuntimeError) as e:
+            raise ConfigError(f"{folder}/sentencepiece.bpe.model: cannot load the sentencepiece model ({e})") from None
+
+    @property
+    def target_codes(self) -> frozenset:
+        return frozenset(self.codes.values())
+
+    def source_parts(self, text: str, src_lang: str | None = None, tgt_lang: str | None = None) -> tuple:
+        body = [self.vocab.get(piece, self.unk_id) for piece in self.model.encode(text, out_type=str)]
+        return [self.codes[src_lang or self.default_source]], body, [self.eos_id]
+
+    def target(self, tgt_lang: str | None) -> dict:
+        return {} if tgt_lang is None else {"forced_bos_token_id": self.codes[tgt_lang]}
+
+    def decode(self, ids) -> str:
+        """As HF's decode(skip_special_tokens=True): an id outside the vocabulary and the codes
+        reads "<unk>", which, as a special token's text, is kept verbatim between the decoded
+        runs of pieces."""
+        out, run = "", []
+        for i in ids:
+            if i in self.special:
                 continue
-            known = ", ".join(sorted(self.codes)) or "none (not a multilingual model)"
-            raise InputError(f"{name}: unknown language {code!r}; this model knows: {known}")
-        if self.codes and src_lang is None and self.default_source is None:
-            raise InputError(f"{names[0]}: this model takes the source's language; one of {', '.join(sorted(self.codes))}")
+            piece = self.pieces.get(i, "<unk>")
+            if piece in SPECIAL_PIECES:
+                out, run = out + self.model.decode(run) + piece, []
+            else:
+                run.append(piece)
+        return (out + self.model.decode(run)).strip()
+
+    def check_languages(self, src_lang: str | None, tgt_lang: str | None, names=("src_lang", "tgt_lang")):
+        _check_codes(self.codes, self.default_source, src_lang, tgt_lang, names)
+
+
+def _check_codes(codes: dict, default_source: str | None, src_lang, tgt_lang, names):
+    """Refuse codes the tokenizer lacks (listing those it has), and a multilingual model's source
+    without a language where the tokenizer assumes none."""
+    for name, code in zip(names, (src_lang, tgt_lang)):
+        if code is None or code in codes:
+            continue
+        known = ", ".join(sorted(codes)) or "none (not a multilingual model)"
+        raise InputError(f"{name}: unknown language {code!r}; this model knows: {known}")
+    if codes and src_lang is None and default_source is None:
+        raise InputError(f"{names[0]}: this model takes the source's language; one of {', '.join(sorted(codes))}")
 
 
 def _clean_up_spaces(text: str) -> str:
@@ -192,4 +267,8 @@ def _token(value, default: str) -> str:
 
 def load_text(folder: Path, model_type: str):
     """The tokenizer a checkpoint's family uses."""
-    return MarianText(folder) if model_type == "marian" else TokenizerJsonText(folder)
+    if model_type == "marian":
+        return MarianText(folder)
+    if model_type == "m2m_100" and not (folder / "tokenizer.json").is_file():
+        return M2M100Text(folder)
+    return TokenizerJsonText(folder)

@@ -1,4 +1,4 @@
-"""BART, mBART-50, NLLB (M2M100), T5 and flan-t5 encoder-decoders against HF transformers on small
+"""BART, mBART-50, NLLB and M2M100 (with its own sentencepiece files), T5 and flan-t5 encoder-decoders against HF transformers on small
 random checkpoints in each family's exact format: the tokenizer's ids and text with language codes, the
 encoder's output and the first step's logits, greedy and beam search token for token with their
 scores under each checkpoint's generation defaults (BART-cnn's forced <s>, n-gram ban, length
@@ -24,7 +24,7 @@ TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a dog", 
          "Ünïcödé ✓ text, with punctuation!"]
 # family -> (source language, target language) as its tokenizer spells them
 LANGUAGES = {"bart": (None, None), "mbart": ("en_XX", "fr_XX"), "nllb": ("eng_Latn", "deu_Latn"),
-             "t5": (None, None), "flan-t5": (None, None)}
+             "m2m100": ("fr", "de"), "t5": (None, None), "flan-t5": (None, None)}
 
 
 def write_family(name: str, folder, **shape):
@@ -50,13 +50,18 @@ def hf(family):
     return model, tokenizer
 
 
+def language_id(tokenizer, code: str) -> int:
+    """A language code's id as HF's tokenizer of the family gives it."""
+    return tokenizer.get_lang_id(code) if hasattr(tokenizer, "get_lang_id") else tokenizer.convert_tokens_to_ids(code)
+
+
 def hf_generate(hf, text: str, tgt_lang: str | None, **options):
     """HF's hypotheses (new ids after the start token up to the first eos, which pads follow) and
     beam scores. T5's pad id is also its decoder's start and a token it may generate."""
     import torch
     model, tokenizer = hf
     if tgt_lang is not None:
-        options["forced_bos_token_id"] = tokenizer.convert_tokens_to_ids(tgt_lang)
+        options["forced_bos_token_id"] = language_id(tokenizer, tgt_lang)
     inputs = tokenizer([text], return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, **options, output_scores=True, return_dict_in_generate=True)
@@ -126,7 +131,7 @@ def test_translations_match_hf_generate(family, hf, options):
             assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= BEAM_SCORE_FP32
         assert result.text == hf[1].decode(result.token_ids, skip_special_tokens=True)
         if tgt_lang is not None:  # the target language's code is the first token generated
-            assert result.token_ids[0] == hf[1].convert_tokens_to_ids(tgt_lang)
+            assert result.token_ids[0] == language_id(hf[1], tgt_lang)
 
 
 def test_language_options_are_checked(family):
@@ -220,10 +225,12 @@ def test_a_folder_missing_its_parts_is_refused_by_name(family, tmp_path):
     name, folder = family
     copy = tmp_path / name
     shutil.copytree(folder, copy)
-    (copy / "tokenizer.json").unlink()
-    with pytest.raises(ConfigError, match="no tokenizer.json"):
+    tokenizer_file = "vocab.json" if name == "m2m100" else "tokenizer.json"  # M2M100's own files
+    (copy / tokenizer_file).unlink()
+    with pytest.raises(ConfigError, match="M2M100's tokenizer files are missing: vocab.json" if name == "m2m100"
+                       else "no tokenizer.json"):
         Translator.from_pretrained(copy, device="cpu")
-    shutil.copy(folder / "tokenizer.json", copy / "tokenizer.json")
+    shutil.copy(folder / tokenizer_file, copy / tokenizer_file)
     tensors = load_file(str(folder / "model.safetensors"))
     missing = {"bart": "model.decoder.layernorm_embedding.weight", "t5": "decoder.final_layer_norm.weight",
                "flan-t5": "decoder.block.1.layer.2.DenseReluDense.wi_1.weight"}.get(name, "model.decoder.layer_norm.weight")

@@ -598,6 +598,7 @@ SEQ2SEQ_FIXTURES = {
     "bart": ("bart", "BartTokenizer", [], "gelu", False),
     "mbart": ("mbart", "MBart50Tokenizer", ["en_XX", "fr_XX", "de_DE"], "gelu", True),
     "nllb": ("m2m_100", "NllbTokenizer", ["eng_Latn", "fra_Latn", "deu_Latn"], "relu", True),
+    "m2m100": ("m2m_100", "M2M100Tokenizer", [], "relu", True),  # its own sentencepiece files
 }
 
 
@@ -631,15 +632,18 @@ def write_multilingual_tokenizer(folder: Path, tokenizer_class: str, codes: list
 
 def write_bart_family_checkpoint(folder, family: str, *, seed: int = 0, d_model=32, layers=2, heads=4, ffn=37,
                                  max_positions=64, generation: dict | None = None) -> Path:
-    """A random BART, mBART-50 or NLLB (model_type m2m_100) folder in HF's format with its
-    tokenizer: BART's byte-level BPE, mBART-50's and NLLB's BPE with language codes."""
+    """A random BART, mBART-50, NLLB or M2M100 (model_type m2m_100) folder in HF's format with its
+    tokenizer: BART's byte-level BPE, mBART-50's Unigram and NLLB's BPE with language codes,
+    M2M100's sentencepiece model and vocab.json."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model_type, tokenizer_class, codes, activation, scaled = SEQ2SEQ_FIXTURES[family]
     if family == "mbart":  # HF's MBart50Tokenizer numbers every mBART-50 code whatever the files say
         from transformers.models.mbart50.tokenization_mbart50 import FAIRSEQ_LANGUAGE_CODES
         codes = codes + [c for c in FAIRSEQ_LANGUAGE_CODES if c not in codes]
-    if codes:
+    if family == "m2m100":
+        v = write_m2m100_tokenizer(folder)
+    elif codes:
         v = write_multilingual_tokenizer(folder, tokenizer_class, codes)
     else:
         write_bpe_tokenizer(folder)
@@ -767,3 +771,31 @@ def add_token_classification_head(folder, *, labels=NER_LABELS, seed: int = 0) -
                   label2id={label: i for i, label in enumerate(labels)})
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return folder
+
+
+def write_m2m100_tokenizer(folder: Path) -> int:
+    """M2M100's own tokenizer files (no tokenizer.json): sentencepiece.bpe.model (a BPE model
+    trained on MARIAN_CORPUS), vocab.json (<s> 0, <pad> 1, </s> 2, <unk> 3, the pieces) and
+    tokenizer_config.json listing HF's 100 m2m100 language codes as additional special tokens,
+    as facebook/m2m100_418M's files do. Returns the model's vocabulary size: the pieces, the
+    codes and the 8 made-up words HF counts."""
+    import io
+
+    import sentencepiece
+    from transformers.models.m2m_100.tokenization_m2m_100 import FAIRSEQ_LANGUAGE_CODES
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(MARIAN_CORPUS), model_writer=model,
+                                             vocab_size=90, model_type="bpe", character_coverage=1.0,
+                                             minloglevel=2)
+    (folder / "sentencepiece.bpe.model").write_bytes(model.getvalue())
+    processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for piece in (processor.id_to_piece(i) for i in range(processor.get_piece_size())):
+        vocab.setdefault(piece, len(vocab))
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    codes = [f"__{c}__" for c in FAIRSEQ_LANGUAGE_CODES["m2m100"]]
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "M2M100Tokenizer", "language_codes": "m2m100", "src_lang": "en",
+        "additional_special_tokens": codes, "bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>",
+        "unk_token": "<unk>", "pad_token": "<pad>", "num_madeup_words": 8}))
+    return len(vocab) + len(codes) + 8
