@@ -49,6 +49,10 @@ class TokenClassifier(OwnsWorker):
         names = raw.get("id2label") or {}
         self.labels = [str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(len(self.head_bias))]
         limit = self.config.max_position_embeddings
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
+                                       or not 2 <= max_length <= limit):
+            raise InputError(f"max_length {max_length!r} must be within 2..{limit} (the model's "
+                             "max_position_embeddings)")
         self.max_length = min(max_length or _tokenizer_limit(path) or limit, limit)
         self.tokenizer = Tokenizer(path, max_length=self.max_length)
         self._word_aware, self._unk_id = self.tokenizer.marks_subwords, self.tokenizer.unk_id

@@ -95,6 +95,8 @@ def test_threads_share_one_model_and_bad_input_is_refused(ner_model):
         with pytest.raises(InputError, match="text 2 is a int"):
             model.predict(["fine", 3])
         assert model.predict([]) == []
+    with pytest.raises(InputError, match="max_length 1 must be within 2..64"):
+        TokenClassifier.from_pretrained(ner_model, device="cpu", max_length=1)
 
 
 def test_ner_command(ner_model, tmp_path):
