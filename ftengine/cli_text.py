@@ -244,6 +244,8 @@ TRANSLATE_WINDOW = 512  # sources read, translated (sorted by length into batche
 @click.option("--dtype", type=click.Choice(DTYPES), default=None)
 @click.option("--max-batch", type=click.IntRange(min=1), default=None,
               help="Most decoder rows (sources x beams) translated at once.")
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=None,
+              help="Most source tokens x beams translated at once (CTranslate2's batch_type tokens).")
 @click.option("--errors", type=click.Choice(["strict", "replace"]), default="strict", show_default=True,
               help="Text that is not valid UTF-8 / Unicode: fail naming the line, or replace with U+FFFD.")
 @click.option("--truncate/--no-truncate", default=True, show_default=True,
@@ -252,7 +254,7 @@ TRANSLATE_WINDOW = 512  # sources read, translated (sorted by length into batche
 def translate(input_path, output, model_path, input_format_name, text_field, src_lang, tgt_lang, num_beams,
               num_return_sequences, max_new_tokens, min_new_tokens, length_penalty, early_stopping,
               no_repeat_ngram_size, repetition_penalty, do_sample, top_k, top_p, temperature, seed, as_json, device,
-              dtype, max_batch, errors, truncate, quiet):
+              dtype, max_batch, max_batch_tokens, errors, truncate, quiet):
     """Translate each record of INPUT (text lines, or the text field of a JSONL, CSV, TSV or Parquet
     file) with an encoder-decoder model: one output per record, in order, as the work goes."""
     from .translator import Translator
@@ -281,6 +283,7 @@ def translate(input_path, output, model_path, input_format_name, text_field, src
                 LineWriter(output) as writer:
             for keys, window in records.windows(TRANSLATE_WINDOW):
                 results = translator.translate(window, src_lang=src_lang, tgt_lang=tgt_lang, max_batch=max_batch,
+                                               max_batch_tokens=max_batch_tokens,
                                                truncate=truncate, **options)
                 writer.write_lines([json.dumps({records.key_name: key, **r.to_json()}, ensure_ascii=False)
                                     if as_json else r.text.replace("\n", " ") for key, r in zip(keys, results)])

@@ -145,12 +145,14 @@ class Translator(OwnsWorker):
         return out
 
     def translate(self, texts, *, src_lang: str | None = None, tgt_lang: str | None = None,
-                  max_batch: int | None = None, truncate: bool = True, **options) -> list:
+                  max_batch: int | None = None, max_batch_tokens: int | None = None, truncate: bool = True,
+                  **options) -> list:
         """One TranslationResult per source text, in input order. src_lang / tgt_lang: language
         codes as the model's tokenizer spells them (NLLB's eng_Latn, mBART's en_XX, a Marian
         model's >>fra<< as fra). options: OPTIONS (HF generate's names; default: the checkpoint's
-        generation_config.json). Sources run in batches of at most max_batch decoder rows
-        (sources x num_beams), sorted by length."""
+        generation_config.json). Sources run sorted by length, in batches of at most max_batch
+        decoder rows (sources x num_beams) and, with max_batch_tokens, of at most that many source
+        tokens x num_beams (CTranslate2's batch_type="tokens"; a longer source runs alone)."""
         texts = [texts] if isinstance(texts, str) else list(texts)
         self.check_languages(src_lang, tgt_lang)
         params, constraints = self.params(tgt_lang, **options)
@@ -158,11 +160,13 @@ class Translator(OwnsWorker):
         if not sources:
             return []
         rows = self._max_rows(max_batch, params)
+        if max_batch_tokens is not None and (isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int)
+                                             or max_batch_tokens < 1):
+            raise InputError(f"max_batch_tokens must be an integer >= 1, found {max_batch_tokens!r}")
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
         found = {}
-        per_batch = max(1, rows // params.num_beams)
-        for start in range(0, len(order), per_batch):
-            chunk = order[start:start + per_batch]
+        for chunk in _batches(order, [len(s) * params.num_beams for s in sources], max(1, rows // params.num_beams),
+                              max_batch_tokens):
             hypotheses = self._worker.call(self._search, [sources[i] for i in chunk], params, constraints)
             found.update(zip(chunk, hypotheses))
         results = []
@@ -210,3 +214,16 @@ class Translator(OwnsWorker):
         prompts = [[constraints["decoder_start"]] for _ in sources]
         runner.encode(sources, copies=nb)
         return hypotheses(runner, prompts, params)
+
+
+def _batches(order: list, tokens: list, per_batch: int, max_tokens: int | None) -> list:
+    """`order` cut into runs of at most per_batch items and, where max_tokens is given, at most
+    that many tokens (tokens[i] each; an item over the budget alone)."""
+    batches, current, total = [], [], 0
+    for i in order:
+        if current and (len(current) == per_batch or (max_tokens is not None and total + tokens[i] > max_tokens)):
+            batches.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += tokens[i]
+    return batches + [current] if current else batches

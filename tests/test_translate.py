@@ -118,9 +118,21 @@ def test_a_batch_of_mixed_lengths_equals_one_by_one(marian):
             together = translator.translate(TEXTS, max_batch=len(TEXTS) * 3, **options)
             alone = [translator.translate([t], **options)[0] for t in TEXTS]
             assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+            budgeted = translator.translate(TEXTS, max_batch_tokens=20, **options)
+            assert [r.token_ids for r in budgeted] == [r.token_ids for r in alone]
             if options:  # beam scores: the products' float32 rounding depends on their row counts
                 assert np.abs(np.array([r.score for r in together]) - [r.score for r in alone]).max() \
                     <= BATCHING_INVARIANCE_FP32
+
+
+def test_token_budget_batches_keep_order_rows_and_budget():
+    from ftengine.translator import _batches
+    tokens = [4, 9, 3, 12, 5, 5, 1]
+    order = sorted(range(len(tokens)), key=lambda i: tokens[i])
+    batches = _batches(order, tokens, 3, 10)
+    assert [i for b in batches for i in b] == order
+    assert all(len(b) <= 3 and (sum(tokens[i] for i in b) <= 10 or len(b) == 1) for b in batches)
+    assert batches == [[6, 2, 0], [4, 5], [1], [3]]
 
 
 def test_threads_share_one_translator(marian):
@@ -138,6 +150,8 @@ def test_seeded_sampling_repeats_and_options_are_checked(marian):
         assert [r.token_ids for r in a] == [r.token_ids for r in b]
         with pytest.raises(InputError, match="unknown generation option"):
             translator.translate(TEXTS, beams=2)
+        with pytest.raises(InputError, match="max_batch_tokens must be an integer >= 1"):
+            translator.translate(TEXTS, max_batch_tokens=0)
         with pytest.raises(InputError, match="num_return_sequences must be within"):
             translator.translate(TEXTS, num_return_sequences=2)
         with pytest.raises(InputError, match="unknown target language 'xx'; this model knows: deu, fra"):
