@@ -67,9 +67,11 @@ def save_model(name: str, folder: Path):
     model.half().save_pretrained(str(folder))
 
 
-def ours(folder: Path, sources: list, beams: int) -> dict:
+def seq2seq_generation(folder: Path, sources: list, beams: int, ops, dtype: str) -> tuple:
+    """(the runner, a call generating NEW tokens for each source from its ids: the encoder pass,
+    the memory, the prefill and every step) on `ops` in `dtype`; greedy, or beam search."""
     config = load_seq2seq_config(folder)
-    runner = Seq2SeqRunner(config, load_seq2seq_weights(folder, config), cuda_ops, dtype="fp16",
+    runner = Seq2SeqRunner(config, load_seq2seq_weights(folder, config), ops, dtype=dtype,
                            max_batch=len(sources) * beams, max_len=128, max_source=64)
     params = GenerationParams(max_new_tokens=NEW, min_new_tokens=NEW, eos_token_ids=(config.eos_token_id,),
                               num_beams=beams).checked(vocab_size=config.vocab_size)
@@ -80,6 +82,11 @@ def ours(folder: Path, sources: list, beams: int) -> dict:
         if beams > 1:
             return beam_search(runner, prompts, params)
         return list(stream_tokens(runner, prompts, params))
+    return runner, generate
+
+
+def ours(folder: Path, sources: list, beams: int) -> dict:
+    runner, generate = seq2seq_generation(folder, sources, beams, cuda_ops, "fp16")
     generate()
     ms = timed(generate, repeat=5)
     encode_ms = timed(lambda: runner.encode(sources, copies=beams), repeat=5)

@@ -28,13 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_seq2seq import MARIAN_BASE, NEW, SOURCE  # noqa: E402
+from bench.bench_seq2seq import MARIAN_BASE, NEW, SOURCE, seq2seq_generation  # noqa: E402
 from ftengine.backends import numpy_ops  # noqa: E402
-from ftengine.config import load_seq2seq_config  # noqa: E402
-from ftengine.decoding.beam import beam_search  # noqa: E402
-from ftengine.decoding.generate import GenerationParams, stream_tokens  # noqa: E402
-from ftengine.models.seq2seq import Seq2SeqRunner  # noqa: E402
-from ftengine.seq2seq_checkpoint import load_seq2seq_weights  # noqa: E402
 from weights.fixtures import write_marian_tokenizer  # noqa: E402
 
 CASES = [("greedy", 1), ("greedy", 8), ("beam 4", 1), ("beam 4", 8)]
@@ -67,17 +62,7 @@ def best_ms(run) -> float:
 
 
 def ours(folder: Path, sources: list, beams: int) -> float:
-    config = load_seq2seq_config(folder)
-    runner = Seq2SeqRunner(config, load_seq2seq_weights(folder, config), numpy_ops, dtype="fp32",
-                           max_batch=len(sources) * beams, max_len=128, max_source=64)
-    params = GenerationParams(max_new_tokens=NEW, min_new_tokens=NEW, eos_token_ids=(config.eos_token_id,),
-                              num_beams=beams).checked(vocab_size=config.vocab_size)
-    prompts = [[config.decoder_start_token_id] for _ in sources]
-
-    def generate():
-        runner.encode(sources, copies=beams)
-        return beam_search(runner, prompts, params) if beams > 1 else list(stream_tokens(runner, prompts, params))
-    return best_ms(generate)
+    return best_ms(seq2seq_generation(folder, sources, beams, numpy_ops, "fp32")[1])
 
 
 def theirs(model_dir: Path, tokens: list, sources: list, beams: int, compute_type: str) -> float:

@@ -45,3 +45,31 @@ def st_pooling(hidden, lengths, modes):
         elif mode == "lasttoken":
             parts.append(x[torch.arange(x.shape[0]), torch.from_numpy(lengths).long() - 1])
     return torch.cat(parts, dim=1).numpy()
+
+
+def hf_seq2seq_generate(model, tokenizer, text: str, **options) -> tuple:
+    """HF generate's hypotheses for one source (the ids after the decoder's start token, up to
+    and including the first eos, which pads follow: T5's pad id is also a token it generates) and
+    its beam scores (None without beams)."""
+    import torch
+    inputs = tokenizer([text], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, **options, output_scores=True, return_dict_in_generate=True)
+    eos = model.generation_config.eos_token_id
+    ends = set(eos) if isinstance(eos, list) else {eos}
+    hypotheses = []
+    for row in out.sequences:
+        ids = row[1:].tolist()
+        cut = next((k for k, t in enumerate(ids) if t in ends), len(ids) - 1)
+        hypotheses.append(ids[:cut + 1])
+    scores = getattr(out, "sequences_scores", None)
+    return hypotheses, None if scores is None else scores.tolist()
+
+
+def assert_candidates_match(results, expected, score_tolerance: float):
+    """Each translation result's candidates are its expected (hypotheses, beam scores), token for
+    token, the scores within score_tolerance."""
+    for result, (hypotheses, scores) in zip(results, expected):
+        assert [c.token_ids for c in result.candidates] == hypotheses, result.source
+        if scores is not None:
+            assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= score_tolerance

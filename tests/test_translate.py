@@ -18,6 +18,7 @@ from ftengine.config import load_seq2seq_config
 from ftengine.models.seq2seq import Seq2SeqRunner
 from ftengine.seq2seq_checkpoint import load_seq2seq_weights
 from ftengine.seq2seq_text import MarianText
+from tests.hf_oracle import assert_candidates_match, hf_seq2seq_generate
 from tests.tolerances import BATCHING_INVARIANCE_FP32, BEAM_SCORE_FP32, HF_FP32_MAX_ABS
 from weights.fixtures import write_marian_checkpoint
 
@@ -43,26 +44,14 @@ def hf(marian):
 
 
 def hf_generate(hf, text: str, **options):
-    """HF's hypotheses (new ids after the start token, padding dropped) and scores for one source."""
-    import torch
-    model, tokenizer = hf
-    inputs = tokenizer([text], return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, **options, output_scores=True, return_dict_in_generate=True)
-    pad = model.config.pad_token_id
-    hypotheses = [[t for t in row[1:].tolist() if t != pad] for row in out.sequences]
-    scores = getattr(out, "sequences_scores", None)
-    return hypotheses, None if scores is None else scores.tolist()
+    """HF's hypotheses and beam scores for one source."""
+    return hf_seq2seq_generate(*hf, text, **options)
 
 
 def assert_matches_hf(results, hf, options):
     """Each TEXTS result's candidates are HF generate's hypotheses, token for token, with its
     beam scores."""
-    for text, result in zip(TEXTS, results):
-        hypotheses, scores = hf_generate(hf, text, **options)
-        assert [c.token_ids for c in result.candidates] == hypotheses, text
-        if scores is not None:
-            assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= BEAM_SCORE_FP32
+    assert_candidates_match(results, [hf_generate(hf, text, **options) for text in TEXTS], BEAM_SCORE_FP32)
 
 
 def test_tokenizer_matches_marian_tokenizer(marian, hf):

@@ -15,6 +15,7 @@ from ftengine.config import load_seq2seq_config
 from ftengine.models.seq2seq import Seq2SeqRunner
 from ftengine.seq2seq_checkpoint import load_seq2seq_weights
 from ftengine.seq2seq_text import load_text
+from tests.hf_oracle import assert_candidates_match, hf_seq2seq_generate
 from tests.tolerances import BEAM_SCORE_FP32, HF_FP32_MAX_ABS
 from weights.fixtures import write_bart_family_checkpoint, write_t5_checkpoint
 
@@ -56,20 +57,10 @@ def language_id(tokenizer, code: str) -> int:
 
 
 def hf_generate(hf, text: str, tgt_lang: str | None, **options):
-    """HF's hypotheses (new ids after the start token up to the first eos, which pads follow) and
-    beam scores. T5's pad id is also its decoder's start and a token it may generate."""
-    import torch
-    model, tokenizer = hf
+    """HF's hypotheses and beam scores for one source, the target language forced first."""
     if tgt_lang is not None:
-        options["forced_bos_token_id"] = language_id(tokenizer, tgt_lang)
-    inputs = tokenizer([text], return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, **options, output_scores=True, return_dict_in_generate=True)
-    eos = model.generation_config.eos_token_id
-    hypotheses = [row[1:].tolist() for row in out.sequences]
-    hypotheses = [row[:row.index(eos) + 1] if eos in row else row for row in hypotheses]
-    scores = getattr(out, "sequences_scores", None)
-    return hypotheses, None if scores is None else scores.tolist()
+        options["forced_bos_token_id"] = language_id(hf[1], tgt_lang)
+    return hf_seq2seq_generate(*hf, text, **options)
 
 
 def test_tokenizer_matches_hf(family, hf):
@@ -124,11 +115,8 @@ def test_translations_match_hf_generate(family, hf, options):
     src_lang, tgt_lang = LANGUAGES[name]
     with Translator.from_pretrained(folder, device="cpu") as translator:
         results = translator.translate(TEXTS, src_lang=src_lang, tgt_lang=tgt_lang, **options)
-    for text, result in zip(TEXTS, results):
-        hypotheses, scores = hf_generate(hf, text, tgt_lang, **options)
-        assert [c.token_ids for c in result.candidates] == hypotheses, text
-        if scores is not None:
-            assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= BEAM_SCORE_FP32
+    assert_candidates_match(results, [hf_generate(hf, text, tgt_lang, **options) for text in TEXTS], BEAM_SCORE_FP32)
+    for result in results:
         assert result.text == hf[1].decode(result.token_ids, skip_special_tokens=True)
         if tgt_lang is not None:  # the target language's code is the first token generated
             assert result.token_ids[0] == language_id(hf[1], tgt_lang)
@@ -209,11 +197,7 @@ def test_cuda_fp32_translations_match_hf(family_gpu, cuda_translator, options):
         results = translator.translate(TEXTS, src_lang=src_lang, tgt_lang=tgt_lang, **options)
         alone = [translator.translate([t], src_lang=src_lang, tgt_lang=tgt_lang, **options)[0] for t in TEXTS]
     assert [r.token_ids for r in results] == [r.token_ids for r in alone]
-    for text, result in zip(TEXTS, results):
-        hypotheses, scores = hf_generate(hf, text, tgt_lang, **options)
-        assert [c.token_ids for c in result.candidates] == hypotheses, text
-        if scores is not None:
-            assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= BEAM_SCORE_FP32
+    assert_candidates_match(results, [hf_generate(hf, text, tgt_lang, **options) for text in TEXTS], BEAM_SCORE_FP32)
 
 
 def test_a_folder_missing_its_parts_is_refused_by_name(family, tmp_path):

@@ -1,4 +1,4 @@
-"""The encoder-decoders (Marian, BART, mBART, M2M100 / NLLB), written once against the ops
+"""The encoder-decoders (Marian, BART, mBART, M2M100 / NLLB, T5), written once against the ops
 interface: an encoder pass over the sources, each decoder layer's cross-attention keys and values
 projected once per source, then GPT-2's generation steps (models/generation.py) over the decoder.
 
