@@ -404,6 +404,26 @@ def test_slow_or_endless_request_heads_are_cut_off(st_model, workers):
         assert s.stop()[0] == 0
 
 
+def test_sigterm_exits_while_slow_clients_stay_connected(st_model):
+    """SIGTERM with one client stalled in its head and one in its body: the process still exits,
+    0, as the head and body deadlines cut them (no orchestrator has to kill it)."""
+    s = Server(st_model)
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=60) as head, \
+                socket.create_connection(("127.0.0.1", s.port), timeout=60) as body:
+            head.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\n")
+            body.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"inputs\":")
+            time.sleep(0.5)
+            start = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            code, out = s.stop(signal_it=False)
+        assert code == 0 and "Traceback" not in out and time.monotonic() - start < 45
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
+
+
 def test_a_client_that_leaves_mid_body_is_no_internal_error(st_model):
     s = Server(st_model)
     try:
