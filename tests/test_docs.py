@@ -101,7 +101,7 @@ def op_table() -> dict[str, list[str]]:
 
 def test_op_table_names_each_ops_kernels_launcher_and_twin():
     table = op_table()
-    ops = sorted(n for n in set(cuda_ops.__all__) & set(numpy_ops.__all__) - {"prepare_kernels"}  # compiles only
+    ops = sorted(n for n in set(cuda_ops.__all__) & set(numpy_ops.__all__) - {"prepare_kernels", "prepare_wordpiece"}  # compile only
                  if inspect.isfunction(getattr(cuda_ops, n)) and kernel_files(getattr(cuda_ops, n), set()))
     assert sorted(table) == ops
     for name, (files, cuda, reference) in table.items():

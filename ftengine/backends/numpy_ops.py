@@ -26,6 +26,7 @@ from .reference.runtime import (STORAGE, DeviceTimer, GraphCache, HostSlot, copy
                                 join_beside, pinned_empty, prefetch_kv, prefetch_l2, prepare_kernels, storage_dtype,
                                 synchronize, to_device, to_host, zero)
 from .reference.sampling import CHOICE_STATE_WORDS, append_tokens, beam_select, choose_tokens, mark_seen
+from .reference.wordpiece import pack_rows, prepare_wordpiece, wordpiece_tokenize
 
 name = "numpy"
 
@@ -39,5 +40,5 @@ __all__ = [
     "varlen_attention", "rotary_qkv", "merge_heads", "write_kv_cache", "cached_attention", "decode_attention",
     "check_fp8", "E4M3_MAX", "e4m3_bytes", "e4m3_values", "quantize_rows", "add_bias_residual_layernorm_quantize",
     "add_bias_gelu_quantize", "matmul_fp8", "pool", "pool_packed", "l2_normalize", "CHOICE_STATE_WORDS", "mark_seen",
-    "choose_tokens", "append_tokens", "beam_select"
+    "choose_tokens", "append_tokens", "beam_select", "pack_rows", "prepare_wordpiece", "wordpiece_tokenize"
 ]

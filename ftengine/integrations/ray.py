@@ -40,7 +40,8 @@ class FtengineEmbedder:
     model: a model folder every worker can read (None: the installed default model);
     text_column: the column embedded; embedding_column: the column added. device, dtype,
     max_length, batch_tokens, pooling, normalize, prompt_name, prompt, dimensions and
-    truncate mean what they mean for Encoder.encode. Calls are safe from several threads
+    truncate mean what they mean for Encoder.encode; layout, cuda_graphs and tokenizer what they
+    mean for Encoder.from_pretrained. Calls are safe from several threads
     (threaded actors: ActorPoolStrategy's max_concurrent_calls_per_actor); the encoder packs
     concurrent batches together."""
 
@@ -48,9 +49,9 @@ class FtengineEmbedder:
                  device: str = "auto", dtype: str | None = None, max_length: int | None = None,
                  batch_tokens: int | None = None, pooling=None, normalize: bool | None = None,
                  prompt_name: str | None = None, prompt: str | None = None, dimensions: int | None = None,
-                 truncate: bool = True, layout: str = "auto", cuda_graphs: bool = True):
+                 truncate: bool = True, layout: str = "auto", cuda_graphs: bool = True, tokenizer: str = "auto"):
         self.encoder = Encoder.from_pretrained(model, device=device, dtype=dtype, max_length=max_length,
-                                               layout=layout, cuda_graphs=cuda_graphs)
+                                               layout=layout, cuda_graphs=cuda_graphs, tokenizer=tokenizer)
         self.text_column, self.embedding_column = text_column, embedding_column
         self.options = dict(batch_tokens=batch_tokens, pooling=pooling, normalize=normalize, prompt_name=prompt_name,
                             prompt=prompt, dimensions=dimensions)

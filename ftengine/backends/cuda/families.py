@@ -65,6 +65,7 @@ FAMILIES = {
                              + _vec_variants("write_kv_cache", t) + _vec_variants("cached_attention", t)
                              + _vec_variants("gather_rows", t)),
     "sampling.cu": lambda t: [],
+    "wordpiece.cu": lambda t: [],
     "gemv.cu": lambda t: ([f"gemv<{t}, {o}, {v}, {c}>" for o in dict.fromkeys((t, "float")) for v in VECS[t]
                            for c in GEMV_COLS]
                           + ([] if t == "float" else [skinny_name(t, o, tiles) for o in (t, "float")
@@ -83,7 +84,8 @@ FAMILIES = {
 # so that an fp16 run never compiles the fp32 instantiations (the fp32 varlen attention alone
 # takes 17 s to compile on an H100)
 SHARED = {"pooling.cu": ["l2_normalize<float>"], "sampling.cu": SAMPLING_KERNELS,
-          "gemv.cu": ["prefetch_l2", "prefetch_kv"], "activation.cu": ["add_bias_act<float>"]}
+          "gemv.cu": ["prefetch_l2", "prefetch_kv"], "activation.cu": ["add_bias_act<float>"],
+          "wordpiece.cu": ["wordpiece_tokenize", "pack_rows"]}
 
 
 def prepare_kernels(files, dtype_name: str, *, head_dim: int, gelu_product: str | None = None,

@@ -13,6 +13,7 @@ file -> launcher module -> NumPy function). Model code calls ops through this mo
 | pooling.py | pooling modes and L2 normalisation |
 | fp8.py | e4m3 quantisation and the scaled product |
 | sampling.py | token choice, its bookkeeping, beam selection |
+| wordpiece.py | the GPU tokenizer: WordPiece ids of UTF-8 texts, packed |
 | families.py / kernels.py / launch.py | instantiation tables / compilation / cuLaunchKernelEx |
 """
 
@@ -33,6 +34,7 @@ from .runtime import (STORAGE, DeviceTimer, GraphCache, HostSlot, context, copy_
                       synchronize, to_device, to_host, zero)
 from .sampling import CHOICE_STATE_WORDS, append_tokens, beam_select, choice_slices, choose_tokens, mark_seen, \
     sample_clusters
+from .wordpiece import pack_rows, prepare_wordpiece, wordpiece_tokenize
 
 name = "cuda"
 
@@ -47,5 +49,5 @@ __all__ = [
     "DeviceTimer", "GraphCache", "HostSlot", "context", "copy_from_host", "copy_to_host_async", "empty",
     "join_beside", "join_branches", "pinned_empty", "planning", "prefetch_kv", "prefetch_l2", "storage_dtype",
     "synchronize", "to_device", "to_host", "zero", "CHOICE_STATE_WORDS", "append_tokens", "beam_select",
-    "choice_slices", "choose_tokens", "mark_seen", "sample_clusters",
+    "choice_slices", "choose_tokens", "mark_seen", "sample_clusters", "pack_rows", "prepare_wordpiece", "wordpiece_tokenize",
 ]

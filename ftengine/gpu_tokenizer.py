@@ -1,0 +1,173 @@
+"""The GPU tokenizer: Tokenizer.encode for WordPiece models, its ids computed on the device.
+
+The texts' UTF-8 bytes go to the device in one copy; kernels_cu/wordpiece.cu gives every text's ids
+(the tables: wordpiece.py) and packs them; the ids, lengths and truncation flags come back as the
+TokenizedTexts the engine batches. A text the kernel hands back (a character whose normal form
+depends on its neighbours, an added token's text, ...) is tokenised by the CPU tokenizer, so the
+result is always `tokenizers`' own. Runs on the backend's ops: the CUDA kernels, or their NumPy twin.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+from .errors import DeviceError, InputError
+from .tokenizer import PREFIX_CHARS_PER_TOKEN, TokenizedTexts, Tokenizer, check_texts
+from .wordpiece import ON_CPU, TRUNCATED, build_tables, unsupported
+
+TOKENIZER_CHOICES = ("auto", "gpu", "cpu")
+# a text of more bytes than max_length x this goes to the device cut (at a character): no kept piece
+# lies past the cut unless the text is mostly white space, and then the CPU tokenises it
+CUT_BYTES_PER_TOKEN = 4 * PREFIX_CHARS_PER_TOKEN
+_said = set()
+_said_lock = threading.Lock()
+
+
+def _say_once(text: str):
+    with _said_lock:
+        if text in _said:
+            return
+        _said.add(text)
+    print(text, file=sys.stderr)
+
+
+def choose_tokenizer(cpu: Tokenizer, choice: str, *, ops, device: str):
+    """The tokenizer an encoder runs: the GPU one (`choice` gpu, or auto where it covers the
+    model's tokenizer on the CUDA backend) or the CPU one; gpu where it cannot be: a clear error."""
+    if choice not in TOKENIZER_CHOICES:
+        raise InputError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, found {choice!r}")
+    if choice == "cpu":
+        return cpu
+    if device != "cuda":
+        if choice == "gpu":
+            raise DeviceError("tokenizer='gpu' needs the CUDA backend")
+        return cpu
+    reason = unsupported(cpu.definition)
+    if reason is not None:
+        if choice == "gpu":
+            raise InputError(f"the GPU tokenizer cannot run this model's tokenizer: {reason}")
+        _say_once(f"ftengine: tokenising on the CPU: the GPU tokenizer does not cover this model's tokenizer ({reason})")
+        return cpu
+    return GpuTokenizer(cpu, ops=ops)
+
+
+class GpuTokenizer:
+    """`Tokenizer.encode` on the device; every other Tokenizer method is the CPU tokenizer's.
+    Safe to call from several threads (each launches on its own stream). The tables are built and
+    the kernels compiled in a background thread from construction on; calls made before they are
+    ready go to the CPU tokenizer (the same result), so a cold start never waits for them."""
+
+    def __init__(self, cpu: Tokenizer, *, ops):
+        self._cpu = cpu
+        self._ops = ops
+        self._tables = None
+        self._error = None
+        self._ready = threading.Event()
+        data = cpu.definition
+        threading.Thread(target=self._build, args=(data,), name="ftengine-wordpiece-tables", daemon=True).start()
+
+    def _build(self, data: dict):
+        try:
+            self._tables = build_tables(data, max_length=self._cpu.max_length)
+            self._ops.prepare_wordpiece()
+        except Exception as e:  # the CPU tokenizer does the work instead
+            self._error = e
+            _say_once(f"ftengine: tokenising on the CPU: the GPU tokenizer cannot start ({type(e).__name__}: {e})")
+        finally:
+            self._ready.set()
+
+    @property
+    def tables(self):
+        self._ready.wait()
+        if self._error is not None:
+            raise DeviceError(f"the GPU tokenizer's tables cannot be built: {self._error}")
+        return self._tables
+
+    def __getattr__(self, name):
+        return getattr(self._cpu, name)
+
+    def encode(self, texts: list, *, first: int = 1) -> TokenizedTexts:
+        """As Tokenizer.encode: ids, type ids (0), lengths and truncation flags of each text."""
+        check_texts(texts, first=first)
+        if not texts or not self._ready.is_set() or self._error is not None:
+            return self._cpu.encode(texts, first=first)
+        prepared = [t.lower() for t in texts] if self._cpu.lowercase_text else texts
+        try:
+            raw, starts, stops, cut = self._bytes(prepared)
+        except UnicodeEncodeError:  # a lone surrogate: the CPU tokenizer names the text
+            return self._cpu.encode(texts, first=first)
+        tables = self.tables
+        ids, lengths, flags = self._device_ids(tables, raw, starts, stops, cut)
+        truncated = (flags & TRUNCATED) != 0
+        redo = np.flatnonzero((flags & ON_CPU) != 0)
+        tokens = TokenizedTexts(ids, np.zeros(len(ids), np.int32), lengths, truncated)
+        if redo.size:
+            tokens = _splice(tokens, redo, self._cpu.encode([texts[i] for i in redo.tolist()], first=first))
+        return tokens
+
+    def _bytes(self, texts: list):
+        """(UTF-8 bytes of all texts, starts, stops, cut): a text of over max_length x
+        CUT_BYTES_PER_TOKEN bytes is cut there, at a character's first byte."""
+        n = len(texts)
+        limit = self._cpu.max_length * CUT_BYTES_PER_TOKEN
+        joined = "".join(texts)
+        if joined.isascii() and max(map(len, texts)) <= limit:
+            sizes = np.fromiter(map(len, texts), dtype=np.int64, count=n)
+            stops = np.cumsum(sizes)
+            return np.frombuffer(joined.encode("ascii"), np.uint8), stops - sizes, stops, np.zeros(n, np.uint8)
+        parts = [t.encode("utf-8") for t in texts]
+        cut = np.zeros(n, np.uint8)
+        for i, part in enumerate(parts):
+            if len(part) > limit:
+                at = limit
+                while part[at] & 0xC0 == 0x80:
+                    at -= 1
+                parts[i] = part[:at]
+                cut[i] = 1
+        sizes = np.fromiter(map(len, parts), dtype=np.int64, count=n)
+        stops = np.cumsum(sizes)
+        return np.frombuffer(b"".join(parts), np.uint8), stops - sizes, stops, cut
+
+    def _device_ids(self, tables, raw, starts, stops, cut):
+        """The kernels' packed ids (T,), lengths (N,) and flags (N,) on the host."""
+        ops = self._ops
+        n = len(starts)
+        ids = ops.empty((n, tables.max_length), np.int32)
+        lengths = ops.empty((n,), np.int32)
+        flags = ops.empty((n,), np.uint8)
+        ops.wordpiece_tokenize(tables, ops.to_device(raw if raw.size else np.zeros(1, np.uint8)),
+                               ops.to_device(starts), ops.to_device(stops), ops.to_device(cut), ids, lengths, flags)
+        host_lengths = np.array(ops.to_host(lengths), dtype=np.int32)
+        host_flags = np.array(ops.to_host(flags), dtype=np.uint8)
+        offsets = np.cumsum(host_lengths, dtype=np.int64) - host_lengths
+        packed = ops.empty((max(int(host_lengths.sum()), 1),), np.int32)
+        ops.pack_rows(ids, lengths, ops.to_device(offsets), packed)
+        return np.array(ops.to_host(packed), dtype=np.int32)[:int(host_lengths.sum())], host_lengths, host_flags
+
+
+def _splice(tokens: TokenizedTexts, redo: np.ndarray, cpu: TokenizedTexts) -> TokenizedTexts:
+    """`tokens` with the texts `redo` (length 0 there) replaced by `cpu`'s, in order."""
+    lengths = tokens.lengths.copy()
+    lengths[redo] = cpu.lengths
+    truncated = tokens.truncated.copy()
+    truncated[redo] = cpu.truncated
+    starts = np.cumsum(lengths, dtype=np.int64) - lengths
+    ids = np.empty(int(lengths.sum()), np.int32)
+    type_ids = np.zeros(len(ids), np.int32)
+    kept = np.ones(len(lengths), dtype=bool)
+    kept[redo] = False
+    rows = np.flatnonzero(kept)
+    ids[np.repeat(starts[rows], tokens.lengths[rows]) + _within(tokens.lengths[rows])] = tokens.ids
+    at = np.repeat(starts[redo], cpu.lengths) + _within(cpu.lengths)
+    ids[at] = cpu.ids
+    type_ids[at] = cpu.type_ids
+    return TokenizedTexts(ids, type_ids, lengths, truncated)
+
+
+def _within(lengths: np.ndarray) -> np.ndarray:
+    """Each token's place in its text, for texts of these lengths one after the other."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)

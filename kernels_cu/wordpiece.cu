@@ -1,0 +1,198 @@
+// WordPiece tokenisation of UTF-8 texts, one thread a text: decode, normalise through the code point
+// table, split into words (white space, punctuation), longest-match pieces from the vocabulary trie,
+// the post-processor's special tokens, truncation. Tables: ftengine/wordpiece.py; NumPy twin:
+// backends/reference/wordpiece.py (same results, flags included).
+
+#define WP_CP_MASK 0x1FFFFFu
+#define WP_CLASS_SHIFT 21
+#define WP_WORD 0u
+#define WP_PUNCT 2u
+#define WP_MULTI (1u << 23)
+#define WP_LEN_SHIFT 24
+#define WP_SENSITIVE (1u << 29)
+#define WP_DELETED (1u << 30)
+#define WP_MAX_WORD 128
+#define WP_MAX_PATTERN 32
+#define WP_TRUNCATED 1
+#define WP_ON_CPU 2
+
+__device__ __forceinline__ unsigned long long wp_mix(unsigned long long z) {  // wordpiece.mix
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+struct WpTrie {
+    const unsigned long long* keys;   // (S,) node << 21 | code point; all ones: free
+    const int* children;              // (S,)
+    unsigned long long mask;          // S - 1
+    const int* node_token;            // (nodes,) token id or -1
+
+    __device__ __forceinline__ int child(int node, unsigned cp) const {
+        const unsigned long long key = ((unsigned long long)node << 21) | cp;
+        unsigned long long slot = wp_mix(key) & mask;
+        while (true) {
+            const unsigned long long found = __ldg(keys + slot);
+            if (found == key) return __ldg(children + slot);
+            if (found == ~0ull) return -1;
+            slot = (slot + 1) & mask;
+        }
+    }
+};
+
+// Strict UTF-8 (as Python's decoder): the code point at text[p], p advanced; -1 if invalid.
+__device__ __forceinline__ int wp_decode(const unsigned char* text, long long& p, long long end) {
+    const unsigned b0 = text[p];
+    if (b0 < 0x80) { ++p; return (int)b0; }
+    int need;
+    unsigned cp, lo = 0x80, hi = 0xBF;
+    if (b0 >= 0xC2 && b0 <= 0xDF) { need = 1; cp = b0 & 0x1F; }
+    else if (b0 >= 0xE0 && b0 <= 0xEF) {
+        need = 2; cp = b0 & 0x0F;
+        if (b0 == 0xE0) lo = 0xA0;
+        if (b0 == 0xED) hi = 0x9F;   // no surrogates
+    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+        need = 3; cp = b0 & 0x07;
+        if (b0 == 0xF0) lo = 0x90;
+        if (b0 == 0xF4) hi = 0x8F;   // nothing past U+10FFFF
+    } else return -1;
+    if (p + need >= end) return -1;   // the sequence runs past the text
+    for (int k = 1; k <= need; ++k) {
+        const unsigned b = text[p + k];
+        if (b < (k == 1 ? lo : 0x80u) || b > (k == 1 ? hi : 0xBFu)) return -1;
+        cp = (cp << 6) | (b & 0x3F);
+    }
+    p += need + 1;
+    return (int)cp;
+}
+
+struct WpText {
+    int* row;            // the text's ids: prefix, pieces, suffix
+    int offset;          // where pieces start (the prefix's length)
+    int capacity;        // pieces that fit
+    int count = 0;       // pieces written
+    bool truncated = false;
+    unsigned word[WP_MAX_WORD];
+    int pieces[WP_MAX_WORD];
+    int wlen = 0;        // the word's characters (max_word + 1: too long)
+
+    // The word so far as pieces (longest match first; the unknown token for a word that is too long or has a
+    // part that no piece matches), written while they fit.
+    __device__ void flush(const WpTrie& trie, int unk, int max_word) {
+        if (wlen == 0 || truncated) { wlen = 0; return; }
+        int n = 0;
+        if (wlen > max_word) {
+            pieces[n++] = unk;
+        } else {
+            for (int s = 0; s < wlen;) {
+                int node = s == 0 ? 0 : 1, best_end = -1, best_id = -1;
+                for (int e = s; e < wlen; ++e) {
+                    node = trie.child(node, word[e]);
+                    if (node < 0) break;
+                    const int token = __ldg(trie.node_token + node);
+                    if (token >= 0) { best_end = e + 1; best_id = token; }
+                }
+                if (best_end < 0) { n = 0; pieces[n++] = unk; break; }
+                pieces[n++] = best_id;
+                s = best_end;
+            }
+        }
+        for (int k = 0; k < n; ++k) {
+            if (count == capacity) { truncated = true; break; }
+            row[offset + count++] = pieces[k];
+        }
+        wlen = 0;
+    }
+};
+
+// texts [starts[i], stops[i]) of `text`; cut[i]: the text goes on past stops[i] (so it is done only if
+// truncated before its last word). ids (n, max_length); lengths (n,), flags (n,): WP_TRUNCATED, or
+// WP_ON_CPU (length 0) for a text the CPU must tokenise (invalid UTF-8, a sensitive character, an
+// added token's normal form among its characters, a cut text not truncated). The checks stop `tail`
+// normalised characters after the one that truncated the text (tail: the longest added token's
+// length less one), so that a thread's work is bounded by max_length, not by its text.
+__global__ void wordpiece_tokenize(
+    const unsigned char* __restrict__ text, const long long* __restrict__ starts,
+    const long long* __restrict__ stops, const unsigned char* __restrict__ cut, int n,
+    const unsigned* __restrict__ char_map, const unsigned* __restrict__ expansions,
+    const unsigned long long* __restrict__ trie_keys, const int* __restrict__ trie_children,
+    unsigned long long trie_mask, const int* __restrict__ node_token,
+    const int* __restrict__ patterns, const int* __restrict__ pattern_offsets, int n_patterns,
+    const int* __restrict__ prefix, int n_prefix, const int* __restrict__ suffix, int n_suffix,
+    int unk, int max_word, int max_length, int tail,
+    int* __restrict__ ids, int* __restrict__ lengths, unsigned char* __restrict__ flags) {
+    wait_for_previous();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const WpTrie trie{trie_keys, trie_children, trie_mask, node_token};
+    WpText t;
+    t.row = ids + (long long)i * max_length;
+    t.offset = n_prefix;
+    t.capacity = max_length - n_prefix - n_suffix;
+    for (int k = 0; k < n_prefix; ++k) t.row[k] = prefix[k];
+    unsigned ring[WP_MAX_PATTERN];   // the last normalised characters, for the added tokens
+    int seen = 0;
+    int stop_at = 0x7FFFFFFF;        // once truncated: `tail` more characters, for an added token begun before
+    bool on_cpu = false;
+    long long p = starts[i];
+    const long long end = stops[i];
+    while (p < end && !on_cpu && seen < stop_at) {
+        const int cp = wp_decode(text, p, end);
+        if (cp < 0) { on_cpu = true; break; }
+        const unsigned entry = __ldg(char_map + cp);
+        if (entry & WP_SENSITIVE) { on_cpu = true; break; }
+        if (entry & WP_DELETED) continue;
+        const bool multi = entry & WP_MULTI;
+        const int m = multi ? (entry >> WP_LEN_SHIFT) & 31 : 1;
+        for (int k = 0; k < m && !on_cpu; ++k) {
+            const unsigned v = multi ? __ldg(expansions + (entry & WP_CP_MASK) + k) : entry;
+            const unsigned c = v & WP_CP_MASK, cls = (v >> WP_CLASS_SHIFT) & 3;
+            ring[seen % WP_MAX_PATTERN] = c;
+            ++seen;
+            for (int j = 0; j < n_patterns; ++j) {
+                const int a = pattern_offsets[j], len = pattern_offsets[j + 1] - a;
+                if (len > seen || (unsigned)patterns[a + len - 1] != c) continue;
+                bool same = true;
+                for (int q = 0; q < len - 1 && same; ++q)
+                    same = ring[(seen - len + q) % WP_MAX_PATTERN] == (unsigned)patterns[a + q];
+                on_cpu |= same;
+            }
+            if (on_cpu || t.truncated) continue;   // once truncated only the checks above still run
+            if (cls == WP_WORD) {
+                if (t.wlen < max_word) t.word[t.wlen] = c;
+                t.wlen = min(t.wlen + 1, max_word + 1);
+            } else {
+                t.flush(trie, unk, max_word);
+                if (cls == WP_PUNCT) {
+                    t.word[0] = c;
+                    t.wlen = 1;
+                    t.flush(trie, unk, max_word);
+                }
+                if (t.truncated) stop_at = seen + tail;
+            }
+        }
+    }
+    if (!on_cpu) {
+        if (cut[i]) on_cpu = !t.truncated;   // its last word may go on past the cut
+        else t.flush(trie, unk, max_word);
+    }
+    if (on_cpu) {
+        lengths[i] = 0;
+        flags[i] = WP_ON_CPU;
+        return;
+    }
+    for (int k = 0; k < n_suffix; ++k) t.row[n_prefix + t.count + k] = suffix[k];
+    lengths[i] = n_prefix + t.count + n_suffix;
+    flags[i] = t.truncated ? WP_TRUNCATED : 0;
+}
+
+// out[offsets[i] + j] = ids[i, j] for j < lengths[i]: one block a text.
+__global__ void pack_rows(const int* __restrict__ ids, int max_length, const int* __restrict__ lengths,
+                          const long long* __restrict__ offsets, int n, int* __restrict__ out) {
+    wait_for_previous();
+    const int i = blockIdx.x;
+    if (i >= n) return;
+    const int* row = ids + (long long)i * max_length;
+    int* dst = out + offsets[i];
+    for (int j = threadIdx.x; j < lengths[i]; j += blockDim.x) dst[j] = row[j];
+}
