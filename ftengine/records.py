@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from .errors import InputError
-from .textio import REPLACE_HINT, iter_lines, unicode_text
+from .textio import REPLACE_HINT, RawLines, iter_lines, unicode_text
 
 INPUT_FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
 _EXTENSIONS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
@@ -81,9 +81,9 @@ def open_records(path: str, fmt: str, *, text_field: str = "text", id_field: str
                  errors: str = "strict") -> Records:
     """The records of `path` ('-': stdin, not for Parquet) in format `fmt`. The file is opened,
     and for CSV/Parquet its columns checked, now; the texts are read as they are iterated."""
-    if fmt == "txt":
+    if fmt == "txt":  # read in blocks: the encoder may take them undecoded (RawLines.windows)
         records = Records(None, "line")
-        records.texts = _numbered(iter_lines(path, errors=errors), records.keys)
+        records.texts = RawLines(path, errors=errors, keys=records.keys)
         return records
     if fmt == "jsonl":
         lines = iter_lines(path, errors=errors)
@@ -99,12 +99,6 @@ def open_records(path: str, fmt: str, *, text_field: str = "text", id_field: str
 
 def _source(path: str) -> str:
     return "<stdin>" if path == "-" else path
-
-
-def _numbered(texts, keys: deque):
-    for number, text in enumerate(texts, start=1):
-        keys.append(number)
-        yield text
 
 
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",

@@ -7,6 +7,8 @@ import os
 import re
 import sys
 
+import numpy as np
+
 from .errors import InputError
 
 
@@ -88,6 +90,10 @@ def iter_lines(path: str, *, errors: str = "strict"):
     (and an unreadable one refused) at the call, not at the first line."""
     if path == "-":
         return iter_block_lines(sys.stdin.buffer, source="<stdin>", errors=errors)
+    return _lines_of(_open(path), path, errors)
+
+
+def _open(path: str):
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -95,7 +101,7 @@ def iter_lines(path: str, *, errors: str = "strict"):
     if os.path.isdir(path):
         f.close()
         raise InputError(f"cannot read input {path}: it is a directory")
-    return _lines_of(f, path, errors)
+    return f
 
 
 def _lines_of(f, path: str, errors: str):
@@ -104,6 +110,96 @@ def _lines_of(f, path: str, errors: str):
             yield from iter_block_lines(f, source=path, errors=errors)
         except OSError as e:
             raise InputError(f"cannot read input {path}: {e.strerror}") from None
+
+
+RAW_BLOCK_BYTES = 16 << 20  # a raw reader's blocks (whole lines each)
+
+
+class RawTexts:
+    """Lines of a text file as undecoded UTF-8: line first + i is data[starts[i]:stops[i]]
+    (without its newline; a carriage return before it kept), for a tokenizer that takes bytes.
+    decoded() gives them as iter_lines would (its --errors rule, the first line's BOM dropped)."""
+
+    def __init__(self, data: bytes, starts: np.ndarray, stops: np.ndarray, *, first: int, source: str, errors: str):
+        self.data, self.starts, self.stops = data, starts, stops   # (N,) int64 each
+        self.first, self.source, self.errors = first, source, errors
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def span(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(the bytes the lines cover (uint8, no copy), their starts and stops within them)."""
+        if not len(self):
+            return np.zeros(0, np.uint8), self.starts, self.stops
+        a, b = int(self.starts[0]), int(self.stops[-1])
+        return np.frombuffer(memoryview(self.data)[a:b], np.uint8), self.starts - a, self.stops - a
+
+    def decoded(self, rows=None) -> list[str]:
+        """Lines `rows` (all by default) as str."""
+        rows = range(len(self)) if rows is None else rows
+        return [_decode(self.data[self.starts[i]:self.stops[i]], self.first + i, self.source, self.errors)
+                for i in map(int, rows)]
+
+
+class RawLines:
+    """A text file's lines (or stdin's, for '-'), read in blocks: iterated, as str (iter_lines);
+    through windows(), as RawTexts of up to `size` lines split with NumPy, with no Python object a
+    line. Each line read puts its number on `keys`. The file is opened (and an unreadable one
+    refused) at construction."""
+
+    def __init__(self, path: str, *, errors: str = "strict", keys=None):
+        self.path, self.errors, self.keys = path, errors, keys
+        self.source = "<stdin>" if path == "-" else path
+        self._file = sys.stdin.buffer if path == "-" else _open(path)
+
+    def __iter__(self):
+        lines = iter_block_lines(self._file, source=self.source, errors=self.errors) if self.path == "-" else \
+            _lines_of(self._file, self.path, self.errors)
+        for number, text in enumerate(lines, start=1):
+            if self.keys is not None:
+                self.keys.append(number)
+            yield text
+
+    def windows(self, size: int):
+        source = self.source
+        read = getattr(self._file, "read1", self._file.read)
+        first, rest = 1, []
+        try:
+            while True:
+                block = read(RAW_BLOCK_BYTES)
+                if not block:
+                    break
+                cut = block.rfind(b"\n")
+                if cut < 0:
+                    rest.append(block)
+                    continue
+                whole = b"".join([*rest, block[:cut]])
+                rest = [block[cut + 1:]]
+                for window in _raw_windows(whole, size, first, source, self.errors):
+                    first += len(window)
+                    if self.keys is not None:
+                        self.keys.extend(range(window.first, first))
+                    yield window
+            if any(rest):
+                for window in _raw_windows(b"".join(rest), size, first, source, self.errors):
+                    first += len(window)
+                    if self.keys is not None:
+                        self.keys.extend(range(window.first, first))
+                    yield window
+        except OSError as e:
+            raise InputError(f"cannot read input {source}: {e.strerror}") from None
+        finally:
+            if self.path != "-":
+                self._file.close()
+
+
+def _raw_windows(whole: bytes, size: int, first: int, source: str, errors: str):
+    """The lines of `whole` (lines joined by newlines, no final one) as RawTexts of up to `size`."""
+    nl = np.flatnonzero(np.frombuffer(whole, np.uint8) == 10)
+    starts = np.concatenate([[0], nl + 1]).astype(np.int64)
+    stops = np.concatenate([nl, [len(whole)]]).astype(np.int64)
+    for a in range(0, len(starts), size):
+        yield RawTexts(whole, starts[a:a + size], stops[a:a + size], first=first + a, source=source, errors=errors)
 
 
 def read_lines(path: str, *, errors: str = "strict") -> list[str]:

@@ -110,7 +110,8 @@ struct WpText {
 // WP_ON_CPU (length 0) for a text the CPU must tokenise (invalid UTF-8, a sensitive character, an
 // added token's normal form among its characters, a cut text not truncated). The checks stop `tail`
 // normalised characters after the one that truncated the text (tail: the longest added token's
-// length less one), so that a thread's work is bounded by max_length, not by its text.
+// length less one), so that a thread's work is bounded by max_length, not by its text; only the
+// UTF-8 decoding goes on to the end.
 __global__ void wordpiece_tokenize(
     const unsigned char* __restrict__ text, const long long* __restrict__ starts,
     const long long* __restrict__ stops, const unsigned char* __restrict__ cut, int n,
@@ -172,6 +173,7 @@ __global__ void wordpiece_tokenize(
             }
         }
     }
+    while (!on_cpu && p < end) on_cpu = wp_decode(text, p, end) < 0;   // the rest must still be UTF-8
     if (!on_cpu) {
         if (cut[i]) on_cpu = !t.truncated;   // its last word may go on past the cut
         else t.flush(trie, unk, max_word);

@@ -258,6 +258,49 @@ def test_only_the_texts_it_hands_back_go_to_the_cpu_tokenizer():
     assert calls == [["a [MASK] b"]]
 
 
+def _file_lines(data) -> bytes:
+    lines = _random_texts(30, 400) + _realistic_lines(data, 31, 400)
+    raw = [t.encode("utf-8", "surrogatepass") for t in lines if "\n" not in t and "\r" not in t]
+    raw += [b"crlf line\r", b"w " * 5000, "日本 ".encode() * 3000 + b"\xff", b"bad \xc3( byte", b"[MASK] here", b""]
+    return "\ufeffthe first line has a BOM\n".encode() + b"\n".join(raw) + b"\n"
+
+
+def test_undecoded_lines_give_the_decoded_lines_tokens(tmp_path):
+    """A text file's lines, undecoded (RawLines windows, as `encode` reads a file for the GPU
+    tokenizer): the tokens of its lines decoded (--errors replace), BOM, invalid bytes (also past
+    the cut of a long line), carriage returns and all; with --errors strict, the first invalid line
+    is named."""
+    from ftengine.textio import RawLines
+    path = tmp_path / "in.txt"
+    path.write_bytes(_file_lines(_base()))
+    cpu = Tokenizer(default_model_path(), max_length=MAX_LENGTH)
+    gpu = GpuTokenizer(cpu, ops=numpy_ops)
+    gpu.tables  # noqa: B018
+    for window in RawLines(str(path), errors="replace").windows(256):
+        _assert_same(gpu.encode(window, first=window.first), cpu.encode(window.decoded(), first=window.first))
+    with pytest.raises(InputError, match=r"in.txt, line \d+: invalid UTF-8"):
+        for window in RawLines(str(path)).windows(256):
+            gpu.encode(window, first=window.first)
+
+
+def test_the_encoder_takes_a_files_lines_undecoded(tmp_path):
+    """encode_stream of a text file (RawLines) with a GPU tokenizer (here on the twin ops): the
+    windows go to the engine undecoded, and give the embeddings of the same lines decoded."""
+    from ftengine.textio import RawLines
+    path = tmp_path / "in.txt"
+    path.write_bytes(_file_lines(_base()).replace(b"\xff", b"").replace(b"\xc3(", b"("))
+    with Encoder.from_pretrained(None, device="cpu", max_length=MAX_LENGTH) as encoder:
+        gpu = GpuTokenizer(encoder.tokenizer, ops=numpy_ops)
+        gpu.tables  # noqa: B018
+        encoder.tokenizer = encoder._engine.tokenizer = gpu
+        seen, encode = [], gpu.encode
+        gpu.encode = lambda texts, first=1: seen.append(type(texts).__name__) or encode(texts, first=first)
+        got = np.concatenate(list(encoder.encode_stream(RawLines(str(path)), window=300)))
+        assert set(seen) == {"RawTexts"}
+        want = np.concatenate(list(encoder.encode_stream(list(RawLines(str(path))), window=300)))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_calls_from_several_threads_at_once():
     from concurrent.futures import ThreadPoolExecutor
     cpu = Tokenizer(default_model_path(), max_length=MAX_LENGTH)
@@ -351,6 +394,30 @@ def test_encoder_calls_from_several_threads_with_the_gpu_tokenizer():
             got = list(pool.map(gpu.encode, groups))
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=0, atol=BATCHING_INVARIANCE_FP32)  # other batches, same ids
+
+
+@pytest.mark.gpu
+def test_encode_cli_reads_a_file_undecoded_for_the_gpu_tokenizer(tmp_path, monkeypatch):
+    """`ftengine encode FILE` with the GPU tokenizer (the file's lines undecoded to the device)
+    and with HF tokenizers: the same embeddings, bit for bit, and the same summary counts."""
+    from click.testing import CliRunner
+    from ftengine.cli import main
+    encode = GpuTokenizer.encode
+
+    def ready_then_encode(self, texts, *, first=1):  # not the CPU tokenizer of a cold start
+        self.tables  # noqa: B018
+        return encode(self, texts, first=first)
+    monkeypatch.setattr(GpuTokenizer, "encode", ready_then_encode)
+    path = tmp_path / "in.txt"
+    path.write_bytes(_file_lines(_base()).replace(b"\xff", b"").replace(b"\xc3(", b"("))
+    out = {}
+    for tokenizer in ("cpu", "gpu"):
+        result = CliRunner().invoke(main, ["encode", str(path), "-o", str(tmp_path / f"{tokenizer}.npy"), "--dtype",
+                                           "fp32", "--tokenizer", tokenizer])
+        assert result.exit_code == 0, result.output
+        out[tokenizer] = (np.load(tmp_path / f"{tokenizer}.npy"), result.output.split(" tokens, ")[0])
+    np.testing.assert_array_equal(out["gpu"][0], out["cpu"][0])
+    assert out["gpu"][1] == out["cpu"][1]
 
 
 @pytest.mark.gpu

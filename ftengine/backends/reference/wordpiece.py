@@ -25,8 +25,8 @@ def wordpiece_tokenize(tables: WordPieceTables, text, starts, stops, cut, ids, l
     the text's first `capacity` pieces), lengths (N,) int32, flags (N,) uint8: TRUNCATED when the
     text has more pieces than fit, ON_CPU (and length 0) when the CPU path must tokenise it: not
     valid UTF-8, a SENSITIVE character, an added token's normal form, or a cut text that ends
-    before max_length is reached. The checks look no further than `tables.tail` normalised
-    characters past the one at which the text is truncated (the kernel stops there)."""
+    before max_length is reached. The checks but UTF-8's look no further than `tables.tail`
+    normalised characters past the one at which the text is truncated (the kernel stops there)."""
     n = len(starts)
     lengths[:] = 0
     flags[:] = 0
@@ -60,8 +60,7 @@ def wordpiece_tokenize(tables: WordPieceTables, text, starts, stops, cut, ids, l
     checked = seen_before < limit[char_text]     # the characters the kernel reaches
     flags[np.unique(char_text[((entries & SENSITIVE) != 0) & checked])] |= ON_CPU
     flags[_added_tokens(tables, values & CP_MASK, value_text, checked[owner])] |= ON_CPU
-    prefix = np.bincount(char_text, weights=counts, minlength=n)  # normalised characters before an invalid byte
-    flags[invalid & (prefix < limit)] |= ON_CPU
+    flags[invalid] |= ON_CPU
 
     flags[truncated] |= TRUNCATED
     flags[(cut.astype(bool) & ~truncated)] |= ON_CPU
