@@ -18,18 +18,20 @@ class SequenceHead:
     loading, the head's logits, closing."""
 
     def __init__(self, path, *, device: str = "auto", dtype: str | None = None, max_length: int | None = None,
-                 cuda_graphs: bool = True, layout: str = "auto"):
+                 cuda_graphs: bool = True, layout: str = "auto", tokenizer: str = "auto"):
         self._encoder = Encoder(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs,
-                                layout=layout, classifier=True)
+                                layout=layout, classifier=True, tokenizer=tokenizer)
         self.path, self.device, self.dtype = self._encoder.path, self._encoder.device, self._encoder.dtype
         self.max_length = self._encoder.max_length
         self.num_labels = self._encoder.dim
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *, max_length: int | None = None,
-                        cuda_graphs: bool = True, layout: str = "auto"):
-        """Load a ...ForSequenceClassification folder (config.json, model.safetensors, tokenizer.json)."""
-        return cls(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs, layout=layout)
+                        cuda_graphs: bool = True, layout: str = "auto", tokenizer: str = "auto"):
+        """Load a ...ForSequenceClassification folder (config.json, model.safetensors, tokenizer.json).
+        tokenizer: as Encoder.from_pretrained's (pairs are tokenised on the CPU)."""
+        return cls(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs, layout=layout,
+                   tokenizer=tokenizer)
 
     def _submit(self, inputs: list, *, pairs: bool, batch_tokens, truncate: bool, what: str) -> tuple:
         """(the engine's future of an EncodeResult whose embeddings are the head's logits, the tokens

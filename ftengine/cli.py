@@ -309,8 +309,10 @@ def _ranges(precision: str, ranges_path, calibration_path):
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Service processes on one port, each with its own copy of the model: HTTP and JSON work "
                    "in parallel, batches packed per process.")
+@click.option("--tokenizer", type=click.Choice(TOKENIZER_CHOICES), default="auto", show_default=True,
+              help="Where WordPiece models are tokenised, as for encode (NER models and reranker pairs: the CPU).")
 def serve(model_paths, host, port, device, dtype, max_batch_tokens, max_client_batch_size, max_input_length,
-          max_concurrent_requests, api_key, api_key_file, workers):
+          max_concurrent_requests, api_key, api_key_file, workers, tokenizer):
     """Serve a model over HTTP: an embedding model at TEI's POST /embed and OpenAI's POST
     /v1/embeddings, a reranker (a cross-encoder) at TEI's POST /rerank and Cohere's / Jina's POST
     /v1/rerank, a classifier at TEI's POST /predict, a token classifier (NER) at POST /ner (needs
@@ -346,13 +348,13 @@ def serve(model_paths, host, port, device, dtype, max_batch_tokens, max_client_b
         fail(str(e))
     if workers > 1:  # each worker loads the models and reports its own errors
         settings = WorkerSettings(models=specs, device=device, dtype=dtype, max_length=max_input_length,
-                                  limits=limits)
+                                  limits=limits, tokenizer=tokenizer)
         if not serve_workers(settings, host=host, port=port, workers=workers):
             fail("a service worker could not start (its error is above)")
         return
     try:
         loaded = load_models(specs, device=device, dtype=dtype, max_length=max_input_length,
-                             batch_tokens=max_batch_tokens)
+                             batch_tokens=max_batch_tokens, tokenizer=tokenizer)
         run_service(loaded, host=host, port=port, limits=limits)
     except FtengineError as e:
         fail(str(e))

@@ -65,6 +65,7 @@ class WorkerSettings:
     dtype: str | None
     max_length: int | None
     limits: ServeLimits
+    tokenizer: str = "auto"
 
 
 def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: int) -> bool:
@@ -103,7 +104,8 @@ def worker_app():
             limits = ServeLimits(**(asdict(limits) | {"api_key": f.read()}))
     try:
         loaded = load_models(settings["models"], device=settings["device"], dtype=settings["dtype"],
-                             max_length=settings["max_length"], batch_tokens=limits.max_batch_tokens)
+                             max_length=settings["max_length"], batch_tokens=limits.max_batch_tokens,
+                             tokenizer=settings["tokenizer"])
     except FtengineError as e:
         print(f"ftengine: {e}", file=sys.stderr, flush=True)
         sys.exit(STARTUP_FAILURE)
@@ -124,9 +126,10 @@ def load_models(specs: list, **options) -> list:
     return loaded
 
 
-def load_model(task: str, path, *, device: str, dtype, max_length, batch_tokens):
+def load_model(task: str, path, *, device: str, dtype, max_length, batch_tokens, tokenizer: str = "auto"):
     """The Encoder (task "embed"), Reranker ("rerank"), Classifier ("classify") or TokenClassifier
-    ("ner") a service runs, its options checked."""
+    ("ner", which tokenises on the CPU: it needs the tokens' offsets) a service runs, its options
+    checked."""
     from .classifier import Classifier
     from .encoder import Encoder
     from .reranker import Reranker
@@ -135,10 +138,12 @@ def load_model(task: str, path, *, device: str, dtype, max_length, batch_tokens)
         return TokenClassifier.from_pretrained(path, device=device, dtype=dtype, max_length=max_length)
     if task in ("rerank", "classify"):
         model = (Reranker if task == "rerank" else Classifier).from_pretrained(path, device=device, dtype=dtype,
-                                                                                max_length=max_length)
+                                                                                max_length=max_length,
+                                                                                tokenizer=tokenizer)
         engine = model._encoder
     else:
-        model = engine = Encoder.from_pretrained(path, device=device, dtype=dtype, max_length=max_length)
+        model = engine = Encoder.from_pretrained(path, device=device, dtype=dtype, max_length=max_length,
+                                                 tokenizer=tokenizer)
     try:
         engine.check_options(batch_tokens=batch_tokens)  # refused now, not at the first request
     except FtengineError:

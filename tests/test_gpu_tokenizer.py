@@ -330,6 +330,13 @@ def test_what_the_gpu_tokenizer_covers(tmp_path):
         choose_tokenizer(cpu, "gpu", ops=numpy_ops, device="cpu")
     with pytest.raises(InputError, match="tokenizer must be one of auto, gpu, cpu"):
         Encoder.from_pretrained(None, device="cpu", tokenizer="fast")
+    from click.testing import CliRunner
+    from ftengine.cli import main
+    (tmp_path / "in.txt").write_text("a line\n")
+    result = CliRunner().invoke(main, ["encode", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out.npy"),
+                                       "--device", "cpu", "--tokenizer", "gpu"])
+    assert result.exit_code != 0 and "tokenizer='gpu' needs the CUDA backend" in result.output
+    assert not (tmp_path / "out.npy").exists()
 
 
 def test_unicode_tables_are_kept_on_disk(tmp_path, monkeypatch):
