@@ -104,6 +104,8 @@ class GpuTokenizer:
             data, starts, stops = texts.span()
             starts, stops, cut = self._cut(data, starts, stops)
             redo = self._unchecked(texts, data, stops)
+            if cut.any():  # only the kept bytes of a huge line go to the device
+                data, starts, stops = _compact(data, starts, stops)
         else:
             prepared = [t.lower() for t in texts] if self._cpu.lowercase_text else texts
             try:
@@ -204,6 +206,14 @@ def _splice(tokens: TokenizedTexts, redo: np.ndarray, cpu: TokenizedTexts) -> To
     ids[at] = cpu.ids
     type_ids[at] = cpu.type_ids
     return TokenizedTexts(ids, type_ids, lengths, truncated)
+
+
+def _compact(data: np.ndarray, starts: np.ndarray, stops: np.ndarray):
+    """(the texts' bytes one after the other, their new starts and stops)."""
+    joined = np.concatenate([data[a:b] for a, b in zip(starts.tolist(), stops.tolist())] + [np.zeros(0, np.uint8)])
+    sizes = stops - starts
+    ends = np.cumsum(sizes)
+    return joined, ends - sizes, ends
 
 
 def _within(lengths: np.ndarray) -> np.ndarray:
