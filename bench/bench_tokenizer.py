@@ -51,7 +51,8 @@ def _kernel_seconds(gpu, groups: list) -> float:
     tables = gpu.tables
     staged = []
     for texts in groups:
-        raw, starts, stops, cut = gpu._bytes(texts)
+        raw, starts, stops = gpu._bytes(texts)
+        starts, stops, cut = gpu._cut(raw, starts, stops)
         n = len(texts)
         staged.append((ops.to_device(raw), ops.to_device(starts), ops.to_device(stops), ops.to_device(cut),
                        ops.empty((n, tables.max_length), np.int32), ops.empty((n,), np.int32),

@@ -102,17 +102,16 @@ class GpuTokenizer:
             return self._cpu.encode(texts.decoded() if raw else texts, first=first)
         if raw:
             data, starts, stops = texts.span()
-            starts, stops, cut = self._cut(data, starts, stops)
-            redo = self._unchecked(texts, data, stops)
-            if cut.any():  # only the kept bytes of a huge line go to the device
-                data, starts, stops = _compact(data, starts, stops)
         else:
             prepared = [t.lower() for t in texts] if self._cpu.lowercase_text else texts
             try:
-                data, starts, stops, cut = self._bytes(prepared)
+                data, starts, stops = self._bytes(prepared)
             except UnicodeEncodeError:  # a lone surrogate: the CPU tokenizer names the text
                 return self._cpu.encode(texts, first=first)
-            redo = []
+        starts, stops, cut = self._cut(data, starts, stops)
+        redo = self._unchecked(texts, data, stops) if raw else []
+        if cut.any():  # only the kept bytes of a huge text go to the device
+            data, starts, stops = _compact(data, starts, stops)
         ids, lengths, flags = self._device_ids(self.tables, data, starts, stops, cut)
         tokens = TokenizedTexts(ids, np.zeros(len(ids), np.int32), lengths, (flags & TRUNCATED) != 0)
         redo = np.union1d(np.flatnonzero((flags & ON_CPU) != 0), np.array(redo, dtype=np.int64))
@@ -123,7 +122,7 @@ class GpuTokenizer:
 
     def _cut(self, data: np.ndarray, starts: np.ndarray, stops: np.ndarray):
         """(starts, stops, cut) with each text of over max_length x CUT_BYTES_PER_TOKEN bytes cut
-        there, at a character's first byte."""
+        there, at a character's first byte (the kernel hands back a cut text it does not truncate)."""
         limit = self._cpu.max_length * CUT_BYTES_PER_TOKEN
         cut = (stops - starts > limit).astype(np.uint8)
         stops = stops.copy()
@@ -146,28 +145,19 @@ class GpuTokenizer:
                 redo.append(i)
         return redo
 
-    def _bytes(self, texts: list):
-        """(UTF-8 bytes of all texts, starts, stops, cut): a text of over max_length x
-        CUT_BYTES_PER_TOKEN bytes is cut there, at a character's first byte."""
-        n = len(texts)
-        limit = self._cpu.max_length * CUT_BYTES_PER_TOKEN
+    @staticmethod
+    def _bytes(texts: list):
+        """(UTF-8 bytes of all texts, each text's start and stop among them)."""
         joined = "".join(texts)
-        if joined.isascii() and max(map(len, texts)) <= limit:
-            sizes = np.fromiter(map(len, texts), dtype=np.int64, count=n)
-            stops = np.cumsum(sizes)
-            return np.frombuffer(joined.encode("ascii"), np.uint8), stops - sizes, stops, np.zeros(n, np.uint8)
-        parts = [t.encode("utf-8") for t in texts]
-        cut = np.zeros(n, np.uint8)
-        for i, part in enumerate(parts):
-            if len(part) > limit:
-                at = limit
-                while part[at] & 0xC0 == 0x80:
-                    at -= 1
-                parts[i] = part[:at]
-                cut[i] = 1
-        sizes = np.fromiter(map(len, parts), dtype=np.int64, count=n)
+        if joined.isascii():
+            sizes = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+            data = joined.encode("ascii")
+        else:
+            parts = [t.encode("utf-8") for t in texts]
+            sizes = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+            data = b"".join(parts)
         stops = np.cumsum(sizes)
-        return np.frombuffer(b"".join(parts), np.uint8), stops - sizes, stops, cut
+        return np.frombuffer(data, np.uint8), stops - sizes, stops
 
     def _device_ids(self, tables, raw, starts, stops, cut):
         """The kernels' packed ids (T,), lengths (N,) and flags (N,) on the host."""
