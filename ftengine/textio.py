@@ -45,22 +45,29 @@ def iter_block_lines(f, *, source: str, errors: str = "strict"):
     decoded and split in one call (no Python work per line but the yield); a block that does not
     decode goes line by line, for the error that names its line. `read1` returns what a pipe has,
     so a stream's lines come as they arrive."""
+    number = 0
+    for whole in _line_blocks(f, BLOCK_BYTES):
+        yield from _decoded_block(whole, number, source, errors)
+        number += whole.count(b"\n") + 1
+
+
+def _line_blocks(f, size: int):
+    """A binary file's bytes in blocks of whole lines (joined by their newlines, without the last
+    one), each read with up to `size` bytes; a line longer than that is one block of its own."""
     read = getattr(f, "read1", f.read)
-    number, rest = 0, []   # rest: the pieces of a line not yet ended
+    rest = []   # the pieces of a line not yet ended
     while True:
-        block = read(BLOCK_BYTES)
+        block = read(size)
         if not block:
             break
         cut = block.rfind(b"\n")
         if cut < 0:
             rest.append(block)
             continue
-        whole = b"".join([*rest, block[:cut]])
+        yield b"".join([*rest, block[:cut]])
         rest = [block[cut + 1:]]
-        yield from _decoded_block(whole, number, source, errors)
-        number += whole.count(b"\n") + 1
     if any(rest):
-        yield from _decoded_block(b"".join(rest), number, source, errors)
+        yield b"".join(rest)
 
 
 def _decoded_block(data: bytes, before: int, source: str, errors: str):
@@ -161,33 +168,16 @@ class RawLines:
             yield text
 
     def windows(self, size: int):
-        source = self.source
-        read = getattr(self._file, "read1", self._file.read)
-        first, rest = 1, []
+        first = 1
         try:
-            while True:
-                block = read(RAW_BLOCK_BYTES)
-                if not block:
-                    break
-                cut = block.rfind(b"\n")
-                if cut < 0:
-                    rest.append(block)
-                    continue
-                whole = b"".join([*rest, block[:cut]])
-                rest = [block[cut + 1:]]
-                for window in _raw_windows(whole, size, first, source, self.errors):
-                    first += len(window)
-                    if self.keys is not None:
-                        self.keys.extend(range(window.first, first))
-                    yield window
-            if any(rest):
-                for window in _raw_windows(b"".join(rest), size, first, source, self.errors):
+            for whole in _line_blocks(self._file, RAW_BLOCK_BYTES):
+                for window in _raw_windows(whole, size, first, self.source, self.errors):
                     first += len(window)
                     if self.keys is not None:
                         self.keys.extend(range(window.first, first))
                     yield window
         except OSError as e:
-            raise InputError(f"cannot read input {source}: {e.strerror}") from None
+            raise InputError(f"cannot read input {self.source}: {e.strerror}") from None
         finally:
             if self.path != "-":
                 self._file.close()
