@@ -1,7 +1,23 @@
-"""Errors that ftengine raises for expected problems (bad input, bad files, bad options).
+"""Errors that ftengine raises for expected problems (bad input, bad files, bad options), and the
+notices it prints once on stderr.
 
 The CLI prints these as one line and exits non-zero; anything else is a bug.
 """
+
+import sys
+import threading
+
+_said = set()  # the notices already printed
+_said_lock = threading.Lock()
+
+
+def say_once(text: str):
+    """Print a notice on stderr, the first time it comes up in this process only."""
+    with _said_lock:
+        if text in _said:
+            return
+        _said.add(text)
+    print(text, file=sys.stderr)
 
 
 class FtengineError(Exception):

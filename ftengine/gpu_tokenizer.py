@@ -9,12 +9,11 @@ result is always `tokenizers`' own. Runs on the backend's ops: the CUDA kernels,
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import numpy as np
 
-from .errors import DeviceError, InputError
+from .errors import DeviceError, InputError, say_once
 from .textio import RawTexts
 from .tokenizer import PREFIX_CHARS_PER_TOKEN, TokenizedTexts, Tokenizer, check_texts
 from .wordpiece import ON_CPU, TRUNCATED, build_tables, unsupported
@@ -23,18 +22,6 @@ TOKENIZER_CHOICES = ("auto", "gpu", "cpu")
 # a text of more bytes than max_length x this goes to the device cut (at a character): no kept piece
 # lies past the cut unless the text is mostly white space, and then the CPU tokenises it
 CUT_BYTES_PER_TOKEN = 4 * PREFIX_CHARS_PER_TOKEN
-_said = set()
-_said_lock = threading.Lock()
-
-
-def _say_once(text: str):
-    with _said_lock:
-        if text in _said:
-            return
-        _said.add(text)
-    print(text, file=sys.stderr)
-
-
 def choose_tokenizer(cpu: Tokenizer, choice: str, *, ops, device: str):
     """The tokenizer an encoder runs: the GPU one (`choice` gpu, or auto where it covers the
     model's tokenizer on the CUDA backend) or the CPU one; gpu where it cannot be: a clear error."""
@@ -46,13 +33,14 @@ def choose_tokenizer(cpu: Tokenizer, choice: str, *, ops, device: str):
         if choice == "gpu":
             raise DeviceError("tokenizer='gpu' needs the CUDA backend")
         return cpu
-    reason = unsupported(cpu.definition)
+    definition = cpu.definition
+    reason = unsupported(definition)
     if reason is not None:
         if choice == "gpu":
             raise InputError(f"the GPU tokenizer cannot run this model's tokenizer: {reason}")
-        _say_once(f"ftengine: tokenising on the CPU: the GPU tokenizer does not cover this model's tokenizer ({reason})")
+        say_once(f"ftengine: tokenising on the CPU: the GPU tokenizer does not cover this model's tokenizer ({reason})")
         return cpu
-    return GpuTokenizer(cpu, ops=ops)
+    return GpuTokenizer(cpu, ops=ops, definition=definition)
 
 
 class GpuTokenizer:
@@ -61,13 +49,14 @@ class GpuTokenizer:
     the kernels compiled in a background thread from construction on; calls made before they are
     ready go to the CPU tokenizer (the same result), so a cold start never waits for them."""
 
-    def __init__(self, cpu: Tokenizer, *, ops):
+    def __init__(self, cpu: Tokenizer, *, ops, definition: dict | None = None):
+        """definition: the tokenizer as tokenizer.json holds it, where the caller has it parsed."""
         self._cpu = cpu
         self._ops = ops
         self._tables = None
         self._error = None
         self._ready = threading.Event()
-        data = cpu.definition
+        data = cpu.definition if definition is None else definition
         threading.Thread(target=self._build, args=(data,), name="ftengine-wordpiece-tables", daemon=True).start()
 
     def _build(self, data: dict):
@@ -76,7 +65,7 @@ class GpuTokenizer:
             self._ops.prepare_wordpiece()
         except Exception as e:  # the CPU tokenizer does the work instead
             self._error = e
-            _say_once(f"ftengine: tokenising on the CPU: the GPU tokenizer cannot start ({type(e).__name__}: {e})")
+            say_once(f"ftengine: tokenising on the CPU: the GPU tokenizer cannot start ({type(e).__name__}: {e})")
         finally:
             self._ready.set()
 

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import say_once
+
 CODE_POINTS = 0x110000
 CP_MASK = (1 << 21) - 1
 CLASS_SHIFT = 21                    # 2 bits: the pre-tokeniser's class of the (single) result
@@ -196,8 +198,8 @@ def unicode_tables(cfg: dict) -> tuple[np.ndarray, np.ndarray]:
         path.parent.mkdir(parents=True, exist_ok=True)
         folder = path.parent
     except OSError as e:
-        print(f"ftengine: cannot keep the GPU tokenizer's Unicode tables in {path.parent} ({e}); "
-              "each process measures them again", file=sys.stderr)
+        say_once(f"ftengine: cannot keep the GPU tokenizer's Unicode tables in {path.parent} ({e}); "
+                 "each process measures them again")
         folder = Path(tempfile.mkdtemp(prefix="ftengine-wordpiece-"))
         path = folder / path.name
     child = subprocess.run([sys.executable, "-m", "ftengine.wordpiece", json.dumps(cfg), str(path)],

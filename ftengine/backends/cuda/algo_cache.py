@@ -24,15 +24,15 @@ import contextlib
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import threading
 from pathlib import Path
 
+from ...errors import say_once
+
 FORMAT = 1
 ENV = "FTENGINE_ALGO_CACHE"
 _lock = threading.Lock()
-_said = set()  # the problems already reported on stderr, once each
 
 
 def cache_folder(kernel_cache: str) -> Path | None:
@@ -67,14 +67,14 @@ class AlgoCache:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:
-            _say_once(f"ftengine: ignoring the algorithm cache {self.path} ({e}); it is written again")
+            say_once(f"ftengine: ignoring the algorithm cache {self.path} ({e}); it is written again")
             return {}
         try:
             if content["fingerprint"] != self.fingerprint:
                 raise ValueError("another fingerprint")
             return {name: bytes.fromhex(value) for name, value in content["algorithms"].items()}
         except (AttributeError, KeyError, TypeError, ValueError):
-            _say_once(f"ftengine: ignoring the algorithm cache {self.path} (not one of ours); it is written again")
+            say_once(f"ftengine: ignoring the algorithm cache {self.path} (not one of ours); it is written again")
             return {}
 
     def save(self, new: dict):
@@ -95,11 +95,5 @@ class AlgoCache:
                 if temporary is not None:
                     with contextlib.suppress(OSError):
                         os.unlink(temporary)
-                _say_once(f"ftengine: cannot keep cuBLASLt algorithm choices in {self.path.parent} ({e}); "
+                say_once(f"ftengine: cannot keep cuBLASLt algorithm choices in {self.path.parent} ({e}); "
                           f"each process times them again (set {ENV} to another folder)")
-
-
-def _say_once(text: str):
-    if text not in _said:
-        _said.add(text)
-        print(text, file=sys.stderr)
