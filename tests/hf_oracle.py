@@ -73,3 +73,32 @@ def assert_candidates_match(results, expected, score_tolerance: float):
         assert [c.token_ids for c in result.candidates] == hypotheses, result.source
         if scores is not None:
             assert np.abs(np.array([c.score for c in result.candidates]) - scores).max() <= score_tolerance
+
+
+def assert_encoder_and_first_logits_match(folder, model, tokenizer, texts, tolerance: float):
+    """The NumPy seq2seq runner on `folder` against the HF model: each source's encoder output and the
+    logits of the decoder's first step (from its start token), within `tolerance`."""
+    import torch
+    from ftengine.backends import numpy_ops
+    from ftengine.config import load_seq2seq_config
+    from ftengine.models.seq2seq import Seq2SeqRunner
+    from ftengine.seq2seq_checkpoint import load_seq2seq_weights
+    config = load_seq2seq_config(folder)
+    runner = Seq2SeqRunner(config, load_seq2seq_weights(folder, config), numpy_ops, dtype="fp32", max_batch=4,
+                           max_len=16, max_source=32)
+    sources = [tokenizer(t).input_ids for t in texts]
+    runner.encode(sources)
+    total = sum(map(len, sources))
+    states = np.array(numpy_ops.to_host(runner.ws.view(runner.out, (total, config.d_model))))  # a copy: prefill reuses it
+    start = config.decoder_start_token_id
+    runner.prefill([[start]] * len(sources))
+    logits = runner.logits(len(sources))
+    at = 0
+    for i, ids in enumerate(sources):
+        with torch.no_grad():
+            ref_states = model.get_encoder()(torch.tensor([ids])).last_hidden_state[0].numpy()
+            ref_logits = model(input_ids=torch.tensor([ids]),
+                               decoder_input_ids=torch.tensor([[start]])).logits[0, -1].numpy()
+        assert np.abs(states[at:at + len(ids)] - ref_states).max() <= tolerance
+        assert np.abs(logits[i] - ref_logits).max() <= tolerance
+        at += len(ids)

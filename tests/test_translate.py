@@ -12,13 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from ftengine import InputError, Translator
-from ftengine.backends import numpy_ops
 from ftengine.cli import main
-from ftengine.config import load_seq2seq_config
-from ftengine.models.seq2seq import Seq2SeqRunner
-from ftengine.seq2seq_checkpoint import load_seq2seq_weights
 from ftengine.seq2seq_text import MarianText
-from tests.hf_oracle import assert_candidates_match, hf_seq2seq_generate
+from tests.hf_oracle import assert_candidates_match, assert_encoder_and_first_logits_match, hf_seq2seq_generate
 from tests.tolerances import BATCHING_INVARIANCE_FP32, BEAM_SCORE_FP32, HF_FP32_MAX_ABS
 from weights.fixtures import write_marian_checkpoint
 
@@ -64,26 +60,8 @@ def test_tokenizer_matches_marian_tokenizer(marian, hf):
 
 
 def test_encoder_states_and_first_logits_match_hf(marian, hf):
-    import torch
     model, tokenizer = hf
-    config = load_seq2seq_config(marian)
-    runner = Seq2SeqRunner(config, load_seq2seq_weights(marian, config), numpy_ops, dtype="fp32", max_batch=4,
-                           max_len=16, max_source=32)
-    sources = [tokenizer(t).input_ids for t in TEXTS[:3]]
-    runner.encode(sources)
-    total = sum(map(len, sources))
-    states = np.array(numpy_ops.to_host(runner.ws.view("hidden", (total, config.d_model))))  # a copy: prefill reuses it
-    runner.prefill([[config.decoder_start_token_id]] * len(sources))
-    logits = runner.logits(len(sources))
-    at = 0
-    for i, ids in enumerate(sources):
-        with torch.no_grad():
-            ref_states = model.get_encoder()(torch.tensor([ids])).last_hidden_state[0].numpy()
-            ref_logits = model(input_ids=torch.tensor([ids]),
-                               decoder_input_ids=torch.tensor([[config.decoder_start_token_id]])).logits[0, -1].numpy()
-        assert np.abs(states[at:at + len(ids)] - ref_states).max() <= HF_FP32_MAX_ABS
-        assert np.abs(logits[i] - ref_logits).max() <= HF_FP32_MAX_ABS
-        at += len(ids)
+    assert_encoder_and_first_logits_match(marian, model, tokenizer, TEXTS[:3], HF_FP32_MAX_ABS)
 
 
 @pytest.mark.parametrize("options", [

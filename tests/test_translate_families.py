@@ -6,16 +6,12 @@ penalty and minimum length; the target language as the forced first token; T5's 
 position biases and RMS norms, ReLU with a tied head or gated GELU with an untied one), and the
 bad input the language options take."""
 
-import numpy as np
 import pytest
 
 from ftengine import InputError, Translator
-from ftengine.backends import numpy_ops
 from ftengine.config import load_seq2seq_config
-from ftengine.models.seq2seq import Seq2SeqRunner
-from ftengine.seq2seq_checkpoint import load_seq2seq_weights
 from ftengine.seq2seq_text import load_text
-from tests.hf_oracle import assert_candidates_match, hf_seq2seq_generate
+from tests.hf_oracle import assert_candidates_match, assert_encoder_and_first_logits_match, hf_seq2seq_generate
 from tests.tolerances import BEAM_SCORE_FP32, HF_FP32_MAX_ABS
 from weights.fixtures import write_bart_family_checkpoint, write_t5_checkpoint
 
@@ -80,28 +76,9 @@ def test_tokenizer_matches_hf(family, hf):
 
 
 def test_encoder_output_and_first_logits_match_hf(family, hf):
-    import torch
     name, folder = family
     model, tokenizer = hf
-    config = load_seq2seq_config(folder)
-    runner = Seq2SeqRunner(config, load_seq2seq_weights(folder, config), numpy_ops, dtype="fp32", max_batch=4,
-                           max_len=16, max_source=32)
-    sources = [tokenizer(t).input_ids for t in TEXTS[:3]]
-    runner.encode(sources)
-    total = sum(map(len, sources))
-    states = np.array(numpy_ops.to_host(runner.ws.view(runner.out, (total, config.d_model))))
-    start = config.decoder_start_token_id
-    runner.prefill([[start]] * len(sources))
-    logits = runner.logits(len(sources))
-    at = 0
-    for i, ids in enumerate(sources):
-        with torch.no_grad():
-            ref_states = model.get_encoder()(torch.tensor([ids])).last_hidden_state[0].numpy()
-            ref_logits = model(input_ids=torch.tensor([ids]),
-                               decoder_input_ids=torch.tensor([[start]])).logits[0, -1].numpy()
-        assert np.abs(states[at:at + len(ids)] - ref_states).max() <= HF_FP32_MAX_ABS
-        assert np.abs(logits[i] - ref_logits).max() <= HF_FP32_MAX_ABS
-        at += len(ids)
+    assert_encoder_and_first_logits_match(folder, model, tokenizer, TEXTS[:3], HF_FP32_MAX_ABS)
 
 
 @pytest.mark.parametrize("options", [
