@@ -680,14 +680,37 @@ def test_varlen_attention_keeps_each_sequence_to_itself(cu, rng, dtype, d, causa
 
 def test_prepare_kernels_compiles_the_wgmma_attention_for_its_head_dims_only(cu, monkeypatch):
     """A runner's warm-up compiles attention_sm90.cu where the GPU runs it, for fp16/bf16 models of
-    head dims 64 and 32 only (the ones it takes: a model of another head dim never launches it)."""
+    head dims 64 and 32 only (the ones it takes: a model of another head dim never launches it),
+    whose attention is plain (windows and a relative bias take the fused attention's general variant)."""
     if not cu.context().wgmma:
         pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
     compiled = []
-    monkeypatch.setattr(families, "prepare", lambda files, types: compiled.append(tuple(files)))
+    monkeypatch.setattr(families, "prepare", lambda files, types, only: compiled.append(tuple(files)))
     for dtype, head_dim in [("fp16", 64), ("bf16", 64), ("fp16", 32), ("bf16", 128), ("fp32", 64)]:
-        cu.prepare_kernels(("attention_varlen.cu",), dtype, head_dim=head_dim)
-    assert compiled == [("attention_varlen.cu", "attention_sm90.cu")] * 3 + [("attention_varlen.cu",)] * 2
+        cu.prepare_kernels(("attention_varlen.cu",), dtype, head_dims=(head_dim,))
+    cu.prepare_kernels(("attention_varlen.cu",), "fp16", head_dims=(64,), general=(True,))  # never takes it
+    assert compiled == [("attention_varlen.cu", "attention_sm90.cu")] * 3 + [("attention_varlen.cu",)] * 3
+
+
+def test_prepare_kernels_compiles_the_attention_its_runner_launches_only(cu, monkeypatch):
+    """Of the fused attention, a runner's warm-up compiles the kernels of its head dims (a seq2seq
+    model's encoder and decoder may differ) and variants (plain; general: windows, relative bias),
+    on sm_90 the wgmma kernel in place of the plain variant at the head dims it takes; any other
+    compiles at its first launch."""
+    asked = []
+    monkeypatch.setattr(families, "prepare", lambda files, types, only: asked.append(only))
+    cu.prepare_kernels(("attention_varlen.cu",), "fp16", head_dims=(32, 128))
+    cu.prepare_kernels(("attention_varlen.cu",), "fp16", head_dims=(64,), general=(True,))
+    cu.prepare_kernels(("attention_varlen.cu",), "fp16", head_dims=(64,), general=(False, True))
+    plain, general, both = asked
+    wg = cu.context().wgmma
+    mma = lambda d, g: {attention.varlen_mma_name("__half", d, g, t) for t in (("narrow", "wide") if d <= 64 else ("narrow",))}  # noqa: E731
+    assert plain["attention_varlen.cu"] == mma(128, False) | (set() if wg else mma(32, False))
+    assert plain["attention_sm90.cu"] == ({"varlen_attention_wgmma<__half, 32>"} if wg else set())
+    assert general["attention_varlen.cu"] == mma(64, True) and not general["attention_sm90.cu"]
+    assert both["attention_varlen.cu"] == mma(64, True) | (set() if wg else mma(64, False))
+    assert both["attention_sm90.cu"] == ({"varlen_attention_wgmma<__half, 64>", "varlen_attention_wgmma_tma<__half>"}
+                                         if wg else set())
 
 
 def test_prepare_kernels_compiles_the_wgmma_product_for_the_erf_form_only(cu, monkeypatch):
@@ -697,10 +720,10 @@ def test_prepare_kernels_compiles_the_wgmma_product_for_the_erf_form_only(cu, mo
     if not cu.context().wgmma:
         pytest.skip("the wgmma product runs on compute capability 9.0 only")
     compiled = []
-    monkeypatch.setattr(families, "prepare", lambda files, types: compiled.append(tuple(files)))
+    monkeypatch.setattr(families, "prepare", lambda files, types, only: compiled.append(tuple(files)))
     for dtype, form, ln in [("fp16", "erf", False), ("bf16", "erf", False), ("fp16", "tanh", True), ("bf16", None, True),
                             ("fp16", "tanh", False), ("bf16", None, False), ("fp32", "erf", True)]:
-        cu.prepare_kernels(("activation.cu",), dtype, head_dim=64, gelu_product=form, ln_product=ln)
+        cu.prepare_kernels(("activation.cu",), dtype, head_dims=(64,), gelu_product=form, ln_product=ln)
     assert compiled == [("activation.cu", "gemm_sm90.cu")] * 4 + [("activation.cu",)] * 3
 
 

@@ -10,8 +10,9 @@ import subprocess
 
 import pytest
 
-from ftengine.backends.cuda.families import FAMILIES, SHARED
-from ftengine.backends.cuda.kernels import ARCH_SPECIFIC, all_instantiations, source
+from ftengine.backends.cuda.families import FAMILIES, MODULE_KERNELS, SHARED
+from ftengine.backends.cuda.kernels import (ARCH_SPECIFIC, CUDA_TYPES, SHARED_KEY, _owner, all_instantiations, groups,
+                                            instantiations, source)
 from ftengine.backends.cuda import kernel_dir
 
 NVCC = shutil.which("nvcc")
@@ -20,6 +21,21 @@ NVCC = shutil.which("nvcc")
 def test_every_cu_file_is_listed():
     assert sorted(p.name for p in kernel_dir().glob("*.cu")) == sorted(FAMILIES)
     assert set(SHARED) <= set(FAMILIES)
+
+
+def test_every_kernel_lies_in_one_module_of_its_file():
+    """groups() splits each file's instantiations into modules of at most MODULE_KERNELS[file]
+    kernels (all of them in one where unlisted), in order, each kernel in exactly one, and the
+    launchers' lookup (_owner) finds it there."""
+    for file in FAMILIES:
+        for key in (*CUDA_TYPES.values(), SHARED_KEY):
+            names, modules = instantiations(file, key), groups(file, key)
+            assert [n for m in modules for n in m] == names
+            assert all(0 < len(m) <= MODULE_KERNELS.get(file, len(names)) for m in modules)
+            assert len(modules) == (-(-len(names) // MODULE_KERNELS[file]) if file in MODULE_KERNELS else int(bool(names)))
+            for index, m in enumerate(modules):
+                assert all(_owner(file, n) == (key, index) for n in m)
+    assert len(groups("attention_varlen.cu", "__half")) == len(instantiations("attention_varlen.cu", "__half")) > 1
 
 
 def test_every_kernel_waits_for_the_kernel_before_it_first():

@@ -18,7 +18,7 @@ from . import processors as P
 from .generate import GenerationParams, check_prompts, pipelined, stream_tokens
 
 NEG = np.float32(-1.0e9)  # HF's "impossible" score, added rather than set, in float32
-KEEP_MAX = 64             # candidates per prompt and step the CUDA kernels hold (sampling.cu BEAM_KEEP_MAX)
+KEEP_MAX = 64             # candidates per prompt and step the CUDA kernels hold (beam.cu BEAM_KEEP_MAX)
 CANDIDATE_CHUNK = 4096    # CUDA stage 1: the vocabulary slice of one block
 
 

@@ -243,8 +243,10 @@ class BertRunner:
         self.dtype = ops.storage_dtype(dtype)
         self.max_seq_len = max_seq_len
         self.modern = config.family == "modernbert"
+        # ModernBERT's local layers attend within windows, MPNet's layers with a relative bias
+        general = tuple(sorted(set(config.local_layers))) if self.modern else (bool(config.relative_buckets),)
         ops.prepare_kernels(KERNEL_FILES[layout] + (MODERNBERT_FILES if self.modern else ())
-                            + (FP8_FILES if self.fp8 else ()), dtype, head_dim=config.head_dim,
+                            + (FP8_FILES if self.fp8 else ()), dtype, head_dims=(config.head_dim,), general=general,
                             gelu_product=None if self.fp8 or self.modern else config.gelu,
                             ln_product=not (self.fp8 or self.modern))
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731

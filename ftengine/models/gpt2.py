@@ -25,7 +25,9 @@ from .bert import PACKED_HEAD_DIMS, bucket_packed
 from .generation import GenerationRunner, generation_table
 
 
-# the kernel sources the decoder launches (compiled in parallel when a runner is built)
+# the kernel sources the decoder launches, compiled in parallel when a runner is built; sampling's
+# one-kernel choice on sm_90 (sampling_cluster.cu) and beam search (beam.cu) compile at their first
+# launch instead, so that a greedy run never waits for them
 KERNEL_FILES = ("decoder.cu", "sampling.cu", "gemv.cu", "attention_varlen.cu", "activation.cu")
 
 
@@ -55,7 +57,7 @@ class GPT2Runner(GenerationRunner):
         self.config, self.ops = config, ops
         self.dtype = ops.storage_dtype(dtype)
         self.max_batch, self.max_len = max_batch, max_len
-        ops.prepare_kernels(KERNEL_FILES, dtype, head_dim=config.head_dim, gelu_product=config.gelu)
+        ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(config.head_dim,), gelu_product=config.gelu)
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps: kind, batch, GenerationParams.graph_key
         # prefills, keyed by their bucketed shape (tokens, prompts, longest): a prompt batch of a shape
         # seen before replays a graph instead of ~110 launches from Python

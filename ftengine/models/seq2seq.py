@@ -27,7 +27,9 @@ from ..workspace import Workspace
 from .bert import PACKED_HEAD_DIMS, relative_position_buckets
 from .generation import GenerationRunner, generation_table
 
-KERNEL_FILES = ("embedding.cu", "layernorm.cu", "decoder.cu", "sampling.cu", "gemv.cu", "attention_varlen.cu",
+# compiled when the runner is built (beam search is translation's default); sampling's one-kernel
+# choice on sm_90 (sampling_cluster.cu) compiles at its first launch
+KERNEL_FILES = ("embedding.cu", "layernorm.cu", "decoder.cu", "sampling.cu", "beam.cu", "gemv.cu", "attention_varlen.cu",
                 "activation.cu")
 PROMPT_MAX = 4  # decoder prompt tokens a row may have (the start token, a forced first token)
 
@@ -50,8 +52,8 @@ class Seq2SeqRunner(GenerationRunner):
         self.dtype = ops.storage_dtype(dtype)
         self.max_batch, self.max_len, self.max_source = max_batch, max_len, max_source
         gelu = "erf" if c.activation == "gelu" else None
-        ops.prepare_kernels(KERNEL_FILES, dtype, head_dim=c.d_model // c.encoder_heads, gelu_product=gelu,
-                            ln_product=True)
+        ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(c.d_model // c.encoder_heads, c.d_model // c.decoder_heads),
+                            general=(bool(c.relative_buckets),), gelu_product=gelu, ln_product=True)
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps: kind, rows, GenerationParams.graph_key
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.embed, self.lm_head = up(weights.embed), up(weights.lm_head)   # (V, E) each

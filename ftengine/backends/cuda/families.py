@@ -45,6 +45,22 @@ def _after_product_variants(kernel: str, t: str, splits) -> list[str]:
     return plain + ([] if t == "float" else split)
 
 
+def _varlen_attention(t: str, head_dims, general=(False, True)) -> list[str]:
+    """The fused attention's kernels for these head dims and variants (general: windows or a
+    relative bias; plain otherwise)."""
+    if t == "float":
+        return [f"varlen_attention_simt<{d}>" for d in head_dims]
+    return [varlen_mma_name(t, d, g, tiles) for d in head_dims for g in general for tiles in VARLEN_TILES
+            if tiles == "narrow" or d <= 64]
+
+
+def _wgmma_attention(t: str, head_dims) -> list[str]:
+    """The wgmma attention's kernels (plain variant only) for those of these head dims it takes."""
+    if t == "float":
+        return []
+    return [f"varlen_attention_wgmma<{t}, {d}>" for d in head_dims if d in VARLEN_WG_HEAD_DIMS] + \
+        [f"varlen_attention_wgmma_tma<{t}>" for d in head_dims if d == 64]
+
 FAMILIES = {
     "embedding.cu": lambda t: _row_variants("embed_layernorm", t),
     "layernorm.cu": lambda t: _after_product_variants("add_bias_residual_layernorm", t, BLAS_SPLITS)
@@ -54,10 +70,7 @@ FAMILIES = {
     "rotary.cu": lambda t: [f"rotary_qkv<{t}>"],
     "attention.cu": lambda t: (_vec_variants("add_qkv_bias_split_heads", t) + _vec_variants("merge_heads", t)
                                + _softmax_variants(t) + [f"add_relative_bias<{t}>"]),
-    "attention_varlen.cu": lambda t: ([f"varlen_attention_simt<{d}>" for d in VARLEN_HEAD_DIMS] if t == "float" else
-                                      [varlen_mma_name(t, d, g, tiles) for d in VARLEN_HEAD_DIMS
-                                       for g in (False, True) for tiles in VARLEN_TILES
-                                       if tiles == "narrow" or d <= 64]),
+    "attention_varlen.cu": lambda t: _varlen_attention(t, VARLEN_HEAD_DIMS),
     "pooling.cu": lambda t: [f"{k}<{t}, {w}>" for k in ("pool", "pool_packed") for w in POOL_WARPS],
     "decoder.cu": lambda t: (_vec_variants("embed_positions", t) + _row_variants("layernorm", t)
                              + _vec_variants("add_bias_residual", t)
@@ -65,6 +78,8 @@ FAMILIES = {
                              + _vec_variants("write_kv_cache", t) + _vec_variants("cached_attention", t)
                              + _vec_variants("gather_rows", t)),
     "sampling.cu": lambda t: [],
+    "sampling_cluster.cu": lambda t: [],
+    "beam.cu": lambda t: [],
     "wordpiece.cu": lambda t: [],
     "gemv.cu": lambda t: ([f"gemv<{t}, {o}, {v}, {c}>" for o in dict.fromkeys((t, "float")) for v in VECS[t]
                            for c in GEMV_COLS]
@@ -74,31 +89,44 @@ FAMILIES = {
     # dtype fp8: fp16 activations, e4m3 product operands (sm_89+)
     "fp8.cu": lambda t: ([n for k in FP8_KERNELS for n in _row_variants(k, t)] if t == "__half" else []),
     # wgmma (sm_90a: ARCH_SPECIFIC)
-    "attention_sm90.cu": lambda t: [] if t == "float" else ([f"varlen_attention_wgmma<{t}, {d}>"
-                                                             for d in VARLEN_WG_HEAD_DIMS]
-                                                            + [f"varlen_attention_wgmma_tma<{t}>"]),
+    "attention_sm90.cu": lambda t: _wgmma_attention(t, VARLEN_WG_HEAD_DIMS),
     "gemm_sm90.cu": lambda t: [] if t == "float" else [wgmma_name(t, bn, 1) for bn in WGMMA_TILES] + [wgmma_ln_name(t)],
 }
+
+# file -> kernels a module holds (one module of all a type's kernels where unlisted): NVRTC's time grows
+# with a module's kernels and modules compile in parallel, so the files slow to compile are split
+# (a first run's compile: docs/cold-start.md)
+MODULE_KERNELS = {"attention_varlen.cu": 1, "attention_sm90.cu": 1, "gemm_sm90.cu": 1, "sampling_cluster.cu": 1,
+                  "layernorm.cu": 7, "decoder.cu": 6, "gemv.cu": 3}
 
 # file -> kernels every dtype uses (not templated on the element type): one module of their own,
 # so that an fp16 run never compiles the fp32 instantiations (the fp32 varlen attention alone
 # takes 17 s to compile on an H100)
-SHARED = {"pooling.cu": ["l2_normalize<float>"], "sampling.cu": SAMPLING_KERNELS,
+SHARED = {"pooling.cu": ["l2_normalize<float>"], **SAMPLING_KERNELS,
           "gemv.cu": ["prefetch_l2", "prefetch_kv"], "activation.cu": ["add_bias_act<float>"],
           "wordpiece.cu": ["wordpiece_tokenize", "pack_rows"]}
 
 
-def prepare_kernels(files, dtype_name: str, *, head_dim: int, gelu_product: str | None = None,
+def prepare_kernels(files, dtype_name: str, *, head_dims, general=(False,), gelu_product: str | None = None,
                     ln_product: bool = False):
     """Compile the kernel modules a runner needs for one dtype (and the shared ones), in
-    parallel, before its first launch; where the GPU runs the wgmma kernels (fp16, bf16), with
-    the wgmma attention beside the fused attention if the model's head_dim is the one it takes,
-    and with the wgmma products where the runner's matmul_bias_gelu calls take the erf form
-    (gelu_product: that form, None for a runner that makes no such call) or where it calls
-    matmul_bias_residual_layernorm (ln_product)."""
-    if dtype_name in ("fp16", "bf16") and context().wgmma:
-        if "attention_varlen.cu" in files and head_dim in VARLEN_WG_HEAD_DIMS:
-            files = (*files, "attention_sm90.cu")
-        if gelu_product == "erf" or ln_product:
-            files = (*files, "gemm_sm90.cu")
-    prepare(files, (CUDA_TYPES[np.dtype(STORAGE[dtype_name]).name],))
+    parallel, before its first launch. Of the fused attention, the kernels of the head dims
+    (head_dims) and variants (general: False for plain attention, True for windows or a relative
+    bias; both where a runner launches both) its attention runs: where the GPU runs the wgmma
+    kernels (fp16, bf16), the wgmma attention in place of the plain variant at the head dims it
+    takes. Where the GPU runs them, the wgmma products too, for a runner whose matmul_bias_gelu
+    calls take the erf form (gelu_product: that form, None for a runner that makes no such call) or
+    that calls matmul_bias_residual_layernorm (ln_product). A kernel left out compiles at its first
+    launch (a graph's eager pass, never inside a capture)."""
+    ctype = CUDA_TYPES[np.dtype(STORAGE[dtype_name]).name]
+    wgmma = dtype_name in ("fp16", "bf16") and context().wgmma
+    wg_dims = [d for d in head_dims if d in VARLEN_WG_HEAD_DIMS] if wgmma and False in general else []
+    if "attention_varlen.cu" in files and wg_dims:
+        files = (*files, "attention_sm90.cu")
+    if wgmma and (gelu_product == "erf" or ln_product):
+        files = (*files, "gemm_sm90.cu")
+    plain = [d for d in head_dims if d not in wg_dims]
+    only = {"attention_varlen.cu": set(_varlen_attention(ctype, plain, (False,)) if False in general else ())
+            | set(_varlen_attention(ctype, head_dims, (True,)) if True in general else ()),
+            "attention_sm90.cu": set(_wgmma_attention(ctype, wg_dims))}
+    prepare(files, (ctype,), only=only)

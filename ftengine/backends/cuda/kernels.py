@@ -1,8 +1,9 @@
 """Compile kernels_cu/*.cu with cupy.RawModule: one module per (file, element type), on demand.
 
 common.cuh is prepended to each source (not #included) so that CuPy's compile cache key
-covers it. families.py lists each file's template instantiations, in one place. A runner calls
-`prepare` with the files and types it uses, which compiles them in parallel.
+covers it. families.py lists each file's template instantiations, in one place, and how many of
+them share a module (NVRTC's time grows with a module's kernels; modules compile in parallel). A
+runner calls `prepare` with the files and types it uses, which compiles them in parallel.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from . import kernel_dir
 CUDA_TYPES = {"float32": "float", "float16": "__half", "uint16": "__nv_bfloat16"}
 
 # files of arch-specific instructions (sm_90a: wgmma), which run on that exact architecture only:
-# file -> (NVRTC's target, the compute capability it runs on, the files its source follows). They
-# are compiled by NVRTC for that target (CuPy's RawModule targets the plain sm_XY of the device)
-# and used on GPUs of that compute capability alone.
-ARCH_SPECIFIC = {"attention_sm90.cu": ("sm_90a", (9, 0), ("attention_varlen.cu", "sm90.cuh")),
-                 "gemm_sm90.cu": ("sm_90a", (9, 0), ("sm90.cuh",))}
+# file -> (NVRTC's target, the compute capability it runs on). They are compiled by NVRTC for that
+# target (CuPy's RawModule targets the plain sm_XY of the device) and used on GPUs of that compute
+# capability alone.
+ARCH_SPECIFIC = {"attention_sm90.cu": ("sm_90a", (9, 0)), "gemm_sm90.cu": ("sm_90a", (9, 0))}
+# file -> the files its source follows (after common.cuh): the device code it shares with others
+FOLLOWS = {"attention_sm90.cu": ("attention_varlen.cu", "sm90.cuh"), "gemm_sm90.cu": ("sm90.cuh",),
+           "sampling.cu": ("sampling.cuh",), "sampling_cluster.cu": ("sampling.cuh",), "beam.cu": ("sampling.cuh",)}
 SHARED_KEY = "shared"
 
 
@@ -37,9 +40,9 @@ def compile_options() -> tuple[str, ...]:
 
 
 def source(file: str) -> str:
-    """common.cuh, then the files an ARCH_SPECIFIC file's source follows, then the file."""
+    """common.cuh, then the files the file's source follows, then the file."""
     folder = kernel_dir()
-    parts = ("common.cuh", *(ARCH_SPECIFIC[file][2] if file in ARCH_SPECIFIC else ()), file)
+    parts = ("common.cuh", *FOLLOWS.get(file, ()), file)
     return "\n".join((folder / part).read_text() for part in parts)
 
 
@@ -54,12 +57,22 @@ def all_instantiations(file: str) -> list[str]:
     return [n for t in (*CUDA_TYPES.values(), SHARED_KEY) for n in instantiations(file, t)]
 
 
+def groups(file: str, key: str) -> list[tuple[str, ...]]:
+    """The modules of `file` for `key` (an element type or SHARED_KEY), each as the kernels it
+    holds: the instantiations in groups of families.MODULE_KERNELS[file] (one group where unlisted)."""
+    from .families import MODULE_KERNELS
+    names = instantiations(file, key)
+    size = MODULE_KERNELS.get(file, len(names)) or 1
+    return [tuple(names[at:at + size]) for at in range(0, len(names), size)]
+
+
 @lru_cache(maxsize=None)
-def _owner(file: str, name: str) -> str:
-    """The module (element type or SHARED_KEY) that holds kernel `name` of `file`."""
+def _owner(file: str, name: str) -> tuple[str, int]:
+    """The module (element type or SHARED_KEY, group) that holds kernel `name` of `file`."""
     for key in (*CUDA_TYPES.values(), SHARED_KEY):
-        if name in instantiations(file, key):
-            return key
+        for index, names in enumerate(groups(file, key)):
+            if name in names:
+                return key, index
     raise KeyError(f"{file} lists no kernel {name!r}")
 
 
@@ -135,10 +148,10 @@ class ArchModule:
         return ArchKernel(self._module.get_function(self._lowered[name]))
 
 
-def module(file: str, ctype: str):
-    """One compiled module per (file, element type): a run compiles only the types it uses.
-    Thread-safe; two threads asking for one module compile it once."""
-    key = (file, ctype)
+def module(file: str, ctype: str, index: int = 0):
+    """One compiled module per (file, element type, group of groups()): a run compiles only the
+    types it uses. Thread-safe; two threads asking for one module compile it once."""
+    key = (file, ctype, index)
     found = _modules.get(key)
     if found is not None:
         return found
@@ -147,32 +160,39 @@ def module(file: str, ctype: str):
     with lock:
         if key not in _modules:
             import cupy
+            names = list(groups(file, ctype)[index])
             if file in ARCH_SPECIFIC:
-                _modules[key] = ArchModule(source(file), instantiations(file, ctype), ARCH_SPECIFIC[file][0])
+                _modules[key] = ArchModule(source(file), names, ARCH_SPECIFIC[file][0])
             else:
-                _modules[key] = cupy.RawModule(code=source(file), options=compile_options(),
-                                               name_expressions=instantiations(file, ctype))
+                _modules[key] = cupy.RawModule(code=source(file), options=compile_options(), name_expressions=names)
     return _modules[key]
 
 
-def prepare(files, ctypes, *, workers: int = 8):
+def modules_of(files, ctypes, *, only: dict | None = None) -> list[tuple[str, str, int]]:
+    """The modules (file, element type or SHARED_KEY, group) of `files` for element types `ctypes`
+    and their shared kernels. only: file -> the kernels of that file a run launches; of such a
+    file, only the modules holding one."""
+    return [(f, t, i) for f in files for t in (*dict.fromkeys(ctypes), SHARED_KEY) for i, names in enumerate(groups(f, t))
+            if only is None or f not in only or not set(names).isdisjoint(only[f])]
+
+
+def prepare(files, ctypes, *, only: dict | None = None):
     """Compile (or load from CuPy's disk cache) the modules of `files` for element types
-    `ctypes`, and their shared kernels, in parallel threads: NVRTC runs without the GIL, so a
-    cold start costs about the slowest module instead of their sum."""
+    `ctypes`, and their shared kernels (modules_of), in parallel threads: NVRTC runs without the
+    GIL, so a cold start costs about the slowest module instead of their sum."""
     import cupy
-    keys = [(f, t) for f in files for t in (*dict.fromkeys(ctypes), SHARED_KEY) if instantiations(f, t)]
+    keys = modules_of(files, ctypes, only=only)
     device = cupy.cuda.Device().id
 
     def build(key):
         with cupy.cuda.Device(device):
-            m = module(*key)
-            m.get_function(instantiations(*key)[0])  # loads the module into the context
+            module(*key).get_function(groups(*key[:2])[key[2]][0])  # loads the module into the context
 
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(keys)))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(keys)))) as pool:
         list(pool.map(build, keys))
 
 
 @lru_cache(maxsize=None)
 def kernel(file: str, name: str):
     """A compiled kernel, e.g. kernel("layernorm.cu", "add_bias_residual_layernorm<__half, __half, 1, 8, 1>")."""
-    return module(file, _owner(file, name)).get_function(name)
+    return module(file, *_owner(file, name)).get_function(name)

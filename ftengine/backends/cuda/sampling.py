@@ -1,5 +1,6 @@
-"""Launchers of kernels_cu/sampling.cu: the decoder's token choice (greedy, sampling, HF's logits
-processors), its bookkeeping, and beam search's selection."""
+"""Launchers of the decoder's token choice (greedy, sampling, HF's logits processors) and its
+bookkeeping (kernels_cu/sampling.cu; on sm_90+, sampling_cluster.cu), and of beam search's
+selection (beam.cu)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from .runtime import _launch, _threads, context
 CHOICE_THREADS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN = 256, 64, 1024
 CHOICE_BINS, CHOICE_STATE_WORDS = 2048, 2048 + 8
 
-# sampling.cu choose_sample (sm_90: a thread-block cluster per row): threads per block, the most blocks of a cluster
+# sampling_cluster.cu choose_sample (sm_90: a thread-block cluster per row): threads per block, the most blocks of a cluster
 # (a power of two), the u32 words of a block's histogram (three pieces of each bin's mass), the most tokens a block
 # holds (no piece's sum passes 32 bits) and the room for a select's candidates past its first digit. (measurements:
 # docs/gpu-internals.md, sampling.py SAMPLE_THREADS, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX)
 SAMPLE_THREADS, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX = 256, 8, 3 * 2048, 65536
 SAMPLE_CANDIDATES = 2048
-SAMPLING_KERNELS = ["choose_prepare", "choose_level", "choose_draw", "choose_sample<false>", "choose_sample<true>",
-                    "mark_seen", "append_tokens", "increment", "beam_logsumexp", "beam_candidates", "beam_select"]
+SAMPLING_KERNELS = {"sampling.cu": ["choose_prepare", "choose_level", "choose_draw", "mark_seen", "append_tokens", "increment"],
+                    "sampling_cluster.cu": ["choose_sample<false>", "choose_sample<true>"],
+                    "beam.cu": ["beam_logsumexp", "beam_candidates", "beam_select"]}
 
 
 def mark_seen(seen, tokens, rows):
@@ -89,8 +91,8 @@ def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seed,
     # top-k's survivors): choose_sample<true>. (measurements: docs/gpu-internals.md, sampling.py choose_sample)
     name = f"choose_sample<{'true' if 0 < params.top_k < v else 'false'}>"
     if (sample and ctx.clusters and slice_ <= SAMPLE_SLICE_MAX
-            and smem + kernel("sampling.cu", name).shared_size_bytes <= ctx.shared_mem_optin):
-        _launch("sampling.cu", name, (b, blocks), (SAMPLE_THREADS,),
+            and smem + kernel("sampling_cluster.cu", name).shared_size_bytes <= ctx.shared_mem_optin):
+        _launch("sampling_cluster.cu", name, (b, blocks), (SAMPLE_THREADS,),
                 (out, logits, seen, eos, np.int32(eos.size), step, seq, lengths, np.int32(length), np.int32(ngram),
                  np.int32(v), np.int32(slice_), np.int32(params.min_new_tokens), np.float32(params.temperature),
                  np.float32(params.repetition_penalty), np.int32(params.top_k), np.float32(params.top_p), scale,
@@ -137,14 +139,14 @@ def beam_select(logits, state, eos, *, params, batch):
                           f"{nb} with {len(params.eos_token_ids)} eos id(s) needs {keep} (use fewer beams)")
     slices = -(-v // CANDIDATE_CHUNK)
     early = {False: 0, True: 1, "never": 2}[params.early_stopping]
-    _launch("sampling.cu", "beam_logsumexp", (rows, slices), (256,), (state.stats, state.flags, logits, np.int32(v),
+    _launch("beam.cu", "beam_logsumexp", (rows, slices), (256,), (state.stats, state.flags, logits, np.int32(v),
                                                                       np.int32(nb), np.int32(CANDIDATE_CHUNK)))
-    _launch("sampling.cu", "beam_candidates", (rows, slices), (256,),
+    _launch("beam.cu", "beam_candidates", (rows, slices), (256,),
             (state.keys, state.stats, logits, state.seq, state.run_scores, state.starts, state.flags, state.step,
              eos, np.int32(eos.size), np.int32(v), np.int32(length), np.int32(nb), np.int32(keep),
              np.int32(CANDIDATE_CHUNK), np.float32(params.repetition_penalty), np.int32(params.min_new_tokens),
              np.int32(params.no_repeat_ngram_size)), shared_mem=CANDIDATE_CHUNK * 4)
-    _launch("sampling.cu", "beam_select", (batch,), (256,),
+    _launch("beam.cu", "beam_select", (batch,), (256,),
             (state.keys, np.int32(slices), np.int32(v), np.int32(length), np.int32(nb), np.int32(keep),
              state.seq, state.fin_seq, state.indir, state.scratch, state.run_scores, state.fin_scores,
              state.fin_len, state.fin_flag, state.flags, state.starts, state.next_ids, state.next_pos, state.step,

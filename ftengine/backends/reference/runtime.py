@@ -42,7 +42,7 @@ def synchronize():
     pass
 
 
-def prepare_kernels(files, dtype_name: str, *, head_dim: int, gelu_product: str | None = None,
+def prepare_kernels(files, dtype_name: str, *, head_dims, general=(False,), gelu_product: str | None = None,
                     ln_product: bool = False):
     """Nothing to compile on the CPU."""
 

@@ -1,5 +1,6 @@
-"""Token choice, its bookkeeping and beam selection: kernels_cu/sampling.cu's twins, on the
-reference decoding code (decoding/processors.py, decoding/beam.py)."""
+"""Token choice, its bookkeeping and beam selection: the twins of kernels_cu/sampling.cu,
+sampling_cluster.cu and beam.cu, on the reference decoding code (decoding/processors.py,
+decoding/beam.py)."""
 
 from __future__ import annotations
 
