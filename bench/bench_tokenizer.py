@@ -4,7 +4,8 @@ The lines are bench_pipeline's (whole vocabulary words of the model's tokenizer,
 counts), tokenised with truncation at the model's max length, in groups of the sizes the encode
 engine hands its tokenizer. Timed after a warm-up (the GPU tokenizer: median of 3 runs; HF, whose run takes seconds: one):
   - HF `tokenizers` (Tokenizer.encode: encode_batch_fast on every core),
-  - the GPU tokenizer's whole call (GpuTokenizer.encode: bytes to the device, kernels, ids back),
+  - the GPU tokenizer's whole call (GpuTokenizer.encode: bytes to the device, kernels, ids back), on
+    Python strings and on the file's undecoded lines (RawTexts, as `ftengine encode FILE` hands them),
   - its kernels alone (CUDA events around wordpiece_tokenize + pack_rows, the input on the device).
 Both tokenizers' ids are checked equal first.
 
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_pipeline import make_lines  # noqa: E402
 
-GROUPS = (4096, 65536)
+GROUPS = (4096, 8192, 65536)  # the engine's group of str texts, encode's window of a file, a large call
 TARGET_TOKENS_PER_S = 50e6
 
 
@@ -86,11 +87,13 @@ def main():
     import tokenizers
     from ftengine.backends.cuda import ops
     from ftengine.gpu_tokenizer import GpuTokenizer
+    from ftengine.textio import _raw_windows
     from ftengine.tokenizer import Tokenizer
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "lines.txt"
         make_lines(path, args.lines, args.model_src / "vocab.txt")
         lines = path.read_text(encoding="utf-8").splitlines()
+        data = path.read_bytes().rstrip(b"\n")
     cpu = Tokenizer(args.model_src, max_length=256)
     gpu = GpuTokenizer(cpu, ops=ops)
     t0 = time.perf_counter()
@@ -99,15 +102,20 @@ def main():
     rows = []
     for size in GROUPS:
         groups = [lines[at:at + size] for at in range(0, len(lines), size)]
+        raw = list(_raw_windows(data, size, 1, "lines.txt", "strict"))  # as RawLines.windows makes them
         tokens = 0
         for texts in groups:
             want, got = cpu.encode(texts), gpu.encode(texts)
             assert np.array_equal(want.ids, got.ids) and np.array_equal(want.truncated, got.truncated)
             tokens += want.tokens
+        assert np.array_equal(np.concatenate([gpu.encode(r).ids for r in raw]),
+                              np.concatenate([cpu.encode(t).ids for t in groups]))
         hf = _median_seconds(lambda: [cpu.encode(t) for t in groups], 1)
         whole = _median_seconds(lambda: [gpu.encode(t) for t in groups], 3)
+        undecoded = _median_seconds(lambda: [gpu.encode(r) for r in raw], 3)
         kernels = _kernel_seconds(gpu, groups)
         for name, sec in (("HF tokenizers (all cores)", hf), ("GPU tokenizer, whole call", whole),
+                          ("GPU tokenizer, whole call, file bytes", undecoded),
                           ("GPU tokenizer, kernels only", kernels)):
             rows.append({"group": size, "tokenizer": name, "seconds": round(sec, 4), "lines_per_s": round(len(lines) / sec),
                          "tokens_per_s": round(tokens / sec), "vs_hf": round(hf / sec, 2)})
