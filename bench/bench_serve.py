@@ -4,8 +4,10 @@ The server runs as its own process with the default model's shape and tokenizer 
 weights); clients are 8 processes of asyncio aiohttp clients, each client sending its next
 request when the last is answered, for a fixed time. Cases: the server with 1 and with 4
 worker processes (`--workers`); 1, 16, 64 and 256 clients, each request one short sentence or
-a batch of 32. Reported: requests/s, embeddings/s, p50/p99 latency; for scale, the offline
-engine (`Encoder.encode` in one process) on the same texts.
+a batch of 32 (--clients, --batches pick fewer). Reported: requests/s, embeddings/s, p50/p99
+latency; for scale, the offline engine (`Encoder.encode` in one process) on the same texts. With
+--tokenizers gpu,cpu, each case runs with each tokenizer (`serve --tokenizer`), against the offline
+engine with the same one.
 
 --task rerank / classify: the same model shape with a random ...ForSequenceClassification head
 (one label: a cross-encoder served at TEI's POST /rerank, a query and 32 texts a request; three
@@ -14,6 +16,9 @@ Classifier.logits offline on the same inputs; results in serve_{task}.{json,md}.
 
 Needs the serve extra plus aiohttp. Usage:
 python bench/bench_serve.py --model-src PATH --out bench/results [--workers 1,4] [--task embed|rerank|classify]
+       [--tokenizers auto|gpu,cpu] [--clients 1,16,64,256] [--batches 1,32] [--name serve]
+(bench/results/serve_tokenizer.md: --workers 1,4 --tokenizers gpu,cpu --clients 64 --batches 1,32
+--name serve_tokenizer)
 """
 
 from __future__ import annotations
@@ -114,8 +119,9 @@ def run_case(url: str, clients: int, batch: int, texts: list, task: str = "embed
 
 
 @contextmanager
-def start_server(model: Path, tmp: Path, workers: int):
-    """`ftengine serve --workers N` on a free port; yields its URL once every worker has warmed up."""
+def start_server(model: Path, tmp: Path, workers: int, tokenizer: str = "auto"):
+    """`ftengine serve --workers N --tokenizer T` on a free port; yields its URL once every worker
+    has warmed up."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -123,7 +129,8 @@ def start_server(model: Path, tmp: Path, workers: int):
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "ftengine.cli", "serve", "--model", str(model), "--device", "cuda", "--port", str(port),
-             "--max-client-batch-size", "64", "--workers", str(workers)], stdout=log, stderr=subprocess.STDOUT,
+             "--max-client-batch-size", "64", "--workers", str(workers), "--tokenizer", tokenizer], stdout=log,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     deadline = time.monotonic() + 180
     while log_path.read_text().count("ftengine.serve ready:") < workers:
@@ -139,9 +146,9 @@ def start_server(model: Path, tmp: Path, workers: int):
         server.wait(timeout=120)
 
 
-def offline(model: Path, texts: list) -> float:
+def offline(model: Path, texts: list, tokenizer: str = "auto") -> float:
     from ftengine import Encoder
-    with Encoder.from_pretrained(model, device="cuda") as enc:
+    with Encoder.from_pretrained(model, device="cuda", tokenizer=tokenizer) as enc:
         enc.encode(texts[:2000])
         t0 = time.perf_counter()
         enc.encode(texts)
@@ -189,14 +196,15 @@ def markdown(r: dict) -> str:
     out = [f"# HTTP service benchmark — {r['device']}, {r['date']}", "",
            "`ftengine serve` (TEI `POST /embed`) on 127.0.0.1, all-MiniLM-L6-v2 shape and tokenizer, random "
            f"weights, fp16; closed-loop aiohttp clients in {CLIENT_PROCESSES} processes, {SECONDS:.0f} s per case "
-           f"after {WARMUP} s of warm-up. Offline engine (`Encoder.encode`, one process, same texts): "
-           f"{r['offline_embeddings_per_s']:,.0f} embeddings/s. Versions: "
+           f"after {WARMUP} s of warm-up. Offline engine (`Encoder.encode`, one process, same texts), embeddings/s: "
+           + ", ".join(f"{v:,.0f} ({k} tokenizer)" for k, v in r["offline_embeddings_per_s"].items()) + ". Versions: "
            + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".", "",
-           "| workers | clients | inputs per request | requests/s | embeddings/s | vs offline | p50 ms | p99 ms |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| tokenizer | workers | clients | inputs per request | requests/s | embeddings/s | vs offline | p50 ms | p99 ms |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for c in r["cases"]:
-        out.append(f"| {c['workers']} | {c['clients']} | {c['batch']} | {c['requests_per_s']:,} | {c['embeddings_per_s']:,} | "
-                   f"{c['embeddings_per_s'] / r['offline_embeddings_per_s']:.2f} | {c['p50_ms']} | {c['p99_ms']} |")
+        offline_rate = r["offline_embeddings_per_s"][c["tokenizer"]]
+        out.append(f"| {c['tokenizer']} | {c['workers']} | {c['clients']} | {c['batch']} | {c['requests_per_s']:,} | "
+                   f"{c['embeddings_per_s']:,} | {c['embeddings_per_s'] / offline_rate:.2f} | {c['p50_ms']} | {c['p99_ms']} |")
     out += ["", f"Targets: at 64 clients, embeddings/s >= {TARGETS['ratio_64']:.0%} of the offline engine's; p50 for "
             f"one short sentence at 1 client <= {TARGETS['p50_1_ms']} ms.", ""]
     return "\n".join(out)
@@ -209,6 +217,11 @@ def main():
     parser.add_argument("--workers", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4],
                         help="server worker counts to measure (comma-separated)")
     parser.add_argument("--task", choices=list(ROUTES), default="embed")
+    parser.add_argument("--tokenizers", type=lambda v: v.split(","), default=["auto"],
+                        help="`serve --tokenizer` values to measure (comma-separated; embed only)")
+    parser.add_argument("--clients", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64, 256])
+    parser.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 32])
+    parser.add_argument("--name", default="serve", help="the results' file name (embed), e.g. serve_tokenizer")
     args = parser.parse_args()
     from bench.bench_pipeline import make_model
     import cupy
@@ -219,16 +232,18 @@ def main():
         head_task(args, model, texts, tmp, cupy)
         return
     cases = []
-    for workers in args.workers:
-        with start_server(model, tmp, workers) as url:
-            cases += [dict(run_case(url, c, b, texts), workers=workers) for b in (1, 32) for c in (1, 16, 64, 256)]
+    for tokenizer in args.tokenizers:
+        for workers in args.workers:
+            with start_server(model, tmp, workers, tokenizer) as url:
+                cases += [dict(run_case(url, c, b, texts), workers=workers, tokenizer=tokenizer)
+                          for b in args.batches for c in args.clients]
     props = cupy.cuda.runtime.getDeviceProperties(0)
     result = {"device": props["name"].decode(), "date": date.today().isoformat(),
               "versions": {"python": platform.python_version(), "cupy": cupy.__version__},
-              "offline_embeddings_per_s": round(offline(model, texts)), "cases": cases}
+              "offline_embeddings_per_s": {t: round(offline(model, texts, t)) for t in args.tokenizers}, "cases": cases}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "serve.md").write_text(markdown(result))
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{args.name}.md").write_text(markdown(result))
     print(markdown(result))
 
 
