@@ -32,6 +32,8 @@ import numpy as np
 
 from . import __version__
 from .errors import FtengineError, InputError, TooLongError
+from .serve_metrics import Metrics
+from .serve_request import HTTPFailure, bool_field, dumps, texts_field, token_ids_field, validation
 from .tokenizer import PREFIX_CHARS_PER_TOKEN
 
 log = logging.getLogger("ftengine.serve")
@@ -48,90 +50,6 @@ class ServeLimits:
     max_batch_tokens: int | None = None    # the engine's token budget (None: its default)
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
-
-
-class HTTPFailure(Exception):
-    """An expected error: status, message, TEI error_type; extra headers."""
-
-    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.headers = status, message, kind, headers or {}
-
-
-def _validation(message: str) -> HTTPFailure:
-    return HTTPFailure(422, message, "Validation")
-
-
-def _texts(value, field: str) -> list:
-    """A str or a non-empty list of str."""
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list):
-        raise _validation(f"{field} must be a string or a list of strings")
-    if not value:
-        raise _validation(f"{field} must not be empty")
-    for i, t in enumerate(value):
-        if not isinstance(t, str):
-            raise _validation(f"{field}[{i}] must be a string, found {type(t).__name__}")
-    return value
-
-
-def _token_ids(value: list, field: str) -> list | None:
-    """[int] or [[int]] as a list of sequences; None if `value` is not token ids (its first item
-    is neither a number nor a list)."""
-    first = value[0] if value else None
-    if isinstance(first, (int, float)) and not isinstance(first, bool):
-        value = [value]
-    elif not isinstance(first, list):
-        return None
-    for i, seq in enumerate(value):
-        if not isinstance(seq, list):
-            raise _validation(f"{field}[{i}] must be a list of token ids, found {type(seq).__name__}")
-        if not seq:
-            raise _validation(f"{field}[{i}] is an empty token list")
-        for t in seq:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2 ** 31:
-                raise _validation(f"{field}[{i}] must hold token ids (integers within 0..2^31-1), found {t!r}")
-    return value
-
-
-def _dumps(value) -> bytes:
-    """JSON with float32 arrays written by orjson: about 40x faster than json.dumps of
-    tolist() for a batch of embeddings, which otherwise sets the service's ceiling."""
-    import orjson
-    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
-
-
-def _bool(body: dict, key: str, default: bool) -> bool:
-    value = body.get(key, default)
-    if not isinstance(value, bool):
-        raise _validation(f"{key} must be true or false, found {value!r}")
-    return value
-
-
-class Metrics:
-    """The service's Prometheus metrics; with per_model (several models in one service) each is
-    labelled with its model."""
-
-    def __init__(self, *, per_model: bool = False):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-        self.per_model = per_model
-        m = ["model"] if per_model else []
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("ftengine_requests", "HTTP requests by route and status", [*m, "route", "status"],
-                                registry=r)
-        self.inputs = Counter("ftengine_inputs", "Texts (or token sequences) embedded", m, registry=r)
-        self.tokens = Counter("ftengine_tokens", "Tokens embedded, special tokens included", m, registry=r)
-        self.latency = Histogram("ftengine_request_duration_seconds", "Request latency", [*m, "route"], registry=r,
-                                 buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30))
-        self.batch_texts = Histogram("ftengine_batch_texts", "Texts per device batch", m, registry=r,
-                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
-        self.batch_requests = Histogram("ftengine_batch_requests", "Requests sharing one device batch", m,
-                                        registry=r, buckets=(1, 2, 3, 4, 8, 16, 32, 64))
-        self.batch_tokens = Histogram("ftengine_batch_tokens", "Tokens per device batch", m, registry=r,
-                                      buckets=(64, 256, 1024, 4096, 16384, 65536))
-        self.queue_depth = Gauge("ftengine_queue_depth", "Requests accepted and not yet answered", m, registry=r,
-                                 multiprocess_mode="livesum")
 
 
 class Service:
@@ -227,9 +145,9 @@ class Service:
         try:
             body = orjson.loads(raw)
         except ValueError as e:
-            raise _validation(f"the body is not valid JSON: {e}") from None
+            raise validation(f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
-            raise _validation("the body must be a JSON object")
+            raise validation("the body must be a JSON object")
         request.state.json_body = body
         return body
 
@@ -271,7 +189,7 @@ class Service:
             raise HTTPFailure(413, f"input {e.index} has {count}, more than the maximum input length "
                                    f"{e.max_length} tokens{advice}", "Validation") from None
         except InputError as e:
-            raise _validation(str(e)) from None
+            raise validation(str(e)) from None
 
     async def handle(self, request, route: str, handler):
         from starlette.requests import ClientDisconnect
@@ -323,43 +241,43 @@ class Service:
         from starlette.responses import Response
         body = await self._body(request)
         if "inputs" not in body:
-            raise _validation("inputs is required")
-        texts = _texts(body["inputs"], "inputs")
+            raise validation("inputs is required")
+        texts = texts_field(body["inputs"], "inputs")
         self._check_count(len(texts), "inputs")
-        normalize, truncate = _bool(body, "normalize", True), _bool(body, "truncate", False)
+        normalize, truncate = bool_field(body, "normalize", True), bool_field(body, "truncate", False)
         prompt_name = body.get("prompt_name")
         if prompt_name is not None and not isinstance(prompt_name, str):
-            raise _validation(f"prompt_name must be a string, found {prompt_name!r}")
+            raise validation(f"prompt_name must be a string, found {prompt_name!r}")
         result = await self._encode(request, texts, normalize=normalize, truncate=truncate, prompt_name=prompt_name)
-        return Response(_dumps(result.embeddings), media_type="application/json"), len(texts), result.tokens
+        return Response(dumps(result.embeddings), media_type="application/json"), len(texts), result.tokens
 
     async def openai_embeddings(self, request):
         """OpenAI: {"input": str | [str] | [int] | [[int]], "model", "encoding_format", "dimensions"}."""
         from starlette.responses import Response
         body = await self._body(request)
         if "input" not in body:
-            raise _validation("input is required")
+            raise validation("input is required")
         model = body.get("model", self.model_name)
         if not isinstance(model, str):
-            raise _validation("model must be a string")
+            raise validation("model must be a string")
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
-            raise _validation(f"encoding_format must be 'float' or 'base64', found {fmt!r}")
+            raise validation(f"encoding_format must be 'float' or 'base64', found {fmt!r}")
         value = body["input"]
-        token_ids = _token_ids(value, "input") if isinstance(value, list) else None
-        texts = None if token_ids is not None else _texts(value, "input")
+        token_ids = token_ids_field(value, "input") if isinstance(value, list) else None
+        texts = None if token_ids is not None else texts_field(value, "input")
         count = len(token_ids if token_ids is not None else texts)
         self._check_count(count, "input")
         vocab = self.encoder.config.vocab_size
         for i, seq in enumerate(token_ids or ()):
             bad = next((t for t in seq if t >= vocab), None)
             if bad is not None:
-                raise _validation(f"input[{i}] holds token id {bad}, outside this model's vocabulary 0..{vocab - 1}")
+                raise validation(f"input[{i}] holds token id {bad}, outside this model's vocabulary 0..{vocab - 1}")
         dim = self.encoder.dim
         dimensions = body.get("dimensions")
         if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
                                        or not 1 <= dimensions <= dim):
-            raise _validation(f"dimensions must be an integer within 1..{dim}, found {dimensions!r}")
+            raise validation(f"dimensions must be an integer within 1..{dim}, found {dimensions!r}")
         result = await self._encode(request, texts, token_ids=token_ids, truncate=True, route="openai")
         rows = result.embeddings
         if dimensions is not None and dimensions < dim:  # Matryoshka-style: cut, then renormalise as the model does
@@ -373,7 +291,7 @@ class Service:
         payload = {"object": "list", "model": model,
                    "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
                    "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}}
-        return Response(_dumps(payload), media_type="application/json"), count, result.tokens
+        return Response(dumps(payload), media_type="application/json"), count, result.tokens
 
     async def _head(self, request, submit, too_long: str) -> tuple:
         """(the finished engine future or None, tokens) of a classifier head's work: submit()
@@ -389,7 +307,7 @@ class Service:
             raise HTTPFailure(413, f"{too_long.format(index=e.index)} longer than the maximum input length "
                                    f"{e.max_length} tokens; send truncate: true to cut it", "Validation") from None
         except InputError as e:
-            raise _validation(str(e)) from None
+            raise validation(str(e)) from None
 
     async def _scores(self, request, query: str, documents: list, *, raw: bool, truncate: bool) -> tuple:
         """(scores, tokens) of (query, document) pairs through the engine; errors as HTTP failures."""
@@ -401,10 +319,10 @@ class Service:
     def _query(self, body: dict) -> str:
         query = body.get("query")
         if not isinstance(query, str):
-            raise _validation("query is required, a string" if query is None else
+            raise validation("query is required, a string" if query is None else
                               f"query must be a string, found {type(query).__name__}")
         if not query.strip():
-            raise _validation("query must not be empty")
+            raise validation("query must not be empty")
         return query
 
     async def rerank(self, request):
@@ -414,15 +332,15 @@ class Service:
         body = await self._body(request)
         query = self._query(body)
         if "texts" not in body:
-            raise _validation("texts is required")
-        texts = _texts(body["texts"], "texts")
+            raise validation("texts is required")
+        texts = texts_field(body["texts"], "texts")
         self._check_count(len(texts), "texts")
-        raw, return_text = _bool(body, "raw_scores", False), _bool(body, "return_text", False)
-        scores, tokens = await self._scores(request, query, texts, raw=raw, truncate=_bool(body, "truncate", False))
+        raw, return_text = bool_field(body, "raw_scores", False), bool_field(body, "return_text", False)
+        scores, tokens = await self._scores(request, query, texts, raw=raw, truncate=bool_field(body, "truncate", False))
         order = np.argsort(-scores, kind="stable")
         reply = [{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if return_text else {})}
                  for i in order]
-        return Response(_dumps(reply), media_type="application/json"), len(texts), tokens
+        return Response(dumps(reply), media_type="application/json"), len(texts), tokens
 
     async def cohere_rerank(self, request):
         """Cohere / Jina / Infinity: {"model", "query", "documents": [str | {"text"}], "top_n",
@@ -433,21 +351,21 @@ class Service:
         query = self._query(body)
         model = body.get("model", self.model_name)
         if not isinstance(model, str):
-            raise _validation("model must be a string")
+            raise validation("model must be a string")
         documents = body.get("documents")
         if not isinstance(documents, list) or not documents:
-            raise _validation("documents is required, a non-empty list of strings or {\"text\"} objects")
+            raise validation("documents is required, a non-empty list of strings or {\"text\"} objects")
         texts = []
         for i, d in enumerate(documents):
             text = d.get("text") if isinstance(d, dict) else d
             if not isinstance(text, str):
-                raise _validation(f"documents[{i}] must be a string or an object with a string \"text\"")
+                raise validation(f"documents[{i}] must be a string or an object with a string \"text\"")
             texts.append(text)
         self._check_count(len(texts), "documents")
         top_n = body.get("top_n", len(texts))
         if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
-            raise _validation(f"top_n must be an integer >= 1, found {top_n!r}")
-        return_documents = _bool(body, "return_documents", False)
+            raise validation(f"top_n must be an integer >= 1, found {top_n!r}")
+        return_documents = bool_field(body, "return_documents", False)
         scores, tokens = await self._scores(request, query, texts, raw=False, truncate=True)
         order = np.argsort(-scores, kind="stable")[:top_n]
         results = [{"index": int(i), "relevance_score": float(scores[i]),
@@ -455,7 +373,7 @@ class Service:
         reply = {"id": str(uuid.uuid4()), "object": "rerank", "model": model, "results": results,
                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                  "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}}}
-        return Response(_dumps(reply), media_type="application/json"), len(texts), tokens
+        return Response(dumps(reply), media_type="application/json"), len(texts), tokens
 
     async def predict(self, request):
         """TEI: {"inputs": str | [str, str] (one pair) | [str | [str, str], ...], "raw_scores": false,
@@ -464,14 +382,14 @@ class Service:
         from starlette.responses import Response
         body = await self._body(request)
         if "inputs" not in body:
-            raise _validation("inputs is required")
+            raise validation("inputs is required")
         value = body["inputs"]
         # as TEI reads it: a string, or a list of exactly two strings, is one input (a text, a pair)
         single = isinstance(value, str) or (isinstance(value, list) and len(value) == 2 and
                                             all(isinstance(x, str) for x in value))
         items = [value] if single else value
         if not isinstance(items, list) or not items:
-            raise _validation("inputs must be a string, a non-empty list of strings, or of [text, text] pairs")
+            raise validation("inputs must be a string, a non-empty list of strings, or of [text, text] pairs")
         inputs = []
         for i, item in enumerate(items):
             if isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item):
@@ -479,17 +397,17 @@ class Service:
             elif isinstance(item, str):
                 inputs.append(item)
             else:
-                raise _validation(f"inputs[{i}] must be a string or a [text, text] pair")
+                raise validation(f"inputs[{i}] must be a string or a [text, text] pair")
         if len({isinstance(x, tuple) for x in inputs}) > 1:
-            raise _validation("inputs must be all texts or all pairs")
+            raise validation("inputs must be all texts or all pairs")
         self._check_count(len(inputs), "inputs")
-        raw, truncate = _bool(body, "raw_scores", False), _bool(body, "truncate", False)
+        raw, truncate = bool_field(body, "raw_scores", False), bool_field(body, "truncate", False)
         future, tokens = await self._head(request, lambda: self.classifier.submit_logits(
             inputs, batch_tokens=self.limits.max_batch_tokens, truncate=truncate), "input {index} is")
         logits = self.classifier.head_logits(future.result())
         rows = logits if raw else self.classifier.scores(logits)
         reply = [self.classifier.ranked(row, None) for row in rows]
-        return Response(_dumps(reply[0] if single else reply), media_type="application/json"), len(inputs), tokens
+        return Response(dumps(reply[0] if single else reply), media_type="application/json"), len(inputs), tokens
 
     async def ner(self, request):
         """{"inputs": str | [str], "aggregation_strategy": "simple", "stride"?} -> HF's token-classification
@@ -500,21 +418,21 @@ class Service:
         from .token_classifier import STRATEGIES
         body = await self._body(request)
         if "inputs" not in body:
-            raise _validation("inputs is required")
+            raise validation("inputs is required")
         single = isinstance(body["inputs"], str)
-        texts = _texts(body["inputs"], "inputs")
+        texts = texts_field(body["inputs"], "inputs")
         self._check_count(len(texts), "inputs")
         strategy = body.get("aggregation_strategy", "simple")
         if strategy not in STRATEGIES:
-            raise _validation(f"aggregation_strategy must be one of {', '.join(STRATEGIES)}, found {strategy!r}")
+            raise validation(f"aggregation_strategy must be one of {', '.join(STRATEGIES)}, found {strategy!r}")
         stride = body.get("stride")
         loop = asyncio.get_running_loop()
         try:
             found, tokens = await loop.run_in_executor(
                 None, lambda: self.tokens.entities(texts, aggregation_strategy=strategy, stride=stride))
         except InputError as e:
-            raise _validation(str(e)) from None
-        return Response(_dumps(found[0] if single else found), media_type="application/json"), len(texts), tokens
+            raise validation(str(e)) from None
+        return Response(dumps(found[0] if single else found), media_type="application/json"), len(texts), tokens
 
     async def tokenize(self, request):
         """TEI: {"inputs": str | [str], "add_special_tokens": true} -> per input its tokens
@@ -522,19 +440,19 @@ class Service:
         from starlette.responses import Response
         body = await self._body(request)
         if "inputs" not in body:
-            raise _validation("inputs is required")
-        texts = _texts(body["inputs"], "inputs")
+            raise validation("inputs is required")
+        texts = texts_field(body["inputs"], "inputs")
         self._check_count(len(texts), "inputs")
-        special = _bool(body, "add_special_tokens", True)
+        special = bool_field(body, "add_special_tokens", True)
         tok = self.encoder.tokenizer
         loop = asyncio.get_running_loop()
         try:
             found = await loop.run_in_executor(None, lambda: tok.with_offsets(texts, add_special_tokens=special))
         except InputError as e:
-            raise _validation(str(e)) from None
+            raise validation(str(e)) from None
         reply = [[{"id": i, "text": text[a:b] if not s else piece, "special": bool(s), "start": a if not s else None,
                    "stop": b if not s else None} for i, piece, s, (a, b) in rows] for text, rows in zip(texts, found)]
-        return Response(_dumps(reply), media_type="application/json"), len(texts), sum(map(len, found))
+        return Response(dumps(reply), media_type="application/json"), len(texts), sum(map(len, found))
 
     async def decode(self, request):
         """TEI: {"ids": [int] | [[int]], "skip_special_tokens": true} -> [str]."""
@@ -542,19 +460,19 @@ class Service:
         body = await self._body(request)
         value = body.get("ids")
         if not isinstance(value, list) or not value:
-            raise _validation("ids is required, a list of token ids or of lists of them")
-        sequences = _token_ids(value, "ids")
+            raise validation("ids is required, a list of token ids or of lists of them")
+        sequences = token_ids_field(value, "ids")
         if sequences is None:
-            raise _validation("ids must hold token ids (integers)")
+            raise validation("ids must hold token ids (integers)")
         self._check_count(len(sequences), "ids")
         vocab = self.encoder.config.vocab_size
         for i, seq in enumerate(sequences):
             bad = next((t for t in seq if t >= vocab), None)
             if bad is not None:
-                raise _validation(f"ids[{i}] holds token id {bad}, outside this model's vocabulary 0..{vocab - 1}")
-        skip = _bool(body, "skip_special_tokens", True)
+                raise validation(f"ids[{i}] holds token id {bad}, outside this model's vocabulary 0..{vocab - 1}")
+        skip = bool_field(body, "skip_special_tokens", True)
         texts = self.encoder.tokenizer.decode(sequences, skip_special_tokens=skip)
-        return Response(_dumps(texts), media_type="application/json"), len(sequences), sum(map(len, sequences))
+        return Response(dumps(texts), media_type="application/json"), len(sequences), sum(map(len, sequences))
 
     async def other_task(self, request):
         """A route of a task this model does not serve: a 404 naming the routes it does serve."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .serve import HTTPFailure, Service
+from .serve import Service
+from .serve_request import HTTPFailure
 
 TASK_OF = {"/embed": "embed", "/embeddings": "embed", "/v1/embeddings": "embed", "/rerank": "rerank",
            "/v1/rerank": "rerank", "/rerank/v1": "rerank", "/predict": "classify", "/ner": "ner"}

@@ -34,7 +34,7 @@ def build_app(loaded: list, limits: ServeLimits):
     if len(loaded) == 1:
         name, model = loaded[0]
         return Service(model, model_name=name, limits=limits).app()
-    from .serve import Metrics
+    from .serve_metrics import Metrics
     from .serve_gateway import Gateway
     metrics = Metrics(per_model=True)
     return Gateway([Service(model, model_name=name, limits=limits, metrics=metrics) for name, model in loaded]).app()
