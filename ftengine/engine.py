@@ -431,9 +431,14 @@ class SerialWorker:
     def call(self, fn, *args):
         """fn(*args) on the worker thread; its result, or its exception re-raised here."""
         with self._lock:
+            return self.submit(fn, *args).result()
+
+    def submit(self, fn, *args) -> Future:
+        """fn(*args) queued on the worker thread, after the calls before it; its future."""
+        with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
-            return self._executor.submit(fn, *args).result()
+            return self._executor.submit(fn, *args)
 
     def close(self):
         with self._lock:

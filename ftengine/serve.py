@@ -427,11 +427,12 @@ class Service:
             raise validation(f"aggregation_strategy must be one of {', '.join(STRATEGIES)}, found {strategy!r}")
         stride = body.get("stride")
         loop = asyncio.get_running_loop()
-        try:
-            found, tokens = await loop.run_in_executor(
-                None, lambda: self.tokens.entities(texts, aggregation_strategy=strategy, stride=stride))
+        try:  # tokenised off the event loop; requests waiting together share the model's passes
+            future = await loop.run_in_executor(
+                None, lambda: self.tokens.submit(texts, aggregation_strategy=strategy, stride=stride))
         except InputError as e:
             raise validation(str(e)) from None
+        found, tokens = await self._answer(request, future)
         return Response(dumps(found[0] if single else found), media_type="application/json"), len(texts), tokens
 
     async def tokenize(self, request):

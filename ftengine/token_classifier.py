@@ -10,6 +10,8 @@ the last hidden states."""
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +30,18 @@ STRATEGIES = ("none", "simple", "first", "average", "max")
 BATCH_TOKENS = 8192  # tokens a forward pass takes at most
 
 
+class _Request:
+    """A submitted call: its texts, their encodings' windows, how to aggregate, its future."""
+
+    def __init__(self, texts: list, windows: list, strategy: str, ignore: set):
+        self.texts, self.windows, self.strategy, self.ignore = texts, windows, strategy, ignore
+        self.future = Future()
+
+
 class TokenClassifier(OwnsWorker):
-    """Texts -> entities. Safe to call from any number of threads: calls run one at a time on
-    the TokenClassifier's own worker thread, which owns the model's device state."""
+    """Texts -> entities. Safe to call from any number of threads: the model runs on the
+    TokenClassifier's own worker thread, which owns its device state; calls waiting together
+    share its batches."""
 
     def __init__(self, path, *, device: str = "auto", dtype: str | None = None, max_length: int | None = None):
         path = model_folder(path)
@@ -59,6 +70,7 @@ class TokenClassifier(OwnsWorker):
         self.ops = get_ops(self.device)
         self._runner = None
         self._worker = SerialWorker("ftengine-tokens")
+        self._waiting, self._waiting_lock = [], threading.Lock()  # submitted requests the worker has not taken
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *,
@@ -81,6 +93,15 @@ class TokenClassifier(OwnsWorker):
     def entities(self, texts, *, aggregation_strategy: str = "none", stride: int | None = None,
                  ignore_labels=("O",)) -> tuple:
         """(predict's entities, the tokens the texts took)."""
+        return self.submit(texts, aggregation_strategy=aggregation_strategy, stride=stride,
+                           ignore_labels=ignore_labels).result()
+
+    def submit(self, texts, *, aggregation_strategy: str = "none", stride: int | None = None,
+               ignore_labels=("O",)) -> Future:
+        """entities() without waiting: the texts are tokenised here (a bad argument raises here),
+        then queued for the worker; the future's result is (entities, tokens). Requests waiting
+        together run in the same forward passes; a request cancelled before the worker takes it
+        is dropped."""
         if aggregation_strategy not in STRATEGIES:
             raise InputError(f"aggregation_strategy {aggregation_strategy!r} is not one of {', '.join(STRATEGIES)}")
         if stride is not None:
@@ -92,13 +113,38 @@ class TokenClassifier(OwnsWorker):
         texts = _as_list(texts)
         encodings = self.tokenizer.encodings(texts, stride=stride or 0) if texts else []
         windows = [[enc] + (list(enc.overflowing) if stride is not None else []) for enc in encodings]
-        scores = iter(self._worker.call(self._scores, [w for text_windows in windows for w in text_windows]))
-        found = []
-        for text, text_windows in zip(texts, windows):
-            per_window = [self._entities(text, w, next(scores), aggregation_strategy, set(ignore_labels))
-                          for w in text_windows]
-            found.append(per_window[0] if len(per_window) == 1 else _overlaps_resolved(sum(per_window, [])))
-        return found, sum(len(w.ids) for text_windows in windows for w in text_windows)
+        request = _Request(texts, windows, aggregation_strategy, set(ignore_labels))
+        with self._waiting_lock:
+            self._waiting.append(request)
+        self._worker.submit(self._run_waiting)
+        return request.future
+
+    def _run_waiting(self):
+        """The requests waiting (none if an earlier run took them), in shared forward passes, then
+        each one's entities; runs on the worker thread."""
+        with self._waiting_lock:
+            taken, self._waiting = self._waiting, []
+        live = [r for r in taken if r.future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        try:
+            every = self._scores([w for r in live for text_windows in r.windows for w in text_windows])
+        except BaseException as e:  # the model failed: every request of the pass learns why
+            for r in live:
+                r.future.set_exception(e)
+            return
+        at = 0
+        for r in live:
+            count = sum(map(len, r.windows))
+            scores, at = iter(every[at:at + count]), at + count
+            try:
+                found = []
+                for text, text_windows in zip(r.texts, r.windows):
+                    per_window = [self._entities(text, w, next(scores), r.strategy, r.ignore) for w in text_windows]
+                    found.append(per_window[0] if len(per_window) == 1 else _overlaps_resolved(sum(per_window, [])))
+                r.future.set_result((found, sum(len(w.ids) for text_windows in r.windows for w in text_windows)))
+            except Exception as e:
+                r.future.set_exception(e)
 
     # ------------------------------------------------------------------ the model
 

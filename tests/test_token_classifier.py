@@ -3,9 +3,11 @@ RoBERTa, XLM-R, CamemBERT and DistilBERT ...ForTokenClassification checkpoints (
 byte-level BPE and Unigram tokenizers): every aggregation strategy gives the pipeline's
 entities (labels, words, character offsets; scores within 1e-4) on texts with multi-token words,
 punctuation, accents and unknown tokens; texts past the model's length are cut as the pipeline
-cuts them; threads share one model; `ftengine ner` writes one record a line."""
+cuts them; threads share one model, and requests waiting together its forward passes; `ftengine
+ner` writes one record a line."""
 
 import json
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +17,7 @@ from click.testing import CliRunner
 from ftengine import InputError, TokenClassifier
 from ftengine.cli import main
 from ftengine.token_classifier import STRATEGIES
-from tests.tolerances import HF_FP32_MAX_ABS
+from tests.tolerances import BATCHING_INVARIANCE_FP32, HF_FP32_MAX_ABS
 from weights.fixtures import add_token_classification_head, write_bert_checkpoint, write_encoder_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -84,12 +86,22 @@ def test_long_texts_in_overlapping_windows_match_the_hf_pipeline(ner_model, stra
     assert_same_entities(got, expected)
 
 
+def assert_same_as_alone(got, alone):
+    """The entities of texts that shared forward passes with other requests' texts: those each
+    request had alone, scores within the batching tolerance (fp32 rounding only)."""
+    for ours, theirs in zip(got, alone, strict=True):
+        assert [{k: v for k, v in e.items() if k != "score"} for e in ours] == \
+            [{k: v for k, v in e.items() if k != "score"} for e in theirs]
+        assert all(abs(a["score"] - b["score"]) <= BATCHING_INVARIANCE_FP32 for a, b in zip(ours, theirs))
+
+
 def test_threads_share_one_model_and_bad_input_is_refused(ner_model):
     with TokenClassifier.from_pretrained(ner_model, device="cpu") as model:
         expected = model.predict(TEXTS, aggregation_strategy="simple")
         with ThreadPoolExecutor(4) as pool:
             found = list(pool.map(lambda _: model.predict(TEXTS, aggregation_strategy="simple"), range(4)))
-        assert found == [expected] * 4
+        for got in found:
+            assert_same_as_alone(got, expected)
         with pytest.raises(InputError, match="aggregation_strategy 'best' is not one of"):
             model.predict(TEXTS, aggregation_strategy="best")
         with pytest.raises(InputError, match="text 2 is a int"):
@@ -139,6 +151,26 @@ def test_served_at_ner_with_the_pipelines_entities(ner_model):
     finally:
         code, out = s.stop()
     assert code == 0 and "Traceback" not in out
+
+
+def test_waiting_requests_share_forward_passes_and_a_cancelled_one_is_dropped(ner_model):
+    """Requests submitted while the worker is busy run in one pass when it frees, each with the
+    entities it has alone; one cancelled before then never reaches the model."""
+    with TokenClassifier.from_pretrained(ner_model, device="cpu") as model:
+        alone = [model.predict([t], aggregation_strategy="first") for t in TEXTS[:3]]
+        passes, scores = [], model._scores
+        model._scores = lambda encodings: passes.append(len(encodings)) or scores(encodings)
+        busy = threading.Event()
+        model._worker.submit(busy.wait, 60)
+        futures = [model.submit([t], aggregation_strategy="first") for t in TEXTS[:3]]
+        gone = model.submit([TEXTS[4]], aggregation_strategy="first")
+        assert gone.cancel()
+        busy.set()
+        got = [f.result(timeout=60)[0] for f in futures]
+    assert passes == [3] and gone.cancelled()
+    for ours, theirs in zip(got, alone):
+        assert_same_as_alone(ours, theirs)
+    assert_same_entities([entities for one in got for entities in one], hf_entities(ner_model, TEXTS[:3], "first"))
 
 
 @pytest.mark.gpu
