@@ -61,6 +61,7 @@ def _wgmma_attention(t: str, head_dims) -> list[str]:
     return [f"varlen_attention_wgmma<{t}, {d}>" for d in head_dims if d in VARLEN_WG_HEAD_DIMS] + \
         [f"varlen_attention_wgmma_tma<{t}>" for d in head_dims if d == 64]
 
+
 FAMILIES = {
     "embedding.cu": lambda t: _row_variants("embed_layernorm", t),
     "layernorm.cu": lambda t: _after_product_variants("add_bias_residual_layernorm", t, BLAS_SPLITS)
@@ -95,7 +96,7 @@ FAMILIES = {
 
 # file -> kernels a module holds (one module of all a type's kernels where unlisted): NVRTC's time grows
 # with a module's kernels and modules compile in parallel, so the files slow to compile are split
-# (a first run's compile: docs/cold-start.md)
+# (a first run's compile: docs/performance.md, Cold start)
 MODULE_KERNELS = {"attention_varlen.cu": 1, "attention_sm90.cu": 1, "gemm_sm90.cu": 1, "sampling_cluster.cu": 1,
                   "layernorm.cu": 7, "decoder.cu": 6, "gemv.cu": 3}
 

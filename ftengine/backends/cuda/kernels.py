@@ -1,4 +1,4 @@
-"""Compile kernels_cu/*.cu with cupy.RawModule: one module per (file, element type), on demand.
+"""Compile kernels_cu/*.cu with cupy.RawModule: modules of a file's kernels per element type, on demand.
 
 common.cuh is prepended to each source (not #included) so that CuPy's compile cache key
 covers it. families.py lists each file's template instantiations, in one place, and how many of
@@ -179,7 +179,8 @@ def modules_of(files, ctypes, *, only: dict | None = None) -> list[tuple[str, st
 def prepare(files, ctypes, *, only: dict | None = None):
     """Compile (or load from CuPy's disk cache) the modules of `files` for element types
     `ctypes`, and their shared kernels (modules_of), in parallel threads: NVRTC runs without the
-    GIL, so a cold start costs about the slowest module instead of their sum."""
+    GIL, so a cold start costs far less than their sum (modules compiled at once slow each other
+    down: docs/performance.md, Cold start)."""
     import cupy
     keys = modules_of(files, ctypes, only=only)
     device = cupy.cuda.Device().id

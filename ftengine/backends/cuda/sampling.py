@@ -16,13 +16,15 @@ from .runtime import _launch, _threads, context
 CHOICE_THREADS, CHOICE_SLICES_MAX, CHOICE_SLICE_MIN = 256, 64, 1024
 CHOICE_BINS, CHOICE_STATE_WORDS = 2048, 2048 + 8
 
-# sampling_cluster.cu choose_sample (sm_90: a thread-block cluster per row): threads per block, the most blocks of a cluster
-# (a power of two), the u32 words of a block's histogram (three pieces of each bin's mass), the most tokens a block
-# holds (no piece's sum passes 32 bits) and the room for a select's candidates past its first digit. (measurements:
-# docs/gpu-internals.md, sampling.py SAMPLE_THREADS, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX)
+# sampling_cluster.cu choose_sample (sm_90: a thread-block cluster per row): threads per block, the most blocks of
+# a cluster (a power of two), the u32 words of a block's histogram (three pieces of each bin's mass), the most tokens
+# a block holds (no piece's sum passes 32 bits) and the room for a select's candidates past its first digit.
+# (measurements: docs/gpu-internals.md, sampling.py SAMPLE_THREADS, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX)
 SAMPLE_THREADS, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX = 256, 8, 3 * 2048, 65536
 SAMPLE_CANDIDATES = 2048
-SAMPLING_KERNELS = {"sampling.cu": ["choose_prepare", "choose_level", "choose_draw", "mark_seen", "append_tokens", "increment"],
+# each file's kernels (none templated on the element type: families.SHARED)
+SAMPLING_KERNELS = {"sampling.cu": ["choose_prepare", "choose_level", "choose_draw", "mark_seen", "append_tokens",
+                                    "increment"],
                     "sampling_cluster.cu": ["choose_sample<false>", "choose_sample<true>"],
                     "beam.cu": ["beam_logsumexp", "beam_candidates", "beam_select"]}
 
@@ -140,7 +142,7 @@ def beam_select(logits, state, eos, *, params, batch):
     slices = -(-v // CANDIDATE_CHUNK)
     early = {False: 0, True: 1, "never": 2}[params.early_stopping]
     _launch("beam.cu", "beam_logsumexp", (rows, slices), (256,), (state.stats, state.flags, logits, np.int32(v),
-                                                                      np.int32(nb), np.int32(CANDIDATE_CHUNK)))
+                                                                  np.int32(nb), np.int32(CANDIDATE_CHUNK)))
     _launch("beam.cu", "beam_candidates", (rows, slices), (256,),
             (state.keys, state.stats, logits, state.seq, state.run_scores, state.starts, state.flags, state.step,
              eos, np.int32(eos.size), np.int32(v), np.int32(length), np.int32(nb), np.int32(keep),
