@@ -363,7 +363,7 @@ GENERATION_FIELDS = ("num_beams", "max_length", "max_new_tokens", "min_length", 
 @dataclass(frozen=True)
 class Seq2SeqConfig:
     model_type: str                # "marian" (Helsinki-NLP opus-mt-*), "bart", "mbart", "m2m_100" (and NLLB)
-    vocab_size: int                # 58101 (opus-mt-en-de): one vocabulary for both sides
+    vocab_size: int                # 58101 (opus-mt-en-de): the target's vocabulary (the LM head's rows)
     d_model: int                   # 512
     encoder_layers: int            # 6
     decoder_layers: int            # 6
@@ -387,6 +387,7 @@ class Seq2SeqConfig:
     rms_norm: bool = False         # T5: RMS norms without bias
     relative_buckets: int = 0      # T5: relative position buckets of the attention's bias (0: none)
     relative_max_distance: int = 128
+    source_vocab_size: int = 0     # Marian with separate vocabularies: the source's (encoder's table); 0: shared
 
     @property
     def n_positions(self) -> int:  # the target's room, as the generation loop checks it
@@ -399,9 +400,10 @@ class Seq2SeqConfig:
         if model_type not in SEQ2SEQ_FAMILIES:
             raise ConfigError(f"{path}: model_type {model_type!r} is not supported by the translator; supported: "
                               f"{', '.join(SEQ2SEQ_FAMILIES)}")
-        if data.get("share_encoder_decoder_embeddings") is False:
+        separate = data.get("share_encoder_decoder_embeddings") is False
+        if separate and model_type != "marian":
             raise ConfigError(f"{path}: separate source and target vocabularies (share_encoder_decoder_embeddings "
-                              "false) are not supported")
+                              f"false) are supported for Marian only, not {model_type}")
         if model_type == "marian" and (data.get("normalize_before") or data.get("add_final_layer_norm")):
             raise ConfigError(f"{path}: pre-LayerNorm Marian variants (normalize_before) are not supported")
         shape = _t5_shape(keys, data, path) if model_type in ("t5", "mt5") else _bart_shape(keys, data)
@@ -414,9 +416,12 @@ class Seq2SeqConfig:
         # HF reads the generation defaults from config.json where generation_config.json is absent
         defaults = {k: v for k, v in (data if generation is None else generation).items()
                     if k in GENERATION_FIELDS and v is not None}
+        source = keys.positive("vocab_size")
         return cls(
             model_type=model_type,
-            vocab_size=keys.positive("vocab_size"),
+            # HF's vocab_size is the source's; a separate target's is decoder_vocab_size
+            vocab_size=keys.positive("decoder_vocab_size") if separate else source,
+            source_vocab_size=source if separate else 0,
             **shape,
             tie_word_embeddings=bool(data.get("tie_word_embeddings", True)),
             decoder_start_token_id=start,

@@ -48,6 +48,9 @@ def _layer_names(side: str, ffn) -> dict:
 ENCODER_LAYER = _layer_names("encoder", lambda c: c.encoder_ffn)
 DECODER_LAYER = _layer_names("decoder", lambda c: c.decoder_ffn)
 SHARED = "model.shared.weight"
+# Marian with separate vocabularies: the encoder's table (the source's) and the decoder's (the target's)
+SIDE_TABLES = {"model.encoder.embed_tokens.weight": ("source_embed", lambda c: (c.source_vocab_size, c.d_model)),
+               "model.decoder.embed_tokens.weight": ("embed", lambda c: (c.vocab_size, c.d_model))}
 HEAD = "lm_head.weight"
 _P = lambda c: (c.max_positions + (LEARNED_POSITION_OFFSET if c.positions == "learned" else 0), c.d_model)  # noqa: E731
 # tensors a family may store: Marian's stored sinusoids, BART's learned positions
@@ -60,13 +63,13 @@ EMBEDDING_NORMS = {f"model.{side}.layernorm_embedding.{p}": (f"{side}_embedding_
 FINAL_NORMS = {f"model.{side}.layer_norm.{p}": (f"{side}_final_{slot}", _E)
                for side in ("encoder", "decoder") for p, slot in (("weight", "gamma"), ("bias", "beta"))}
 # copies of the shared table that checkpoints also save (tied: the same values); M2M100's sinusoid buffers
-IGNORED = [re.compile(p) for p in (r"model\.(encoder|decoder)\.embed_tokens\.weight",
-                                   r"model\.(encoder|decoder)\.embed_positions\.(weights|_float_tensor)")]
+SHARED_COPIES = re.compile(r"model\.(encoder|decoder)\.embed_tokens\.weight")
+IGNORED = [re.compile(r"model\.(encoder|decoder)\.embed_positions\.(weights|_float_tensor)")]
 
 
 @dataclass
 class Seq2SeqWeights:
-    embed: np.ndarray              # (V, E): the shared token table, x sqrt(E) where scale_embedding
+    embed: np.ndarray              # (V, E): the (target's) token table, x sqrt(E) where scale_embedding
     lm_head: np.ndarray            # (V, E)
     logits_bias: np.ndarray        # (V,) float32: final_logits_bias
     encoder_positions: np.ndarray  # (P, E): row i is source position i's
@@ -74,6 +77,7 @@ class Seq2SeqWeights:
     encoder: list                  # per layer: {slot: array} (qkv_weight (3E, E), ...)
     decoder: list                  # per layer, with cross_q_weight (3E, E: Q then zeros), cross_kv_weight (3E, E)
     norms: dict                    # {encoder,decoder}_{embedding,final}_{gamma,beta} as the config has them
+    source_embed: np.ndarray | None = None  # (V_source, E) as embed: separate vocabularies; None: embed
 
 
 def sinusoidal_positions(n: int, dim: int) -> np.ndarray:
@@ -179,7 +183,8 @@ def load_seq2seq_weights(model_dir: Path, config: Seq2SeqConfig) -> Seq2SeqWeigh
         return _load_t5(model_dir, config)
     files = SafetensorsFiles(model_dir)
     stored = set(files.names())
-    top_names = {SHARED: ("embed", lambda c: (c.vocab_size, c.d_model))}
+    separate = config.source_vocab_size > 0
+    top_names = dict(SIDE_TABLES) if separate else {SHARED: ("embed", lambda c: (c.vocab_size, c.d_model))}
     optional = dict(OPTIONAL)
     if config.positions == "learned":
         top_names.update({k: optional.pop(k) for k in list(optional) if "embed_positions" in k})
@@ -188,7 +193,7 @@ def load_seq2seq_weights(model_dir: Path, config: Seq2SeqConfig) -> Seq2SeqWeigh
         top_names.update(EMBEDDING_NORMS)
     if config.pre_norm:
         top_names.update(FINAL_NORMS)
-    ignored = list(IGNORED)
+    ignored = IGNORED + ([] if separate else [SHARED_COPIES])
     if HEAD in stored and not config.tie_word_embeddings:
         top_names[HEAD] = ("lm_head", lambda c: (c.vocab_size, c.d_model))
     elif HEAD in stored:
@@ -214,7 +219,8 @@ def load_seq2seq_weights(model_dir: Path, config: Seq2SeqConfig) -> Seq2SeqWeigh
         encoder_positions=top["encoder_positions"][skip:] if "encoder_positions" in top else positions,
         decoder_positions=top["decoder_positions"][skip:] if "decoder_positions" in top else positions,
         encoder=[_fuse(p) for p in encoder_layers], decoder=[_fuse(p) for p in decoder_layers],
-        norms={k: v for k, v in top.items() if "_embedding_" in k or "_final_" in k})
+        norms={k: v for k, v in top.items() if "_embedding_" in k or "_final_" in k},
+        source_embed=top["source_embed"] * scale if separate else None)
 
 
 def _fuse(p: dict) -> dict:

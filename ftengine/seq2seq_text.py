@@ -20,11 +20,17 @@ MARIAN_FILES = ("source.spm", "target.spm", "vocab.json")
 class MarianText:
     """HF MarianTokenizer's encode (an optional leading >>lang<< code kept whole, the rest split by the
     source sentencepiece model, pieces looked up in vocab.json, </s> appended) and decode with
-    skip_special_tokens=True (pieces joined by the sentencepiece model, as HF joins them for a
-    shared vocabulary)."""
+    skip_special_tokens=True (pieces joined by the sentencepiece model, as HF joins them: the
+    source's for a shared vocabulary; with separate ones (separate_vocabs), the target's, its ids
+    looked up in target_vocab.json)."""
 
     def __init__(self, folder: Path):
-        missing = [name for name in MARIAN_FILES if not (folder / name).is_file()]
+        settings = {}
+        if (folder / "tokenizer_config.json").is_file():
+            settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        separate = bool(settings.get("separate_vocabs"))
+        missing = [name for name in MARIAN_FILES + (("target_vocab.json",) if separate else ())
+                   if not (folder / name).is_file()]
         if missing:
             raise ConfigError(f"{folder}: Marian's tokenizer files are missing: {', '.join(missing)}")
         try:
@@ -32,26 +38,27 @@ class MarianText:
         except ImportError:
             raise ConfigError("Marian checkpoints tokenise with sentencepiece: pip install 'ftengine[translate]'") \
                 from None
-        settings = {}
-        if (folder / "tokenizer_config.json").is_file():
-            settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-        if settings.get("separate_vocabs"):
-            raise ConfigError(f"{folder}: separate source and target vocabularies are not supported")
         self.vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
-        self.pieces = {i: piece for piece, i in self.vocab.items()}
+        target = json.loads((folder / "target_vocab.json").read_text(encoding="utf-8")) if separate else self.vocab
+        self.pieces = {i: piece for piece, i in target.items()}
         names = {kind: _token(settings.get(f"{kind}_token"), default)
                  for kind, default in (("eos", "</s>"), ("unk", "<unk>"), ("pad", "<pad>"))}
         for kind, name in names.items():
             if name not in self.vocab:
                 raise ConfigError(f"{folder}/vocab.json has no {kind} token {name!r}")
         self.eos_id, self.unk_id, self.pad_id = (self.vocab[names[k]] for k in ("eos", "unk", "pad"))
+        # HF skips the special tokens' ids as the source vocabulary numbers them, whichever side decodes
         self.special = {self.eos_id, self.unk_id, self.pad_id}
+        self.special_text, self.unk = set(names.values()), names["unk"]
         self.codes = {piece for piece in self.vocab if piece.startswith(">>") and piece.endswith("<<")}
-        try:
-            # HF decodes a shared vocabulary with the source model
-            self.source = sentencepiece.SentencePieceProcessor(model_file=str(folder / "source.spm"))
-        except (OSError, RuntimeError) as e:
-            raise ConfigError(f"{folder}/source.spm: cannot load the sentencepiece model ({e})") from None
+        models = {}
+        for side in ("source", "target") if separate else ("source",):
+            try:
+                models[side] = sentencepiece.SentencePieceProcessor(model_file=str(folder / f"{side}.spm"))
+            except (OSError, RuntimeError) as e:
+                raise ConfigError(f"{folder}/{side}.spm: cannot load the sentencepiece model ({e})") from None
+        # HF decodes a shared vocabulary with the source model, separate ones with the target's
+        self.source, self.output = models["source"], models.get("target", models["source"])
 
     def encode(self, text: str) -> list:
         """The source's token ids, </s> last."""
@@ -74,9 +81,18 @@ class MarianText:
         return {}
 
     def decode(self, ids) -> str:
-        """Generated ids as text, special tokens left out."""
-        pieces = [self.pieces.get(i) or self.source.id_to_piece(i) for i in ids if i not in self.special]
-        return self.source.decode_pieces(pieces).replace("\u2581", " ").strip()
+        """Generated ids as text, special tokens left out; a special token's text that is still
+        there (a target id whose number differs from the source's) is kept whole, as HF keeps it."""
+        text, run = "", []
+        for i in ids:
+            if i in self.special:
+                continue
+            piece = self.pieces.get(i) or self.output.id_to_piece(i) or self.unk
+            if piece in self.special_text:
+                text, run = text + self.output.decode_pieces(run) + piece + " ", []
+            else:
+                run.append(piece)
+        return (text + self.output.decode_pieces(run)).replace("\u2581", " ").strip()
 
     def check_languages(self, src_lang: str | None, tgt_lang: str | None, names=("src_lang", "tgt_lang")):
         """Marian models translate from one source language; refuse a >>lang<< code the vocabulary

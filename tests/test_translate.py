@@ -92,6 +92,54 @@ def test_a_batch_of_mixed_lengths_equals_one_by_one(marian):
                     <= BATCHING_INVARIANCE_FP32
 
 
+@pytest.fixture(scope="module")
+def separate(tmp_path_factory):
+    """A Marian model with separate source and target vocabularies (opus-mt-tc-big's format)."""
+    folder = write_marian_checkpoint(tmp_path_factory.mktemp("marian-separate"), seed=5, separate_vocabs=True)
+    return folder, (transformers.MarianMTModel.from_pretrained(folder).eval(),
+                    transformers.MarianTokenizer.from_pretrained(folder))
+
+
+def test_separate_vocabularies_match_hf(separate):
+    """The source's ids (vocab.json), the target's text (target_vocab.json, target.spm, HF's special
+    ids), the encoder states, the first logits and greedy / beam translations, as HF's."""
+    folder, (model, tokenizer) = separate
+    config = json.loads((folder / "config.json").read_text())
+    ours = MarianText(folder)
+    # the sides differ in size and in their pad's id, so that HF's special ids (the source's) show
+    assert config["vocab_size"] != config["decoder_vocab_size"] and ours.pad_id != config["pad_token_id"]
+    for text in TEXTS + [">>fra<< hello there", "zzz qqq"]:
+        assert ours.encode(text) == tokenizer(text).input_ids, text
+    rng = np.random.default_rng(0)
+    for ids in [list(range(config["decoder_vocab_size"]))] + [rng.integers(0, config["decoder_vocab_size"], 12).tolist()
+                                                              for _ in range(20)]:
+        assert ours.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True), ids
+    assert_encoder_and_first_logits_match(folder, model, tokenizer, TEXTS[:3], HF_FP32_MAX_ABS)
+    with Translator.from_pretrained(folder, device="cpu") as translator:
+        for options in ({}, {"num_beams": 3, "num_return_sequences": 2}):
+            results = translator.translate(TEXTS, **options)
+            assert_candidates_match(results, [hf_seq2seq_generate(model, tokenizer, t, **options) for t in TEXTS],
+                                    BEAM_SCORE_FP32)
+            for result in results:
+                assert result.text == tokenizer.decode(result.candidates[0].token_ids, skip_special_tokens=True)
+
+
+def test_separate_vocabularies_are_refused_where_they_cannot_apply(separate, tmp_path):
+    import shutil
+
+    from ftengine.config import Seq2SeqConfig
+    from ftengine.errors import ConfigError
+    folder, _ = separate
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    (copy / "target_vocab.json").unlink()
+    with pytest.raises(ConfigError, match="Marian's tokenizer files are missing: target_vocab.json"):
+        Translator.from_pretrained(copy, device="cpu")
+    config = {**json.loads((folder / "config.json").read_text()), "model_type": "bart"}
+    with pytest.raises(ConfigError, match="supported for Marian only, not bart"):
+        Seq2SeqConfig.from_dict(config, copy / "config.json")
+
+
 def test_token_budget_batches_keep_order_rows_and_budget():
     from ftengine.translator import _batches
     tokens = [4, 9, 3, 12, 5, 5, 1]
@@ -183,6 +231,19 @@ def test_cuda_fp32_translations_match_hf(marian_gpu, hf_gpu, cuda_translator, op
     with cuda_translator(marian_gpu, dtype="fp32") as translator:
         results = translator.translate(TEXTS, **options)
     assert_matches_hf(results, hf_gpu, options)
+
+
+@pytest.mark.gpu
+def test_cuda_fp32_separate_vocabularies_match_hf(tmp_path, cuda_translator):
+    """The encoder reads the source's table, the decoder and its head the target's, on the GPU too."""
+    folder = write_marian_checkpoint(tmp_path, seed=6, d_model=64, heads=2, ffn=96, separate_vocabs=True)
+    model, tokenizer = (transformers.MarianMTModel.from_pretrained(folder).eval(),
+                        transformers.MarianTokenizer.from_pretrained(folder))
+    with cuda_translator(folder, dtype="fp32") as translator:
+        for options in GPU_OPTIONS[:2]:
+            results = translator.translate(TEXTS, **options)
+            assert_candidates_match(results, [hf_seq2seq_generate(model, tokenizer, t, **options) for t in TEXTS],
+                                    BEAM_SCORE_FP32)
 
 
 @pytest.mark.gpu

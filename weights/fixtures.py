@@ -513,55 +513,80 @@ def write_gpt2_checkpoint(folder, *, seed: int = 0, **config_args) -> Path:
 MARIAN_CORPUS = [" ".join(WORDS[i:i + 7]) for i in range(len(WORDS) - 7)] + ["hello world, the quick brown fox!"] * 3
 
 
-def write_marian_tokenizer(folder: Path, *, vocab_size: int = 72) -> dict:
+def write_marian_tokenizer(folder: Path, *, vocab_size: int = 72, separate_vocabs: bool = False) -> tuple:
     """Marian's tokenizer files: source.spm / target.spm (one unigram sentencepiece model, trained on
     MARIAN_CORPUS) and vocab.json ("</s>" 0, "<unk>" 1, the model's pieces, "<pad>" last, two
-    >>lang<< codes); returns the vocabulary."""
+    >>lang<< codes). With separate_vocabs (opus-mt-tc-big's format), target.spm is a model of its
+    own (trained on the corpus upper-cased, of fewer pieces) and target_vocab.json numbers its pieces
+    alike, so that the two vocabularies differ in size and in their pad token's id. Returns (the
+    source's vocabulary, the target's)."""
+    source = _marian_pieces(MARIAN_CORPUS, vocab_size)
+    (folder / "source.spm").write_bytes(source[0])
+    vocab = _marian_vocab(source[1], [">>deu<<", ">>fra<<"])
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    target_vocab = vocab
+    if separate_vocabs:
+        target = _marian_pieces([line.upper() for line in MARIAN_CORPUS], vocab_size - 12)
+        (folder / "target.spm").write_bytes(target[0])
+        target_vocab = _marian_vocab(target[1], [])
+        (folder / "target_vocab.json").write_text(json.dumps(target_vocab, ensure_ascii=False))
+    else:
+        (folder / "target.spm").write_bytes(source[0])
+    (folder / "tokenizer_config.json").write_text(json.dumps({"source_lang": "en", "target_lang": "de",
+                                                              "model_max_length": 512,
+                                                              "separate_vocabs": separate_vocabs}))
+    return vocab, target_vocab
+
+
+def _marian_pieces(corpus: list, vocab_size: int) -> tuple:
+    """(a unigram sentencepiece model trained on `corpus`, its pieces)."""
     import io
 
     import sentencepiece
     model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(MARIAN_CORPUS), model_writer=model,
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_writer=model,
                                              vocab_size=vocab_size, model_type="unigram", character_coverage=1.0,
                                              minloglevel=2)
-    for name in ("source.spm", "target.spm"):
-        (folder / name).write_bytes(model.getvalue())
     processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
-    pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+    return model.getvalue(), [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+
+
+def _marian_vocab(pieces: list, codes: list) -> dict:
     vocab = {"</s>": 0, "<unk>": 1}
-    for piece in [">>deu<<", ">>fra<<"] + [p for p in pieces if p not in ("<unk>", "<s>", "</s>")]:
+    for piece in codes + [p for p in pieces if p not in ("<unk>", "<s>", "</s>")]:
         vocab.setdefault(piece, len(vocab))
     vocab["<pad>"] = len(vocab)
-    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"source_lang": "en", "target_lang": "de",
-                                                              "model_max_length": 512, "separate_vocabs": False}))
     return vocab
 
 
 def write_marian_checkpoint(folder, *, seed: int = 0, d_model=32, layers=2, heads=4, ffn=37, max_positions=64,
-                            activation="swish", generation: dict | None = None) -> Path:
+                            activation="swish", generation: dict | None = None, separate_vocabs: bool = False) -> Path:
     """A random MarianMTModel folder in HF's format (opus-mt's settings: scaled embeddings, swish,
     the pad token as the decoder's start) with its sentencepiece tokenizer; weights scaled so that
-    every sub-layer shows in the logits."""
+    every sub-layer shows in the logits. separate_vocabs: a token table of its own for each side
+    (share_encoder_decoder_embeddings false), the LM head tied to the decoder's."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = write_marian_tokenizer(folder)
-    v, pad = len(vocab), vocab["<pad>"]
-    config = {"model_type": "marian", "architectures": ["MarianMTModel"], "vocab_size": v, "decoder_vocab_size": v,
+    vocab, target_vocab = write_marian_tokenizer(folder, separate_vocabs=separate_vocabs)
+    v, tv, pad = len(vocab), len(target_vocab), target_vocab["<pad>"]
+    config = {"model_type": "marian", "architectures": ["MarianMTModel"], "vocab_size": v, "decoder_vocab_size": tv,
               "d_model": d_model, "encoder_layers": layers, "decoder_layers": layers,
               "encoder_attention_heads": heads, "decoder_attention_heads": heads, "encoder_ffn_dim": ffn,
               "decoder_ffn_dim": ffn, "activation_function": activation, "max_position_embeddings": max_positions,
-              "scale_embedding": True, "share_encoder_decoder_embeddings": True, "tie_word_embeddings": True,
-              "pad_token_id": pad, "eos_token_id": 0, "decoder_start_token_id": pad, "forced_eos_token_id": 0,
-              "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "is_encoder_decoder": True}
+              "scale_embedding": True, "share_encoder_decoder_embeddings": not separate_vocabs,
+              "tie_word_embeddings": True, "pad_token_id": pad, "eos_token_id": 0, "decoder_start_token_id": pad,
+              "forced_eos_token_id": 0, "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
+              "is_encoder_decoder": True}
     (folder / "config.json").write_text(json.dumps(config))
     gen = {"decoder_start_token_id": pad, "eos_token_id": 0, "pad_token_id": pad, "forced_eos_token_id": 0,
            "bad_words_ids": [[pad]], "renormalize_logits": True, "max_length": 24, "num_beams": 1}
     gen.update(generation or {})
     (folder / "generation_config.json").write_text(json.dumps(gen))
     rng = np.random.default_rng(seed)
-    tensors = {"model.shared.weight": rng.normal(0, 1.0, (v, d_model)),
-               "final_logits_bias": rng.normal(0, 0.3, (1, v)), **_seq2seq_layers(rng, d_model, layers, ffn)}
+    tables = ({"model.encoder.embed_tokens.weight": rng.normal(0, 1.0, (v, d_model)),
+               "model.decoder.embed_tokens.weight": rng.normal(0, 1.0, (tv, d_model))} if separate_vocabs
+              else {"model.shared.weight": rng.normal(0, 1.0, (v, d_model))})
+    tensors = {**tables, "final_logits_bias": rng.normal(0, 0.3, (1, tv)), **_seq2seq_layers(rng, d_model, layers, ffn)}
     save_file({k: np.ascontiguousarray(a, np.float32) for k, a in tensors.items()}, str(folder / "model.safetensors"))
     return folder
 

@@ -64,8 +64,9 @@ class GenerationRunner:
         values = np.ascontiguousarray(values, dtype=dtype)
         self.ops.copy_from_host(self.ws.view(name, values.shape), values)
 
-    def _check_ids(self, ids):
-        v = self.config.vocab_size
+    def _check_ids(self, ids, vocab_size: int | None = None):
+        """Refuse an id outside the vocabulary (the model's, or `vocab_size` ids)."""
+        v = vocab_size or self.config.vocab_size
         if ids_below(ids, v):  # the search only for a bad id
             return
         bad = np.flatnonzero((ids < 0) | (ids >= v))

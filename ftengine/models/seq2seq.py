@@ -57,6 +57,8 @@ class Seq2SeqRunner(GenerationRunner):
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps: kind, rows, GenerationParams.graph_key
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.embed, self.lm_head = up(weights.embed), up(weights.lm_head)   # (V, E) each
+        # the encoder's token table: the same as the decoder's unless the vocabularies are separate
+        self.source_embed = self.embed if weights.source_embed is None else up(weights.source_embed)
         self.encoder_positions, self.decoder_positions = up(weights.encoder_positions), up(weights.decoder_positions)
         self.encoder = [{k: up(v) for k, v in layer.items()} for layer in weights.encoder]
         self.decoder = [{k: up(v) for k, v in layer.items()} for layer in weights.decoder]
@@ -163,7 +165,7 @@ class Seq2SeqRunner(GenerationRunner):
             raise InputError(f"a source of {int(sizes.min() if sizes.min() < 1 else sizes.max())} tokens: this runner "
                              f"takes 1..{self.max_source}")
         ids = np.fromiter((t for s in sources for t in s), np.int64, int(sizes.sum()))
-        self._check_ids(ids)
+        self._check_ids(ids, c.source_vocab_size)
         t, e = len(ids), c.d_model
         ends = np.cumsum(sizes)
         inputs = np.empty(3 * t + n + 1, np.int32)
@@ -207,12 +209,13 @@ class Seq2SeqRunner(GenerationRunner):
         pre-LayerNorm: normed = the first sub-layer's LayerNorm of them."""
         ops, ws, e, eps = self.ops, self.ws, self.config.d_model, self.config.layer_norm_eps
         hidden = ws.view("hidden", (t, e))
+        tokens = self.source_embed if side == "encoder" else self.embed
         if side in self.embedding_norms:
             summed = ws.view("proj", (t, e))
-            ops.embed_positions(summed, ids, positions, self.embed, table)
+            ops.embed_positions(summed, ids, positions, tokens, table)
             ops.layernorm(hidden, summed, *self.embedding_norms[side], eps=eps)
         else:
-            ops.embed_positions(hidden, ids, positions, self.embed, table)
+            ops.embed_positions(hidden, ids, positions, tokens, table)
         if self.config.pre_norm:
             ops.layernorm(ws.view("normed", (t, e)), hidden, *self.norms[side][0], eps=eps, rms=self.config.rms_norm)
 
