@@ -2,7 +2,8 @@
 checkpoints written in its exact format: the tokenizer's ids and text, the encoder's hidden
 states, the first step's logits, greedy and beam search token for token with their scores (with
 the checkpoint's generation defaults: the pad token banned, eos forced at the last step), batches
-of mixed lengths equal to one by one, threads, and the `ftengine translate` command."""
+of mixed lengths equal to one by one, threads, and the `ftengine translate` command; the same for a
+model with separate source and target vocabularies."""
 
 import json
 from concurrent.futures import ThreadPoolExecutor
