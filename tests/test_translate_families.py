@@ -1,4 +1,4 @@
-"""BART, mBART-50, NLLB and M2M100 (with its own sentencepiece files), T5 and flan-t5 encoder-decoders against HF transformers on small
+"""BART, mBART-50, NLLB and M2M100 (with its own sentencepiece files), T5, flan-t5 and mT5 encoder-decoders against HF transformers on small
 random checkpoints in each family's exact format: the tokenizer's ids and text with language codes, the
 encoder's output and the first step's logits, greedy and beam search token for token with their
 scores under each checkpoint's generation defaults (BART-cnn's forced <s>, n-gram ban, length
@@ -21,12 +21,12 @@ TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a dog", 
          "Ünïcödé ✓ text, with punctuation!"]
 # family -> (source language, target language) as its tokenizer spells them
 LANGUAGES = {"bart": (None, None), "mbart": ("en_XX", "fr_XX"), "nllb": ("eng_Latn", "deu_Latn"),
-             "m2m100": ("fr", "de"), "t5": (None, None), "flan-t5": (None, None)}
+             "m2m100": ("fr", "de"), "t5": (None, None), "flan-t5": (None, None), "mt5": (None, None)}
 
 
 def write_family(name: str, folder, **shape):
-    if name in ("t5", "flan-t5"):
-        return write_t5_checkpoint(folder, gated=name == "flan-t5", **shape)
+    if name in ("t5", "flan-t5", "mt5"):
+        return write_t5_checkpoint(folder, gated=name != "t5", model_type="mt5" if name == "mt5" else "t5", **shape)
     return write_bart_family_checkpoint(folder, name, **shape)
 
 
@@ -194,7 +194,8 @@ def test_a_folder_missing_its_parts_is_refused_by_name(family, tmp_path):
     shutil.copy(folder / tokenizer_file, copy / tokenizer_file)
     tensors = load_file(str(folder / "model.safetensors"))
     missing = {"bart": "model.decoder.layernorm_embedding.weight", "t5": "decoder.final_layer_norm.weight",
-               "flan-t5": "decoder.block.1.layer.2.DenseReluDense.wi_1.weight"}.get(name, "model.decoder.layer_norm.weight")
+               "flan-t5": "decoder.block.1.layer.2.DenseReluDense.wi_1.weight",
+               "mt5": "decoder.block.1.layer.2.DenseReluDense.wi_0.weight"}.get(name, "model.decoder.layer_norm.weight")
     del tensors[missing]
     save_file(tensors, str(copy / "model.safetensors"))
     with pytest.raises(CheckpointError, match=f"missing: .*{missing}"):

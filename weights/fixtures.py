@@ -730,14 +730,15 @@ def write_t5_tokenizer(folder: Path) -> int:
 
 
 def write_t5_checkpoint(folder, *, gated: bool, seed: int = 0, d_model=32, layers=2, heads=4, ffn=37,
-                        buckets=8, max_distance=20, generation: dict | None = None) -> Path:
+                        buckets=8, max_distance=20, generation: dict | None = None, model_type: str = "t5") -> Path:
     """A random T5 (ReLU, tied head: t5-small's settings) or T5 v1.1 / flan-t5 (gated GELU,
     untied head) folder in HF's format with its tokenizer; few buckets and a short max_distance,
-    so that the fixture's short texts reach the logarithmic buckets."""
+    so that the fixture's short texts reach the logarithmic buckets. model_type "mt5": mT5's
+    config (its architecture is T5 v1.1's)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     v = write_t5_tokenizer(folder) + 3  # the model's table larger than the tokenizer's, as t5's
-    config = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "vocab_size": v,
+    config = {"model_type": model_type, "architectures": [f"{model_type.upper()}ForConditionalGeneration"], "vocab_size": v,
               "d_model": d_model, "d_kv": d_model // heads, "d_ff": ffn, "num_layers": layers,
               "num_decoder_layers": layers, "num_heads": heads, "relative_attention_num_buckets": buckets,
               "relative_attention_max_distance": max_distance, "layer_norm_epsilon": 1e-6,
