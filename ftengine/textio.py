@@ -29,19 +29,11 @@ def _decode(line: bytes, number: int, source: str, errors: str) -> str:
     return text
 
 
-def iter_decoded(raw_lines, *, source: str, errors: str = "strict"):
-    """Lines ('\\n'-terminated, a trailing '\\r' dropped) of a binary line iterator as str; a
-    final newline ends the last line rather than starting an empty one. Invalid UTF-8 is an
-    error naming the line, or replaced by U+FFFD with errors='replace'."""
-    for number, line in enumerate(raw_lines, start=1):
-        yield _decode(line, number, source, errors)
-
-
 BLOCK_BYTES = 1 << 20  # text files are read and decoded in blocks of about this much, whole lines each
 
 
 def iter_block_lines(f, *, source: str, errors: str = "strict"):
-    """As iter_decoded over a binary file's lines, read in blocks: each block of whole lines is
+    """As decode_lines over a binary file's lines, read in blocks: each block of whole lines is
     decoded and split in one call (no Python work per line but the yield); a block that does not
     decode goes line by line, for the error that names its line. `read1` returns what a pipe has,
     so a stream's lines come as they arrive."""
@@ -85,11 +77,13 @@ def _decoded_block(data: bytes, before: int, source: str, errors: str):
 
 
 def decode_lines(data: bytes, *, source: str, errors: str = "strict") -> list[str]:
-    """All lines of `data` (see iter_decoded)."""
+    """All lines of `data`, decoded a line at a time ('\\n'-terminated, a trailing '\\r' dropped; a
+    final newline ends the last line rather than starting an empty one). Invalid UTF-8 is an
+    error naming the line, or replaced by U+FFFD with errors='replace'."""
     raw = data.split(b"\n")
     if raw and raw[-1] == b"":
         raw.pop()
-    return list(iter_decoded(raw, source=source, errors=errors))
+    return [_decode(line, number, source, errors) for number, line in enumerate(raw, start=1)]
 
 
 def iter_lines(path: str, *, errors: str = "strict"):
