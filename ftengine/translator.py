@@ -101,6 +101,7 @@ class Translator(OwnsWorker):
             eos_token_ids=(self.config.eos_token_id,), no_repeat_ngram_size=g.get("no_repeat_ngram_size", 0),
             num_beams=g.get("num_beams", 1), length_penalty=g.get("length_penalty", 1.0),
             early_stopping=g.get("early_stopping", False), num_return_sequences=g.get("num_return_sequences", 1),
+            renormalize_logits=g.get("renormalize_logits", False),
         ).checked(vocab_size=self.config.vocab_size)
         constraints = {"decoder_start": g.get("decoder_start_token_id", self.config.decoder_start_token_id),
                        "banned": tuple(banned), "forced_bos": g.get("forced_bos_token_id"),

@@ -131,16 +131,20 @@ __device__ __forceinline__ void row_logsumexp(const float* __restrict__ stats, i
 // Stage 1, grid (R, slices), block 256: the log-probabilities of one vocabulary slice of row r
 // (dynamic shared memory: `chunk` floats), the processors in HF's order, + the beam's score; the
 // slice's `keep` best as keys (order_key(score) << 32) | ~(j * V + token): larger is better,
-// ties go to the lower flat index (HF's topk over beams x vocabulary).
+// ties go to the lower flat index (HF's topk over beams x vocabulary). renormalize (HF's
+// renormalize_logits: a log-softmax after the processors): the keys hold the processed score alone
+// and renorm (R, slices, 2) the slice's max and sum of exp, which beam_select adds up per row.
 __global__ void __launch_bounds__(256) beam_candidates(
         unsigned long long* __restrict__ keys,     // (R, slices, keep)
         const float* __restrict__ stats, const float* __restrict__ logits, const int* __restrict__ seq,
         const float* __restrict__ run_scores, const int* __restrict__ starts, const int* __restrict__ flags,
         const int* __restrict__ step_counter, const int* __restrict__ eos, int n_eos,
-        int V, int L, int nb, int keep, int chunk, float penalty, int min_new, int ngram) {
+        int V, int L, int nb, int keep, int chunk, float penalty, int min_new, int ngram,
+        float* __restrict__ renorm, int renormalize) {
     wait_then_launch_next();
     extern __shared__ float s[];
     __shared__ unsigned long long scratch[64];
+    __shared__ float partial[32];
     const int r = blockIdx.x, b = r / nb, j = r - b * nb;
     if (flags[3 * b + 1] || flags[3 * b + 2]) return;
     const int step = *step_counter, cur = starts[b] + step;
@@ -168,7 +172,23 @@ __global__ void __launch_bounds__(256) beam_candidates(
     if (step < min_new && threadIdx.x < n_eos && eos[threadIdx.x] >= lo && eos[threadIdx.x] < hi)
         s[eos[threadIdx.x] - lo] = -FT_INFINITY;
     __syncthreads();
-    const float base = run_scores[r];
+    float base = run_scores[r];
+    if (renormalize) {  // the processed slice's max and sum of exp(s - max), as beam_logsumexp's
+        float m = -FT_INFINITY;
+        for (int i = threadIdx.x; i < hi - lo; i += blockDim.x) m = fmaxf(m, s[i]);
+        m = block_max(m, partial);
+        float sum = 0.0f;
+        if (m > -FT_INFINITY) {
+            for (int i = threadIdx.x; i < hi - lo; i += blockDim.x) sum += expf(s[i] - m);
+        }
+        sum = block_sum(sum, partial);
+        if (threadIdx.x == 0) {
+            float* out = renorm + 2 * ((long)r * gridDim.y + blockIdx.y);
+            out[0] = m;
+            out[1] = sum;
+        }
+        base = 0.0f;  // beam_select adds the beam's score to the renormalised log-probability
+    }
     const unsigned flat = (unsigned)(j * V + lo);
     block_top_keys([&](int i) { return ((unsigned long long)order_key(s[i] + base) << 32) | (unsigned)~(flat + i); },
                    hi - lo, keep, scratch, keys + ((long)r * gridDim.y + blockIdx.y) * keep);
@@ -188,9 +208,11 @@ __global__ void __launch_bounds__(256) beam_select(
         float* __restrict__ run_scores, float* __restrict__ fin_scores, int* __restrict__ fin_len,
         int* __restrict__ fin_flag, int* __restrict__ flags, const int* __restrict__ starts,
         int* __restrict__ next_ids, int* __restrict__ next_pos, const int* __restrict__ step_counter,
-        const int* __restrict__ eos, int n_eos, const int* __restrict__ max_new, float length_penalty, int early) {
+        const int* __restrict__ eos, int n_eos, const int* __restrict__ max_new, float length_penalty, int early,
+        const float* __restrict__ renorm, int renormalize) {
     wait_then_launch_next();
     __shared__ unsigned long long scratch[64], best[BEAM_KEEP_MAX];
+    __shared__ float row_max[BEAM_KEEP_MAX / 2], row_log_sum[BEAM_KEEP_MAX / 2], row_score[BEAM_KEEP_MAX / 2];
     __shared__ float c_score[BEAM_KEEP_MAX], cont[BEAM_KEEP_MAX], pool[BEAM_KEEP_MAX + BEAM_KEEP_MAX / 2];
     __shared__ int c_parent[BEAM_KEEP_MAX], c_token[BEAM_KEEP_MAX], c_hit[BEAM_KEEP_MAX];
     __shared__ int run_src[BEAM_KEEP_MAX / 2], fin_src[BEAM_KEEP_MAX / 2];
@@ -204,7 +226,23 @@ __global__ void __launch_bounds__(256) beam_select(
     const int step = *step_counter, start = starts[b], cur = start + step, max_length = start + *max_new;
     const long r0 = (long)b * nb;
     const unsigned long long* k = keys + r0 * slices * keep;
-    block_top_keys([&](int i) { return k[i]; }, nb * slices * keep, keep, scratch, best);
+    if (renormalize) {
+        if (threadIdx.x < nb) {
+            row_logsumexp(renorm, r0 + threadIdx.x, slices, row_max[threadIdx.x], row_log_sum[threadIdx.x]);
+            row_score[threadIdx.x] = run_scores[r0 + threadIdx.x];
+        }
+        __syncthreads();
+    }
+    // renormalize: each key's processed score x becomes HF's log_softmax(x) + the beam's score
+    // (row j's keys are k[j * slices * keep ...]; a 0 key, past a short slice's last, stays 0)
+    block_top_keys([&](int i) {
+        const unsigned long long key = k[i];
+        if (!renormalize || key == 0ull) return key;
+        const int j = i / (slices * keep);
+        const float x = from_order_key((unsigned)(key >> 32));
+        const float total = ((x - row_max[j]) - row_log_sum[j]) + row_score[j];
+        return ((unsigned long long)order_key(total) << 32) | (key & 0xffffffffull);
+    }, nb * slices * keep, keep, scratch, best);
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
         __syncwarp();  // best[] complete

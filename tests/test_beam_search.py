@@ -94,10 +94,25 @@ def test_the_eos_ids_end_hypotheses_early(gpt2, hf, cases):
         assert any(t[-1] in eos and len(t) < NEW for t, _ in hypotheses), prompt
 
 
-@pytest.mark.parametrize("options", [dict(no_repeat_ngram_size=2), dict(repetition_penalty=1.5),
-                                     dict(min_new_tokens=5)])
+# each processor alone, then with renormalize_logits (a log-softmax after them: other scores, at
+# times other beams)
+PROCESSORS = [dict(no_repeat_ngram_size=2), dict(repetition_penalty=1.5), dict(min_new_tokens=5)]
+PROCESSOR_OPTIONS = PROCESSORS + [{**o, "renormalize_logits": True} for o in PROCESSORS] + [
+    dict(no_repeat_ngram_size=2, repetition_penalty=1.3, min_new_tokens=3, renormalize_logits=True)]
+
+
+@pytest.mark.parametrize("options", PROCESSOR_OPTIONS)
 def test_beams_with_processors_match_hf(gpt2, hf, cases, options):
     assert_beams_match_hf(hf, numpy_ops, gpt2, cases, **options)
+
+
+@pytest.mark.parametrize("options", PROCESSORS)
+def test_renormalizing_changes_the_scores(gpt2, hf, cases, options):
+    """The renormalised comparisons above test something: HF's scores move with it."""
+    plain = [s for p, _ in cases for s in _hf_beams(hf, p, [e for _, e in cases], **options)[1]]
+    renormalized = [s for p, _ in cases
+                    for s in _hf_beams(hf, p, [e for _, e in cases], renormalize_logits=True, **options)[1]]
+    assert np.abs(np.array(plain) - np.array(renormalized)).max() > 100 * BEAM_SCORE_FP32
 
 
 def check_no_repeat_ngram(path, hf, ngram, device):

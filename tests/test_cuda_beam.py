@@ -11,7 +11,7 @@ from ftengine.config import load_gpt2_config
 from ftengine.decoding.beam import CANDIDATE_CHUNK, NEG, beam_search, candidates_per_item, reference_step
 from ftengine.decoding.generate import GenerationParams
 from ftengine.models.gpt2 import GPT2Runner
-from tests.test_beam_search import NEW, PAD, assert_beams_match_hf, cases, check_no_repeat_ngram, gpt2, hf, runner  # noqa: F401
+from tests.test_beam_search import NEW, PAD, PROCESSOR_OPTIONS, assert_beams_match_hf, cases, check_no_repeat_ngram, gpt2, hf, runner  # noqa: F401
 from tests.tolerances import BEAM_SCORE_FP32
 
 pytestmark = pytest.mark.gpu
@@ -29,8 +29,7 @@ def test_cuda_beams_match_hf(cu, gpt2, hf, cases, early_stopping, length_penalty
     assert_beams_match_hf(hf, cu, gpt2, cases, early_stopping=early_stopping, length_penalty=length_penalty)
 
 
-@pytest.mark.parametrize("options", [dict(no_repeat_ngram_size=2), dict(repetition_penalty=1.5),
-                                     dict(min_new_tokens=5)])
+@pytest.mark.parametrize("options", PROCESSOR_OPTIONS)
 def test_cuda_beams_with_processors_match_hf(cu, gpt2, hf, cases, options):  # noqa: F811
     assert_beams_match_hf(hf, cu, gpt2, cases, **options)
 
@@ -83,25 +82,34 @@ def _beam_state(prompts, nb, length, max_new):
         max_new=np.array([max_new], np.int32), step=np.zeros(1, np.int32))
 
 
-@pytest.mark.parametrize("num_beams, eos", [(4, (7,)), (4, (7, 50256)), (16, (7,))])
-def test_cuda_beam_step_matches_the_reference_over_vocabulary_slices(cu, num_beams, eos):
+RENORMALIZED = dict(renormalize_logits=True, repetition_penalty=1.4, no_repeat_ngram_size=2, min_new_tokens=2)
+
+
+@pytest.mark.parametrize("num_beams, eos, options", [(4, (7,), {}), (4, (7, 50256), {}), (16, (7,), {}),
+                                                     (4, (7, 50256), RENORMALIZED)])
+def test_cuda_beam_step_matches_the_reference_over_vocabulary_slices(cu, num_beams, eos, options):
     """ops.beam_select against decoding/beam.py reference_step, step by step on random logits over
     GPT-2's vocabulary (13 slices of CANDIDATE_CHUNK tokens, the last one partial), three prompts
     until every one is done (eos ids favoured at some steps, max_new_tokens 5): the same tokens,
     parents, cache indirection, lengths and flags, scores within BEAM_SCORE_FP32; 4 and 16 beams
-    (8 and 32 candidates a prompt), one and two eos ids (one in the last, partial slice)."""
+    (8 and 32 candidates a prompt), one and two eos ids (one in the last, partial slice); the
+    processors with renormalize_logits (prompts with repeats, so that the penalty and the n-gram
+    ban apply)."""
     vocab, max_new, length = 50257, 5, 24
     assert -(-vocab // CANDIDATE_CHUNK) == 13 and vocab % CANDIDATE_CHUNK
     rng = np.random.default_rng(num_beams + len(eos))
     prompts = [rng.integers(0, vocab, n).tolist() for n in (3, 9, 1)]
+    if options:  # a repeated bigram ending the prompt: the ban applies from the first step
+        prompts[1] = prompts[1][:4] * 2 + prompts[1][:1]
     params = GenerationParams(max_new_tokens=max_new, num_beams=num_beams, eos_token_ids=eos,
-                              length_penalty=0.8).checked(vocab_size=vocab)
+                              length_penalty=0.8, **options).checked(vocab_size=vocab)
     batch, r = len(prompts), len(prompts) * num_beams
     host = _beam_state(prompts, num_beams, length, max_new)
     slices = -(-vocab // CANDIDATE_CHUNK)
     dev = SimpleNamespace(**{k: cu.to_device(v) for k, v in vars(host).items()},
                           scratch=cu.to_device(np.zeros((3 * r, length), np.int32)),
                           stats=cu.to_device(np.zeros((r, slices, 2), np.float32)),
+                          renorm=cu.to_device(np.zeros((r, slices, 2), np.float32)),
                           keys=cu.to_device(np.zeros(r * slices * candidates_per_item(params), np.uint64)))
     eos_dev = cu.to_device(np.array(eos, np.int32))
     for step in range(max_new + 1):

@@ -1,7 +1,8 @@
 """Beam search with HuggingFace `generate` semantics (its vectorised beam search, transformers 5):
-log-softmax in float32, HF's processors, 2 x num_beams candidates per step (more with several eos
-ids), finished hypotheses scored sum(log p) / generated_length ** length_penalty (eos included),
-early_stopping True / False / "never".
+log-softmax in float32, HF's processors (and a log-softmax after them with renormalize_logits),
+2 x num_beams candidates per step (more with several eos ids), finished hypotheses scored
+sum(log p) / generated_length ** length_penalty (eos included), early_stopping True / False /
+"never".
 
 Every prompt of a batch has num_beams rows (row b * num_beams + j) and its own state in device
 memory (running and finished hypotheses, scores, flags); a step updates it with one op,
@@ -62,6 +63,8 @@ def reference_step(logits: np.ndarray, st, eos: np.ndarray, params: GenerationPa
             seen[i, running[i]] = 1
         histories = [r.tolist() for r in running] if params.no_repeat_ngram_size else None
         log_probs = P.process(_log_softmax(logits[rows]), seen, eos, step, params, histories)
+        if params.renormalize_logits:
+            log_probs = _log_softmax(log_probs)
         total = (log_probs + st.run_scores[rows][:, None]).reshape(-1)           # (beams * V,)
         pick = _top(total, keep)
         cand_scores, parent, token = total[pick], pick // vocab, pick % vocab

@@ -33,6 +33,7 @@ class GenerationParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     num_return_sequences: int = 1
+    renormalize_logits: bool = False  # beam search: a log-softmax after the processors (HF's)
 
     def checked(self, *, vocab_size: int) -> "GenerationParams":
         """Validate; top_k above the vocabulary is clamped to it (keeps every token, as HF does);
@@ -66,6 +67,8 @@ class GenerationParams:
                              f"got {self.num_return_sequences}")
         if self.num_beams > 1 and self.do_sample:
             raise InputError("beam sampling is not supported: use num_beams=1 with do_sample, or beams without it")
+        if not isinstance(self.renormalize_logits, bool):
+            raise InputError(f"renormalize_logits must be true or false, got {self.renormalize_logits!r}")
         if self.early_stopping not in (True, False, "never"):
             raise InputError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
         if len(self.eos_token_ids) > MAX_EOS_IDS:
@@ -90,9 +93,10 @@ class GenerationParams:
         eos ids and max_new_tokens (which beam search's selection reads) reach the step through
         device memory, uploaded as each generation starts, so only the number of eos ids counts.
         Generations that differ only there or in num_return_sequences (and every sampling call
-        without a seed: it draws a new one) replay one step graph instead of capturing their own."""
+        without a seed: it draws a new one) replay one step graph instead of capturing their own;
+        renormalize_logits counts only where beams read it."""
         return replace(self, seed=None, eos_token_ids=(0,) * len(self.eos_token_ids), num_return_sequences=1,
-                       max_new_tokens=0)
+                       max_new_tokens=0, renormalize_logits=self.renormalize_logits and self.num_beams > 1)
 
 
 def check_prompts(prompts: list, params: GenerationParams, n_positions: int):

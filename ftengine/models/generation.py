@@ -51,6 +51,7 @@ def generation_table(ops, b: int, t: int, v: int, beam_slices: int) -> dict:
         "starts": (b, np.int32),              # per prompt: its length
         "max_new": (1, np.int32),             # max_new_tokens (read by the beam selection)
         "stats": (2 * b * beam_slices, np.float32),  # (B, slices, 2): log-sum-exp partials
+        "renorm": (2 * b * beam_slices, np.float32),  # (B, slices, 2): the same of the processed log-probs
         "keys": (b * beam_slices * KEEP_MAX, np.uint64),
     }
 
@@ -154,7 +155,7 @@ class GenerationRunner:
         return SimpleNamespace(**views, scratch=ws.view("beam_scratch", (3 * r, length)),
                                flags=ws.view("flags", (batch, 3)), starts=ws.view("starts", (batch,)),
                                max_new=ws.view("max_new", (1,)), step=ws.view("step", (1,)),
-                               stats=ws.view("stats", (r, slices, 2)),
+                               stats=ws.view("stats", (r, slices, 2)), renorm=ws.view("renorm", (r, slices, 2)),
                                keys=ws.view("keys", (r * slices * KEEP_MAX,)))
 
     def _beam_select(self, batch: int, params):

@@ -130,7 +130,8 @@ def beam_select(logits, state, eos, *, params, batch):
     partial sums over CANDIDATE_CHUNK vocabulary slices (state.stats: (rows, slices, 2)), then
     FasterTransformer's two-stage top-k (vocabulary slices of each beam, then the beams of each
     item) with the processors applied in stage 1 (which adds up those partial sums first), then
-    HF's bookkeeping, then step += 1."""
+    HF's bookkeeping, then step += 1. params.renormalize_logits: the processed rows' log-sum-exp
+    as partial sums too (state.renorm), which stage 2 subtracts before it adds the beams' scores."""
     from ...decoding.beam import CANDIDATE_CHUNK, KEEP_MAX, candidates_per_item
     nb = params.num_beams
     rows, v = logits.shape
@@ -147,11 +148,12 @@ def beam_select(logits, state, eos, *, params, batch):
             (state.keys, state.stats, logits, state.seq, state.run_scores, state.starts, state.flags, state.step,
              eos, np.int32(eos.size), np.int32(v), np.int32(length), np.int32(nb), np.int32(keep),
              np.int32(CANDIDATE_CHUNK), np.float32(params.repetition_penalty), np.int32(params.min_new_tokens),
-             np.int32(params.no_repeat_ngram_size)), shared_mem=CANDIDATE_CHUNK * 4)
+             np.int32(params.no_repeat_ngram_size), state.renorm, np.int32(params.renormalize_logits)),
+            shared_mem=CANDIDATE_CHUNK * 4)
     _launch("beam.cu", "beam_select", (batch,), (256,),
             (state.keys, np.int32(slices), np.int32(v), np.int32(length), np.int32(nb), np.int32(keep),
              state.seq, state.fin_seq, state.indir, state.scratch, state.run_scores, state.fin_scores,
              state.fin_len, state.fin_flag, state.flags, state.starts, state.next_ids, state.next_pos, state.step,
              eos, np.int32(eos.size), state.max_new, np.float32(params.length_penalty),
-             np.int32(early)))
+             np.int32(early), state.renorm, np.int32(params.renormalize_logits)))
     _launch("sampling.cu", "increment", (1,), (32,), (state.step,))
