@@ -10,7 +10,9 @@ both generate exactly as many); batch 1 and 32; greedy and beam 4. ftengine is t
 ids in (the encoder pass, the memory's projection, the prefill and every step) to the chosen ids
 on the host; HF from input ids on the GPU to its output ids (sdpa attention). Median of repeats
 after warm-up. Reported: ms per step (a new token of every sequence), generated tokens/s, and the
-encoder pass alone.
+encoder pass alone. ftengine is timed twice: first in a child process that never imports torch
+("alone": as a service without PyTorch runs it), then in this process after HF's model is on the
+GPU ("beside torch"; bench_decoder.py's docstring measured such a process's steps slower).
 
 Usage: python bench/bench_seq2seq.py --out bench/results [--models marian-base,nllb-600m,t5-base]
 """
@@ -21,6 +23,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,11 +114,21 @@ def theirs(model, sources: list, beams: int) -> float:
     return statistics.median(times)
 
 
+def alone(folder: Path) -> list:
+    """ours() for every case's sources (folder / sources.json), in a process without torch."""
+    cases = json.loads((folder / "sources.json").read_text())
+    return [ours(folder, sources, beams) for sources, beams in cases]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results")
     p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--alone", metavar="FOLDER", help=argparse.SUPPRESS)  # the child process of bench_model
     args = p.parse_args()
+    if args.alone:
+        print(json.dumps(alone(Path(args.alone))))
+        return
     import cupy
     import torch
     import transformers
@@ -132,23 +145,33 @@ def bench_model(name: str, folder: Path, rng) -> list:
     import transformers
     shapes = MODELS[name][2]
     save_model(name, folder)
-    model = getattr(transformers, MODELS[name][1]).from_pretrained(folder, dtype=torch.float16,
-                                                                   attn_implementation="sdpa").cuda().eval()
-    rows = []
+    cases = []
     for mode, batch in CASES:
-        beams = 4 if mode.startswith("beam") else 1
         # ids clear of the specials, eos last
         sources = rng.integers(4, shapes["vocab_size"] - 1, (batch, SOURCE)).tolist()
         for s in sources:
             s[-1] = shapes["eos_token_id"]
+        cases.append((sources, 4 if mode.startswith("beam") else 1))
+    (folder / "sources.json").write_text(json.dumps(cases))
+    child = subprocess.run([sys.executable, __file__, "--alone", str(folder)], capture_output=True, text=True)
+    if child.returncode != 0:
+        raise SystemExit(f"the ftengine-alone child failed: {child.stderr[-2000:]}")
+    found_alone = json.loads(child.stdout.splitlines()[-1])
+    model = getattr(transformers, MODELS[name][1]).from_pretrained(folder, dtype=torch.float16,
+                                                                   attn_implementation="sdpa").cuda().eval()
+    rows = []
+    for (mode, batch), (sources, beams), solo in zip(CASES, cases, found_alone):
         found = ours(folder, sources, beams)
         hf_ms = theirs(model, sources, beams)
         row = {"model": name, "mode": mode, "batch": batch, "source": SOURCE, "new_tokens": NEW,
+               "ftengine_alone_ms_per_step": round(solo["ms"] / NEW, 4),
+               "ftengine_alone_tokens_per_s": round(batch * NEW / solo["ms"] * 1e3),
                "ftengine_ms_per_step": round(found["ms"] / NEW, 4),
                "ftengine_tokens_per_s": round(batch * NEW / found["ms"] * 1e3),
-               "ftengine_encode_ms": round(found["encode_ms"], 4),
+               "ftengine_encode_ms": round(solo["encode_ms"], 4),
                "hf_ms_per_step": round(hf_ms / NEW, 4), "hf_tokens_per_s": round(batch * NEW / hf_ms * 1e3),
-               "speedup": round(hf_ms / found["ms"], 1), "target": TARGETS.get((name, mode, batch), "")}
+               "speedup_alone": round(hf_ms / solo["ms"], 1), "speedup": round(hf_ms / found["ms"], 1),
+               "target": TARGETS.get((name, mode, batch), "")}
         print(json.dumps(row), flush=True)
         rows.append(row)
     del model
@@ -169,14 +192,18 @@ def write_results(rows: list, out: Path, cupy, torch, transformers):
              "fp16; "
              "32-token sources, 64 new tokens "
              "(min_new_tokens 64 on both sides). ftengine: token ids in -> chosen ids on the host (encoder, memory, "
-             "prefill, steps); HF `generate` with sdpa, inputs on the GPU. ms per step = whole generation / 64; "
-             "tokens/s = batch x 64 / whole generation.", "",
-             "| model | mode | batch | ftengine ms/step | ftengine tokens/s | ftengine encoder ms | HF ms/step "
-             "| HF tokens/s | speed-up | target |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "prefill, steps), alone = in a process without torch, as a service runs it; beside torch = in the "
+             "process that holds HF's model; HF `generate` with sdpa, inputs on the GPU. ms per step = whole "
+             "generation / 64; tokens/s = batch x 64 / whole generation; speed-up = HF's time / ftengine's "
+             "(alone, beside torch).", "",
+             "| model | mode | batch | ftengine ms/step alone | tokens/s alone | ms/step beside torch "
+             "| encoder ms | HF ms/step | HF tokens/s | speed-up | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['mode']} | {r['batch']} | {r['ftengine_ms_per_step']} | "
-                     f"{r['ftengine_tokens_per_s']:,} | {r['ftengine_encode_ms']} | {r['hf_ms_per_step']} | {r['hf_tokens_per_s']:,} | "
-                     f"{r['speedup']}x | {r['target']} |")
+        lines.append(f"| {r['model']} | {r['mode']} | {r['batch']} | {r['ftengine_alone_ms_per_step']} | "
+                     f"{r['ftengine_alone_tokens_per_s']:,} | {r['ftengine_ms_per_step']} | {r['ftengine_encode_ms']} | "
+                     f"{r['hf_ms_per_step']} | {r['hf_tokens_per_s']:,} | {r['speedup_alone']}x, {r['speedup']}x | "
+                     f"{r['target']} |")
     (out / "seq2seq.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

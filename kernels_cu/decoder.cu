@@ -4,20 +4,24 @@
 // Reference: ftengine/backends/numpy_ops.py (embed_positions, layernorm, add_bias_residual,
 // residual_layernorm, write_kv_cache, cached_attention, decode_attention, gather_rows).
 
-// out (T, E) = wte[ids] + wpe[positions]. grid (T), VEC elements per access.
+// out (T, E) = wte[ids] + wpe[positions], without the position where ids[t] == unplaced (M2M100's
+// pad; -1: none). grid (T), VEC elements per access.
 template <typename T, int VEC>
 __global__ void embed_positions(T* __restrict__ out, const int* __restrict__ ids, const int* __restrict__ positions,
-                                const T* __restrict__ wte, const T* __restrict__ wpe, int E) {
+                                const T* __restrict__ wte, const T* __restrict__ wpe, int E, int unplaced) {
     wait_then_launch_next();
     const long t = blockIdx.x;
-    const T* w = wte + (long)ids[t] * E;
+    const int id = ids[t];
+    const T* w = wte + (long)id * E;
     const T* p = wpe + (long)positions[t] * E;
     for (int c = threadIdx.x * VEC; c < E; c += blockDim.x * VEC) {
         float a[VEC], b[VEC];
         load_floats<T, VEC>(a, w + c);
-        load_floats<T, VEC>(b, p + c);
-        #pragma unroll
-        for (int j = 0; j < VEC; ++j) a[j] += b[j];
+        if (id != unplaced) {
+            load_floats<T, VEC>(b, p + c);
+            #pragma unroll
+            for (int j = 0; j < VEC; ++j) a[j] += b[j];
+        }
         store_floats<T, VEC>(out + t * E + c, a);
     }
 }

@@ -35,6 +35,11 @@ def test_embed_layernorm_residual_gather(cu, rng, dtype, e):
     cu.embed_positions(out, ints(cu, ids), ints(cu, pos), wte, wpe)
     ref.embed_positions(expected, ids, pos, wteh, wpeh)
     assert_close(cu, out, expected, dtype)
+    unplaced = int(ids[3])  # M2M100's pad: no position
+    cu.embed_positions(out, ints(cu, ids), ints(cu, pos), wte, wpe, unplaced=unplaced)
+    ref.embed_positions(expected, ids, pos, wteh, wpeh, unplaced=unplaced)
+    assert_close(cu, out, expected, dtype)
+    np.testing.assert_array_equal(expected[ids == unplaced], wteh[ids[ids == unplaced]])
     (x, xh), (g, gh), (b, bh), (r, rh) = (quantize(cu, rng.standard_normal(s), dtype) for s in ((t, e), (e,), (e,), (t, e)))
     cu.layernorm(x, x, g, b, eps=1e-5)  # in place, as the final LayerNorm runs
     ref.layernorm(expected, xh, gh, bh, eps=1e-5)

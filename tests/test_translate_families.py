@@ -12,7 +12,7 @@ from ftengine import InputError, Translator
 from ftengine.config import load_seq2seq_config
 from ftengine.seq2seq_text import load_text
 from tests.hf_oracle import assert_candidates_match, assert_encoder_and_first_logits_match, hf_seq2seq_generate
-from tests.tolerances import BEAM_SCORE_FP32, HF_FP32_MAX_ABS
+from tests.tolerances import BEAM_SCORE_FP32, GPU_FP32_REL, HF_FP32_MAX_ABS
 from weights.fixtures import write_bart_family_checkpoint, write_t5_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -144,6 +144,66 @@ def test_translate_command_takes_the_languages(family, hf, tmp_path):
         assert r.exit_code == 1 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
 
 
+def assert_pads_take_no_position(name: str, folder, ops, text: str, scale: float, *, gpu: bool = False):
+    """M2M100 / NLLB number positions around the pad token as HF does (create_position_ids_from_input_ids):
+    a pad in a source (a literal <pad> in its text) has no position and the tokens after it do not
+    count it; a pad the decoder generates has none. The pad's row of the tied table is scaled up
+    (scale: enough that greedy decoding with no_repeat_ngram_size 1 generates it mid-sequence from
+    `text`, which has <pad> in it, for this fixture's seed); against HF's
+    generate (which runs the decoder step by step, as we do): the encoder's output, the tokens and
+    every step's logits after the forced first one, within HF_FP32_MAX_ABS (gpu: GPU_FP32_REL of
+    the largest reference value)."""
+    import numpy as np
+    import torch
+    from safetensors.numpy import load_file, save_file
+
+    from ftengine.decoding.generate import GenerationParams
+    from ftengine.models.seq2seq import Seq2SeqRunner
+    from ftengine.seq2seq_checkpoint import load_seq2seq_weights
+
+    def assert_close(found, ref, what):
+        bound = GPU_FP32_REL * max(1.0, float(np.abs(ref).max())) if gpu else HF_FP32_MAX_ABS
+        assert np.abs(found - ref).max() <= bound, what
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.shared.weight"][1] *= scale
+    save_file(tensors, str(folder / "model.safetensors"))
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    src_lang, tgt_lang = LANGUAGES[name]
+    tokenizer.src_lang = src_lang
+    config = load_seq2seq_config(folder)
+    pad, new, lang = config.pad_token_id, 16, language_id(tokenizer, tgt_lang)
+    source = tokenizer(text).input_ids
+    assert source.count(pad) == text.count("<pad>") > 0
+    ids = torch.tensor([source])
+    with torch.no_grad():  # the attention mask as the tokenizer gives it: pads in the text are attended
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, no_repeat_ngram_size=1,
+                             forced_bos_token_id=lang, output_logits=True, return_dict_in_generate=True)
+        states = model.get_encoder()(ids).last_hidden_state[0].numpy()
+    tokens = ref.sequences[0, 1:].tolist()
+    assert pad in tokens[1:-1] and config.eos_token_id not in tokens, tokens
+    runner = Seq2SeqRunner(config, load_seq2seq_weights(folder, config), ops, dtype="fp32", max_batch=1, max_len=32,
+                           max_source=32)
+    runner.encode([source])
+    found = ops.to_host(runner.ws.view(runner.out, (len(source), config.d_model)))
+    assert_close(found, states, "encoder output")
+    runner.set_constraints(banned=(), forced_bos=lang, forced_eos=None)
+    params = GenerationParams(max_new_tokens=new, no_repeat_ngram_size=1,
+                              eos_token_ids=(config.eos_token_id,)).checked(vocab_size=config.vocab_size)
+    runner.start([[config.decoder_start_token_id]], params)
+    for step in range(1, new):
+        runner.steps(1, 1, params)
+        assert_close(runner.logits(1)[0], ref.logits[step][0].numpy(), f"logits of step {step}")
+    assert runner.fetch_history(1, 0, new).wait()[:, 0].tolist() == tokens
+
+
+@pytest.mark.parametrize("name, text", [("nllb", "hello <pad> world"), ("m2m100", "the quick <pad><pad> brown fox")])
+def test_pads_take_no_position_as_in_hf(name, text, tmp_path):
+    from ftengine.backends import numpy_ops
+    assert_pads_take_no_position(name, write_family(name, tmp_path, seed=5), numpy_ops, text, 3.0)
+
+
 @pytest.fixture(scope="module")
 def cuda_translator():
     pytest.importorskip("cupy")
@@ -163,6 +223,14 @@ def family_gpu(request, tmp_path_factory):
     if LANGUAGES[request.param][0]:
         tokenizer.src_lang = LANGUAGES[request.param][0]
     return request.param, folder, (model, tokenizer)
+
+
+@pytest.mark.gpu
+def test_cuda_pads_take_no_position_as_in_hf(cuda_translator, tmp_path):
+    """As test_pads_take_no_position_as_in_hf, on the GPU in fp32 (head size 32)."""
+    from ftengine.backends.cuda import ops
+    folder = write_family("m2m100", tmp_path, seed=6, d_model=64, heads=2, ffn=96)
+    assert_pads_take_no_position("m2m100", folder, ops, "a <pad> dog <pad> there", 3.0, gpu=True)
 
 
 @pytest.mark.gpu

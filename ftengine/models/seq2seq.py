@@ -31,7 +31,6 @@ from .generation import GenerationRunner, generation_table
 # choice on sm_90 (sampling_cluster.cu) compiles at its first launch
 KERNEL_FILES = ("embedding.cu", "layernorm.cu", "decoder.cu", "sampling.cu", "beam.cu", "gemv.cu", "attention_varlen.cu",
                 "activation.cu")
-PROMPT_MAX = 4  # decoder prompt tokens a row may have (the start token, a forced first token)
 
 
 class Seq2SeqRunner(GenerationRunner):
@@ -46,13 +45,13 @@ class Seq2SeqRunner(GenerationRunner):
                 raise InputError(f"{what} {length} exceeds the model's max_position_embeddings {config.max_positions}")
         c = self.config = config
         self.ops = ops
-        if ops.name == "cuda" and {c.d_model // c.encoder_heads, c.d_model // c.decoder_heads} - set(PACKED_HEAD_DIMS):
-            raise ConfigError(f"the CUDA encoder-decoder takes head sizes {PACKED_HEAD_DIMS} (the fused attention's); "
-                              f"this model's are {c.d_model // c.encoder_heads} and {c.d_model // c.decoder_heads}")
+        if ops.name == "cuda" and c.d_model // c.encoder_heads not in PACKED_HEAD_DIMS:
+            raise ConfigError(f"the CUDA encoder takes head sizes {PACKED_HEAD_DIMS} (the fused attention's); "
+                              f"this model's is {c.d_model // c.encoder_heads}")
         self.dtype = ops.storage_dtype(dtype)
         self.max_batch, self.max_len, self.max_source = max_batch, max_len, max_source
         gelu = "erf" if c.activation == "gelu" else None
-        ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(c.d_model // c.encoder_heads, c.d_model // c.decoder_heads),
+        ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(c.d_model // c.encoder_heads,),
                             general=(bool(c.relative_buckets),), gelu_product=gelu, ln_product=True)
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps: kind, rows, GenerationParams.graph_key
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
@@ -75,9 +74,10 @@ class Seq2SeqRunner(GenerationRunner):
         self.embedding_norms = {side: (norms[f"{side}_embedding_gamma"], norms[f"{side}_embedding_beta"])
                                 for side in ("encoder", "decoder") if c.layernorm_embedding}
         self.out = "normed" if c.pre_norm else "hidden"  # the stacks' output, which products read
+        # M2M100 / NLLB: HF numbers positions around the pad token, which has none (_table_positions)
+        self.unplaced = c.pad_token_id if c.positions == "fairseq" else -1
         b, e, v = max_batch, c.d_model, c.vocab_size
-        src, dec = max_batch * max_source, max_batch * PROMPT_MAX  # encoder rows, decoder prefill rows
-        rows = max(src, dec)
+        src = rows = max_batch * max_source  # encoder rows, more than a decode step's
         ffn = max(c.encoder_ffn, c.decoder_ffn)
         self.beam_slices = -(-v // CANDIDATE_CHUNK)
         self.partials_size = max(1, ops.partials_size(rows, e))
@@ -86,11 +86,9 @@ class Seq2SeqRunner(GenerationRunner):
         table = {f"{kind}{i}": (cache, self.dtype) for i in range(c.decoder_layers) for kind in ("k", "v")}
         table.update({f"mem_{kind}{i}": (memory, self.dtype) for i in range(c.decoder_layers) for kind in ("k", "v")})
         table.update({
-            # sources: ids, positions, source index (T each), offsets (B + 1)
-            "source_inputs": (3 * src + b + 1, np.int32),
-            # decoder prefill: ids, row index, position, source index and its last position (T each),
-            # each row's last token (B), offsets (B + 1)
-            "prefill_inputs": (5 * dec + 2 * b + 1, np.int32),
+            # sources: ids, positions, source index, position-table rows (T each), offsets (B + 1)
+            "source_inputs": (4 * src + b + 1, np.int32),
+            "prefill_inputs": (2 * b, np.int32),  # the decoder's first tokens and their rows (B each)
             "mem_rows": (b, np.int32),           # (B,): each decoder row's source
             "mem_last": (b, np.int32),           # (B,): its source's last position
             "hidden": (rows * e, self.dtype),    # (T, E)
@@ -101,7 +99,6 @@ class Seq2SeqRunner(GenerationRunner):
             "partials": (self.partials_size, np.float32),
             "inter": (rows * ffn, self.dtype),   # (T, F)
             "gate": (rows * 2 * ffn if c.gated else 0, self.dtype),  # (T, 2F): T5's two inputs of a gated FFN
-            "last": (b * e, self.dtype),         # (B, E): the rows whose logits are wanted
             "logits_bias": (v, np.float32),      # (V,): final_logits_bias + banned tokens
         })
         table.update(generation_table(ops, b, b * max_len, v, self.beam_slices))
@@ -168,15 +165,17 @@ class Seq2SeqRunner(GenerationRunner):
         self._check_ids(ids, c.source_vocab_size)
         t, e = len(ids), c.d_model
         ends = np.cumsum(sizes)
-        inputs = np.empty(3 * t + n + 1, np.int32)
+        inputs = np.empty(4 * t + n + 1, np.int32)
         inputs[:t] = ids
         inputs[t:2 * t] = np.arange(t) - np.repeat(ends - sizes, sizes)
         inputs[2 * t:3 * t] = np.repeat(np.arange(n), sizes)
-        inputs[3 * t:] = np.concatenate([[0], ends])
+        inputs[3 * t:4 * t] = self._table_positions(ids, sizes, inputs[t:2 * t])
+        inputs[4 * t:] = np.concatenate([[0], ends])
         self._upload("source_inputs", inputs)
-        d_in = ws.view("source_inputs", (3 * t + n + 1,))
-        d_ids, d_pos, d_seq, cu_seqlens = d_in[:t], d_in[t:2 * t], d_in[2 * t:3 * t], d_in[3 * t:]
-        self._embed(t, "encoder", d_ids, d_pos, self.encoder_positions)
+        d_in = ws.view("source_inputs", (4 * t + n + 1,))
+        d_ids, d_pos, d_seq, d_rows, cu_seqlens = (d_in[:t], d_in[t:2 * t], d_in[2 * t:3 * t], d_in[3 * t:4 * t],
+                                                   d_in[4 * t:])
+        self._embed(t, "encoder", d_ids, d_rows, self.encoder_positions)
         longest = int(sizes.max())
 
         def attend(i, qkv, ctx):
@@ -191,6 +190,17 @@ class Seq2SeqRunner(GenerationRunner):
         self._mem_last = sizes[self._mem_rows] - 1
         self._upload("mem_rows", self._mem_rows)
         self._upload("mem_last", self._mem_last)
+
+    def _table_positions(self, ids: np.ndarray, sizes: np.ndarray, places: np.ndarray) -> np.ndarray:
+        """Each token's row of the position table: its place in its sequence, or M2M100 / NLLB's
+        count of the tokens up to it that are not pad (HF's create_position_ids_from_input_ids: a pad
+        takes none, embed_positions' `unplaced`, and the tokens after it do not count it)."""
+        if self.unplaced < 0:
+            return places
+        real = ids != self.unplaced
+        counts = np.cumsum(real)
+        before = np.repeat(np.concatenate([[0], counts])[np.cumsum(sizes) - sizes], sizes)
+        return np.where(real, counts - before - 1, 0)
 
     # ------------------------------------------------------------------ layers
 
@@ -212,10 +222,10 @@ class Seq2SeqRunner(GenerationRunner):
         tokens = self.source_embed if side == "encoder" else self.embed
         if side in self.embedding_norms:
             summed = ws.view("proj", (t, e))
-            ops.embed_positions(summed, ids, positions, tokens, table)
+            ops.embed_positions(summed, ids, positions, tokens, table, unplaced=self.unplaced)
             ops.layernorm(hidden, summed, *self.embedding_norms[side], eps=eps)
         else:
-            ops.embed_positions(hidden, ids, positions, tokens, table)
+            ops.embed_positions(hidden, ids, positions, tokens, table, unplaced=self.unplaced)
         if self.config.pre_norm:
             ops.layernorm(ws.view("normed", (t, e)), hidden, *self.norms[side][0], eps=eps, rms=self.config.rms_norm)
 
@@ -277,52 +287,25 @@ class Seq2SeqRunner(GenerationRunner):
     # ------------------------------------------------------------------ GenerationRunner's passes
 
     def prefill(self, prompts: list):
-        """The decoder prompts (row r's prompt after encode(), whose source it reads) through the
-        decoder; leaves the logits of each row's last token on the device."""
+        """The decoder's prompts, one token a row (the start token; row r reads the source encode()
+        gave it), as a decode step at position 0 (a graph per row count); leaves each row's logits
+        on the device."""
         ops, c, ws = self.ops, self.config, self.ws
         n = len(prompts)
         if n != len(self._mem_rows):
             raise InputError(f"{n} decoder rows for {len(self._mem_rows)} encoded rows")
-        sizes = np.array([len(p) for p in prompts])
-        if sizes.min() < 1 or sizes.max() > min(PROMPT_MAX, self.max_len):
-            raise InputError(f"decoder prompts take 1..{min(PROMPT_MAX, self.max_len)} tokens")
-        ids = np.fromiter((t for p in prompts for t in p), np.int64, int(sizes.sum()))
+        if any(len(p) != 1 for p in prompts):
+            raise InputError("a decoder prompt is one token: the decoder's start token")
+        ids = np.array([p[0] for p in prompts], np.int64)
         self._check_ids(ids)
-        t, e = len(ids), c.d_model
-        ends = np.cumsum(sizes)
-        row_of = np.repeat(np.arange(n), sizes)
-        inputs = np.empty(5 * t + 2 * n + 1, np.int32)
-        parts = (ids, row_of, np.arange(t) - np.repeat(ends - sizes, sizes), self._mem_rows[row_of],
-                 self._mem_last[row_of])
-        for k, values in enumerate(parts):
-            inputs[k * t:(k + 1) * t] = values
-        inputs[5 * t:5 * t + n] = ends - 1
-        inputs[5 * t + n:] = np.concatenate([[0], ends])
-        self._upload("prefill_inputs", inputs)
-        d_in = ws.view("prefill_inputs", (5 * t + 2 * n + 1,))
-        d_ids, d_row, d_pos, d_mem, d_last = (d_in[k * t:(k + 1) * t] for k in range(5))
-        last_rows, cu_seqlens = d_in[5 * t:5 * t + n], d_in[5 * t + n:]
+        self._upload("prefill_inputs", np.concatenate([ids, np.arange(n)]))
+        d_in = ws.view("prefill_inputs", (2 * n,))
         seen = ws.view("seen", (self.max_batch, c.vocab_size))
         ops.zero(seen)
-        ops.mark_seen(seen, d_ids, d_row)
-        self._embed(t, "decoder", d_ids, d_pos, self.decoder_positions)
-        longest = int(sizes.max())
-
-        def attend(i, qkv, ctx):
-            k_cache, v_cache = self._caches(i)
-            bias = self.decoder[i]["qkv_bias"]
-            ops.write_kv_cache(k_cache, v_cache, qkv, bias, d_row, d_pos, heads=c.decoder_heads)
-            relative = self.relative.get("decoder")
-            if e // c.decoder_heads in PACKED_HEAD_DIMS:
-                ops.varlen_attention(ctx, qkv, bias, cu_seqlens, heads=c.decoder_heads, max_seqlen=longest, causal=True,
-                                     rel_bias=relative)
-            else:
-                ops.cached_attention(ctx, qkv, bias, k_cache, v_cache, d_row, d_pos, heads=c.decoder_heads,
-                                     rel_bias=relative)
-        self._decoder_layers(t, attend, d_mem, d_last)
-        last = ws.view("last", (n, e))
-        ops.gather_rows(last, ws.view(self.out, (t, e)), last_rows)
-        self._logits(n, last)
+        ops.mark_seen(seen, d_in[:n], d_in[n:])
+        self._upload("next_ids", ids)
+        self._upload("next_pos", np.zeros(n))
+        self.graphs.run(("first", n), lambda: self._decode_launches(n))
 
     def _decode_launches(self, b: int, indirect: bool = False):
         """One token per row from ws next_ids / next_pos; logits of all b rows."""

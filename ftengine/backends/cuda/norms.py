@@ -44,11 +44,11 @@ def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
             (threads,), args)
 
 
-def embed_positions(out, ids, positions, wte, wpe):
+def embed_positions(out, ids, positions, wte, wpe, *, unplaced=-1):
     t, e = out.shape
     vec = _vec(out, e)
     _launch("decoder.cu", f"embed_positions<{_ctype(out)}, {vec}>", (t,), (_threads(e // vec),),
-            (out, ids, positions, wte, wpe, np.int32(e)))
+            (out, ids, positions, wte, wpe, np.int32(e), np.int32(unplaced)))
 
 
 def layernorm(out, x, gamma, beta, *, eps, rms=False):

@@ -42,9 +42,11 @@ def add_bias_residual_layernorm(out, x, bias, residual, gamma, beta, *, eps):
     _by_row_blocks(block, out.shape[0], out.shape[1])
 
 
-def embed_positions(out, ids, positions, wte, wpe):
-    """out (T, E) = wte[ids] + wpe[positions]."""
-    out[...] = wte[ids] + wpe[positions]
+def embed_positions(out, ids, positions, wte, wpe, *, unplaced=-1):
+    """out (T, E) = wte[ids] + wpe[positions], without the position where ids == unplaced
+    (M2M100's pad, which HF gives its zero position row; -1: none)."""
+    ids = np.asarray(ids)
+    out[...] = wte[ids] + np.where((ids == unplaced)[:, None], np.float32(0), wpe[positions])
 
 
 def layernorm(out, x, gamma, beta, *, eps, rms=False):
