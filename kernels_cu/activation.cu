@@ -50,15 +50,18 @@ __global__ void gated_gelu(T* __restrict__ out, const T* __restrict__ x, const T
 // where `norm` is 1, LayerNorm(gamma, beta, eps) of the row. The float32 rows of a head after pooling
 // (sentence-transformers Dense modules, classification heads; ModernBERT's norm), and the relu / silu
 // feed-forward of the encoder-decoders. Reference: ftengine/backends/reference dense, add_bias_act.
-// grid (rows), `out` may alias `x`.
+// grid (rows, column chunks): a row's columns in gridDim.y equal chunks (one where `norm` is 1; many
+// for a long row such as a decode step's logits, which one block a row left to a single SM).
+// `out` may alias `x`.
 template <typename T>
 __global__ void add_bias_act(T* out, const T* x, const T* __restrict__ bias, int N, int act, int norm,
                              const float* __restrict__ gamma, const float* __restrict__ beta, float eps) {
-    wait_for_previous();
+    wait_then_launch_next();
     __shared__ float scratch[32];
     const long base = (long)blockIdx.x * N;
+    const int span = (N + gridDim.y - 1) / gridDim.y, end = min(N, (int)blockIdx.y * span + span);
     float sum = 0.0f;
-    for (int col = threadIdx.x; col < N; col += blockDim.x) {
+    for (int col = blockIdx.y * span + threadIdx.x; col < end; col += blockDim.x) {
         float v = to_float(x[base + col]) + to_float(bias[col]);
         if (act == 1) v = tanhf(v);
         else if (act == 2) v = fmaxf(v, 0.0f);

@@ -2,17 +2,29 @@
 // where a GEMM is a read of the weights: one block per COLS output columns, its GEMV_WARPS
 // warps splitting K, lanes with 16-byte loads (VEC elements); every row of x (small, cached)
 // against the same weight loads; float accumulation, warp sums, then a sum over the warps.
-// Optional epilogue (`epilogue` 1 + form): + bias, then GELU (form as gelu() in common.cuh).
+// Optional epilogue (gemv_epilogue): + bias (OutT's type), then GELU, ReLU, SiLU or nothing.
 // OutT may be float while T is 16-bit (the LM head's logits).
 // grid (ceil(N / COLS)), block GEMV_WARPS * 32 (at least GEMV_ROWS * COLS threads).
-// Reference: ftengine/backends/numpy_ops.py matmul, matmul_bias_gelu.
+// Reference: ftengine/backends/numpy_ops.py matmul, matmul_bias_gelu, matmul_bias_act.
 
 #define GEMV_ROWS 4
 #define GEMV_WARPS 4
 
+// The products' epilogue (gemm.py GEMV_EPILOGUES): 0 none; 1 + a GELU form (gelu() in common.cuh):
+// + bias, then GELU; 3: + bias; 4: + bias, then ReLU; 5: + bias, then SiLU (as add_bias_act).
+template <typename B>
+__device__ __forceinline__ float gemv_epilogue(float v, const B* __restrict__ bias, int n, int epilogue) {
+    if (epilogue == 0) return v;
+    v += to_float(bias[n]);
+    if (epilogue <= 2) return gelu(v, epilogue - 1);
+    if (epilogue == 4) return fmaxf(v, 0.0f);
+    if (epilogue == 5) return v / (1.0f + expf(-v));
+    return v;
+}
+
 template <typename T, typename OutT, int VEC, int COLS>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(OutT* __restrict__ out, const T* __restrict__ x,
-                                                        const T* __restrict__ w, const T* __restrict__ bias,
+                                                        const T* __restrict__ w, const OutT* __restrict__ bias,
                                                         int M, int N, int K, int epilogue) {
     wait_then_launch_next();
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS * COLS];
@@ -65,7 +77,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(OutT* __restrict__ out, 
         float v = 0.0f;
         #pragma unroll
         for (int i = 0; i < GEMV_WARPS; ++i) v += partial[i][threadIdx.x];
-        out[(long)r * N + n] = from_float<OutT>(epilogue ? gelu(v + to_float(bias[n]), epilogue - 1) : v);
+        out[(long)r * N + n] = from_float<OutT>(gemv_epilogue(v, bias, n, epilogue));
     }
 }
 
@@ -86,7 +98,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(OutT* __restrict__ out, 
 // reading the product adds up (decoder.cu residual_layernorm): more blocks for a narrow product.
 // K a multiple of 32; x, W 16-byte aligned (ops.py checks).
 // grid (ceil(N / (16 * TILES)), S), block WARPS * 32.
-// Reference: ftengine/backends/numpy_ops.py matmul, matmul_bias_gelu.
+// Reference: ftengine/backends/numpy_ops.py matmul, matmul_bias_gelu, matmul_bias_act.
 
 #define SKINNY_ROWS 32
 
@@ -99,7 +111,7 @@ __device__ __forceinline__ uint4 load_streaming(const void* p) {  // read once: 
 
 template <typename T, typename OutT, int TILES, int WARPS, int UNROLL>
 __global__ void __launch_bounds__(WARPS * 32) skinny_mma(OutT* __restrict__ out, const T* __restrict__ x,
-                                                         const T* __restrict__ w, const T* __restrict__ bias,
+                                                         const T* __restrict__ w, const OutT* __restrict__ bias,
                                                          int M, int N, int K, int epilogue) {
     wait_then_launch_next();
     constexpr int XT = SKINNY_ROWS / 8, VALUES = TILES * XT * 4;  // 8-row tiles of x; sums per lane
@@ -187,7 +199,7 @@ __global__ void __launch_bounds__(WARPS * 32) skinny_mma(OutT* __restrict__ out,
         float sum = partial[0][v][l];
         #pragma unroll
         for (int k = 1; k < WARPS; ++k) sum += partial[k][v][l];
-        out[(long)m * N + n] = from_float<OutT>(epilogue ? gelu(sum + to_float(bias[n]), epilogue - 1) : sum);
+        out[(long)m * N + n] = from_float<OutT>(gemv_epilogue(sum, bias, n, epilogue));
     }
 }
 

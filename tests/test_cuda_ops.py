@@ -274,6 +274,36 @@ def test_matmul_bias_gelu_many_rows(cu, rng, dtype, m, k, n, form):
     assert_close(cu, out, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n", [(1, 512, 2048), (3, 200, 803), (8, 256, 16500), (32, 384, 16400), (129, 256, 700)])
+@pytest.mark.parametrize("act", ["identity", "relu", "silu"])
+def test_matmul_bias_act(cu, rng, dtype, m, k, n, act):
+    """The bias + activation in the epilogue of the few-row kernels (gemv.cu: gemv up to GEMV_ROWS
+    rows, skinny_mma for 4-32 rows of 16-bit types from SKINNY_MIN_COLUMNS columns), else the product
+    then add_bias_act; against the NumPy twin on the same values."""
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
+    bias, biash = quantize(cu, rng.standard_normal(n), dtype)
+    out, expected = poisoned(cu, (m, n), dtype), np.empty((m, n), np.float32)
+    cu.matmul_bias_act(out, x, w, bias, act=act)
+    ref.matmul_bias_act(expected, xh.astype(np.float64), wh.astype(np.float64), biash, act=act)
+    assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("m", [1, 4, 16, 128])
+def test_matmul_bias_act_float_logits(cu, rng, dtype, m):
+    """An LM head's logits and their bias (final_logits_bias and banned tokens) in float32 from
+    16-bit rows and weights, Marian-base's 58,101 columns: every path of matmul_bias_act."""
+    k, n = 512, 58101
+    (x, xh), (w, wh) = (quantize(cu, rng.standard_normal(s) / np.sqrt(k) ** 0.5, dtype) for s in ((m, k), (n, k)))
+    biash = rng.standard_normal(n).astype(np.float32)
+    biash[7] -= 1.0e9
+    out, expected = poisoned(cu, (m, n), "fp32"), np.empty((m, n), np.float32)
+    cu.matmul_bias_act(out, x, w, cu.to_device(biash), act="identity")
+    ref.matmul_bias_act(expected, xh.astype(np.float64), wh.astype(np.float64), biash, act="identity")
+    assert_close(cu, out, expected, "fp32")
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("m, k, n, tile", [(4099, 768, 3072, 256), (8200, 384, 1544, 256), (3100, 200, 4200, 256),
                                            (1000, 376, 3000, 128), (129, 384, 1544, 64), (5, 384, 1544, 64),

@@ -58,8 +58,10 @@ def generation_table(ops, b: int, t: int, v: int, beam_slices: int) -> dict:
 
 class GenerationRunner:
     """Steps of greedy / sampled generation and of beam search over a runner's workspace `ws`
-    (generation_table's entries), with `config.vocab_size`, `max_batch`, `max_len`, `ops`,
-    `graphs` (a GraphCache), `prefill(rows)` and `_decode_launches(b, indirect=False)`."""
+    (generation_table's entries), with `config.vocab_size`, `vocab` (the logits' row width: the
+    vocabulary, or more where a runner pads it; the columns past it are never chosen), `max_batch`,
+    `max_len`, `ops`, `graphs` (a GraphCache), `prefill(rows)` and
+    `_decode_launches(b, indirect=False)`."""
 
     def _upload(self, name: str, values, dtype=np.int32):
         values = np.ascontiguousarray(values, dtype=dtype)
@@ -75,7 +77,7 @@ class GenerationRunner:
 
     def logits(self, n: int) -> np.ndarray:
         """The last step's logits of the first n sequences, (n, V) float32 on the host."""
-        return self.ops.to_host(self.ws.view("logits", (n, self.config.vocab_size))).astype(np.float32)
+        return self.ops.to_host(self.ws.view("logits", (n, self.vocab))).astype(np.float32)[:, :self.config.vocab_size]
 
     # ------------------------------------------------------------------ greedy and sampled generation
 
@@ -94,7 +96,7 @@ class GenerationRunner:
                              f"this runner's max_len {self.max_len}")
 
     def _choose_and_append(self, b: int, params):
-        ops, ws, v, length = self.ops, self.ws, self.config.vocab_size, self.max_len
+        ops, ws, v, length = self.ops, self.ws, self.vocab, self.max_len
         eos = ws.view("eos", (len(params.eos_token_ids),))
         seen = ws.view("seen", (self.max_batch, v))[:b]
         seq, lengths, step = ws.view("seq", (b, length)), ws.view("lengths", (b,)), ws.view("step", (1,))
@@ -159,7 +161,7 @@ class GenerationRunner:
                                keys=ws.view("keys", (r * slices * KEEP_MAX,)))
 
     def _beam_select(self, batch: int, params):
-        logits = self.ws.view("logits", (batch * params.num_beams, self.config.vocab_size))
+        logits = self.ws.view("logits", (batch * params.num_beams, self.vocab))
         eos = self.ws.view("eos", (len(params.eos_token_ids),))
         self.ops.beam_select(logits, self.beam_state(batch, params.num_beams), eos, params=params, batch=batch)
 

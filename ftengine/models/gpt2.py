@@ -74,6 +74,7 @@ class GPT2Runner(GenerationRunner):
         c = config
         b, t = max_batch, max_batch * max_len  # a prefill may hold every sequence's whole prompt
         e, v = c.n_embd, c.vocab_size
+        self.vocab = v
         cache = b * c.n_head * max_len * c.head_dim
         self.beam_slices = -(-v // CANDIDATE_CHUNK)  # a beam step's vocabulary slices (ops.py beam_select)
         self.partials_size = max(1, ops.partials_size(t, e))  # a prefill's rows too

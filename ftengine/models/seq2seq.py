@@ -29,6 +29,7 @@ from .generation import GenerationRunner, generation_table
 
 # compiled when the runner is built (beam search is translation's default); sampling's one-kernel
 # choice on sm_90 (sampling_cluster.cu) compiles at its first launch
+VOCAB_ALIGN = 64  # the logits' row width a multiple of this
 KERNEL_FILES = ("embedding.cu", "layernorm.cu", "decoder.cu", "sampling.cu", "beam.cu", "gemv.cu", "attention_varlen.cu",
                 "activation.cu")
 
@@ -55,7 +56,12 @@ class Seq2SeqRunner(GenerationRunner):
                             general=(bool(c.relative_buckets),), gelu_product=gelu, ln_product=True)
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps: kind, rows, GenerationParams.graph_key
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
-        self.embed, self.lm_head = up(weights.embed), up(weights.lm_head)   # (V, E) each
+        # the logits' rows padded to VOCAB_ALIGN columns (zero head rows, a -1e9 bias: never chosen), which
+        # cuBLASLt's products at many rows need (measurements: docs/gpu-internals.md, seq2seq.py VOCAB_ALIGN)
+        self.vocab = -(-c.vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN
+        head = np.zeros((self.vocab, c.d_model), weights.lm_head.dtype)
+        head[:c.vocab_size] = weights.lm_head
+        self.embed, self.lm_head = up(weights.embed), up(head)   # (V, E), (vocab, E)
         # the encoder's token table: the same as the decoder's unless the vocabularies are separate
         self.source_embed = self.embed if weights.source_embed is None else up(weights.source_embed)
         self.encoder_positions, self.decoder_positions = up(weights.encoder_positions), up(weights.decoder_positions)
@@ -76,7 +82,7 @@ class Seq2SeqRunner(GenerationRunner):
         self.out = "normed" if c.pre_norm else "hidden"  # the stacks' output, which products read
         # M2M100 / NLLB: HF numbers positions around the pad token, which has none (_table_positions)
         self.unplaced = c.pad_token_id if c.positions == "fairseq" else -1
-        b, e, v = max_batch, c.d_model, c.vocab_size
+        b, e, v = max_batch, c.d_model, self.vocab
         src = rows = max_batch * max_source  # encoder rows, more than a decode step's
         ffn = max(c.encoder_ffn, c.decoder_ffn)
         self.beam_slices = -(-v // CANDIDATE_CHUNK)
@@ -104,7 +110,8 @@ class Seq2SeqRunner(GenerationRunner):
         table.update(generation_table(ops, b, b * max_len, v, self.beam_slices))
         self.ws = Workspace(ops, table)
         ops.zero(self.ws.view("choice", (b * ops.CHOICE_STATE_WORDS,)))
-        self._bias = weights.logits_bias.astype(np.float32)
+        self._bias = np.concatenate([weights.logits_bias.astype(np.float32),
+                                     np.full(self.vocab - c.vocab_size, NEG, np.float32)])
         self.set_constraints(banned=(), forced_bos=None, forced_eos=None)
         self._mem_rows = self._mem_last = np.zeros(0, np.int64)  # host copies of ws mem_rows / mem_last
 
@@ -266,8 +273,7 @@ class Seq2SeqRunner(GenerationRunner):
             elif c.activation == "gelu":
                 ops.matmul_bias_gelu(inter, x, w["fc1_weight"], w["fc1_bias"], form="erf")
             else:
-                ops.matmul(inter, x, w["fc1_weight"])
-                ops.add_bias_act(inter, inter, w["fc1_bias"], act=c.activation)
+                ops.matmul_bias_act(inter, x, w["fc1_weight"], w["fc1_bias"], act=c.activation)
             self._residual(t, inter, w["fc2_weight"], w["fc2_bias"], next(chain))
 
     def _decoder_layers(self, t: int, attend_self, mem_seq, mem_last):
@@ -279,10 +285,9 @@ class Seq2SeqRunner(GenerationRunner):
         self._stack(t, "decoder", attend_self, attend_cross)
 
     def _logits(self, rows: int, hidden):
-        ops, ws, v = self.ops, self.ws, self.config.vocab_size
+        ops, ws, v = self.ops, self.ws, self.vocab
         logits = ws.view("logits", (rows, v))
-        ops.matmul(logits, hidden, self.lm_head)
-        ops.add_bias_act(logits, logits, ws.view("logits_bias", (v,)), act="identity")
+        ops.matmul_bias_act(logits, hidden, self.lm_head, ws.view("logits_bias", (v,)), act="identity")
 
     # ------------------------------------------------------------------ GenerationRunner's passes
 
@@ -300,7 +305,7 @@ class Seq2SeqRunner(GenerationRunner):
         self._check_ids(ids)
         self._upload("prefill_inputs", np.concatenate([ids, np.arange(n)]))
         d_in = ws.view("prefill_inputs", (2 * n,))
-        seen = ws.view("seen", (self.max_batch, c.vocab_size))
+        seen = ws.view("seen", (self.max_batch, self.vocab))
         ops.zero(seen)
         ops.mark_seen(seen, d_in[:n], d_in[n:])
         self._upload("next_ids", ids)

@@ -11,6 +11,8 @@ ACTIVATIONS = {"identity": 0, "tanh": 1, "relu": 2, "gelu": 3, "silu": 4}
 
 
 GELU_ROWS = 4                     # activation.cu add_bias_gelu: rows per block
+# add_bias_act: columns per block, 4 a thread (measurements: docs/gpu-internals.md, gemm.py matmul_bias_act)
+ACT_COLUMNS = 1024
 GELU_FORMS = {"erf": 0, "tanh": 1}
 
 
@@ -41,7 +43,8 @@ def add_bias_gelu(out, x, bias, *, form):
 
 
 def add_bias_act(out, x, bias, *, act):
-    """out (T, N) = act(x + bias) for act in ACTIVATIONS, a block a row; out may alias x."""
+    """out (T, N) = act(x + bias) for act in ACTIVATIONS, a block per ACT_COLUMNS columns of a row;
+    out may alias x."""
     t, n = out.shape
-    _launch("activation.cu", f"add_bias_act<{_ctype(out)}>", (t,), (_threads(n, 256),),
+    _launch("activation.cu", f"add_bias_act<{_ctype(out)}>", (t, -(-n // ACT_COLUMNS)), (_threads(n, 256),),
             (out, x, bias, np.int32(n), np.int32(ACTIVATIONS[act]), np.int32(0), bias, bias, np.float32(0.0)))

@@ -13,7 +13,7 @@ import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
-from .activation import ACTIVATIONS, _gelu_form, add_bias_gelu
+from .activation import ACTIVATIONS, _gelu_form, add_bias_act, add_bias_gelu
 from .algos import algorithm
 from .kernels import kernel
 from .launch import TensorMap, max_active_clusters
@@ -153,6 +153,24 @@ def _skinny(out, x, weight, bias, epilogue, *, table=SKINNY_TILES, splits=1):
     tiles = table[min(r for r in table if r >= x.shape[0])]
     _launch("gemv.cu", skinny_name(_ctype(x), _ctype(out), tiles), (-(-weight.shape[0] // (16 * tiles[0])), splits),
             (32 * tiles[1],), _gemv_args(out, x, weight, bias, epilogue))
+
+
+# gemv.cu gemv_epilogue's codes past GELU's (1 + form): + bias, then the activation
+GEMV_EPILOGUES = {"identity": 3, "relu": 4, "silu": 5}
+
+
+def matmul_bias_act(out, x, weight, bias, *, act):
+    """out (M, N) = act(x (M, K) @ weight (N, K)^T + bias) for act in GEMV_EPILOGUES, bias in out's
+    dtype (float32 for an LM head's logits): in the epilogue of the few-row kernels (gemv.cu), so a
+    decode step's feed-forward and logits bias take no pass of their own; else the product, then
+    add_bias_act."""
+    if _skinny_fits(x, weight):
+        _skinny(out, x, weight, bias, GEMV_EPILOGUES[act])
+    elif x.shape[0] <= GEMV_ROWS:
+        _gemv(out, x, weight, bias, GEMV_EPILOGUES[act])
+    else:
+        _lt_matmul(out, x, weight)
+        add_bias_act(out, out, bias, act=act)
 
 
 def matmul(out, x, weight):

@@ -31,6 +31,12 @@ def matmul_bias_gelu(out, x, weight, bias, *, form):
     add_bias_gelu(out, out, bias, form=form)
 
 
+def matmul_bias_act(out, x, weight, bias, *, act):
+    """out (M, N) = act(x @ weight^T + bias), act identity, relu or silu."""
+    matmul(out, x, weight)
+    out[...] = activate(out + bias, act)
+
+
 def batched_matmul(out, a, b, *, transpose_b, alpha=1.0):
     """out (N, M, P) = alpha * a (N, M, K) @ b (N, K, P), or b^T when b is (N, P, K)."""
     out[...] = alpha * np.matmul(a, b.transpose(0, 2, 1) if transpose_b else b)
