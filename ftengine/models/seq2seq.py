@@ -295,7 +295,7 @@ class Seq2SeqRunner(GenerationRunner):
         """The decoder's prompts, one token a row (the start token; row r reads the source encode()
         gave it), as a decode step at position 0 (a graph per row count); leaves each row's logits
         on the device."""
-        ops, c, ws = self.ops, self.config, self.ws
+        ops, ws = self.ops, self.ws
         n = len(prompts)
         if n != len(self._mem_rows):
             raise InputError(f"{n} decoder rows for {len(self._mem_rows)} encoded rows")
