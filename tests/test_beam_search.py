@@ -94,6 +94,28 @@ def test_the_eos_ids_end_hypotheses_early(gpt2, hf, cases):
         assert any(t[-1] in eos and len(t) < NEW for t, _ in hypotheses), prompt
 
 
+def test_top_equals_a_stable_sort():
+    """decoding/beam.py _top (a partition, then the candidates sorted) gives what a stable sort of
+    -values gives, on values with many ties, -inf, -0.0 and NEG-shifted scores."""
+    from ftengine.decoding.beam import NEG, _top
+    rng = np.random.default_rng(3)
+    for trial in range(2000):
+        n = int(rng.integers(1, 3000))
+        k = int(rng.integers(1, min(n, 70) + 1))
+        kind = trial % 4
+        if kind == 0:
+            values = rng.standard_normal(n).astype(np.float32)
+        elif kind == 1:
+            values = rng.integers(-3, 3, n).astype(np.float32)
+        elif kind == 2:
+            values = rng.standard_normal(n).astype(np.float32)
+            values[rng.random(n) < 0.3] = -np.inf
+        else:
+            values = np.round(rng.standard_normal(n), 1).astype(np.float32) + NEG
+            values[rng.random(n) < 0.2] = -0.0
+        np.testing.assert_array_equal(_top(values, k), np.argsort(-values, kind="stable")[:k], err_msg=f"{n} {k}")
+
+
 # each processor alone, then with renormalize_logits (a log-softmax after them: other scores, at
 # times other beams)
 PROCESSORS = [dict(no_repeat_ngram_size=2), dict(repetition_penalty=1.5), dict(min_new_tokens=5)]

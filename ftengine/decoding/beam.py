@@ -34,8 +34,16 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest values, largest first (ties: lower index first)."""
-    return np.argsort(-values, kind="stable")[:k]
+    """Indices of the k largest values, largest first (ties: lower index first), as a stable sort
+    of -values would give them: the k-th largest by a partition, then only the candidates sorted
+    (a beam step's beams x vocabulary scores are far too many to sort whole). No NaN in values."""
+    n = values.shape[-1]
+    if n <= 2 * k:
+        return np.argsort(-values, kind="stable")[:k]
+    kth = np.partition(values, n - k)[n - k]
+    above = np.flatnonzero(values > kth)
+    chosen = np.concatenate([above, np.flatnonzero(values == kth)[:k - len(above)]])
+    return chosen[np.lexsort((chosen, -values[chosen]))]
 
 
 def reference_step(logits: np.ndarray, st, eos: np.ndarray, params: GenerationParams, batch: int):
