@@ -29,9 +29,9 @@ from .generation import GenerationRunner, generation_table
 
 # compiled when the runner is built (beam search is translation's default); sampling's one-kernel
 # choice on sm_90 (sampling_cluster.cu) compiles at its first launch
-VOCAB_ALIGN = 64  # the logits' row width a multiple of this
 KERNEL_FILES = ("embedding.cu", "layernorm.cu", "decoder.cu", "sampling.cu", "beam.cu", "gemv.cu", "attention_varlen.cu",
                 "activation.cu")
+VOCAB_ALIGN = 64  # the logits' row width: a multiple of this
 
 
 class Seq2SeqRunner(GenerationRunner):
