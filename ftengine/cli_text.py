@@ -12,7 +12,7 @@ import click
 from .backends import DEVICES
 from .cli_support import close_engine, closes_on_failure, exits_when_stopped, fail, rate, text_option
 from .encoder import DTYPES, ENCODER_DTYPES
-from .errors import FtengineError, InputError
+from .errors import FtengineError, InputError, TooLongError
 from .records import INPUT_FORMATS, input_format, open_records
 from .textio import read_lines
 from .token_classifier import STRATEGIES
@@ -282,9 +282,13 @@ def translate(input_path, output, model_path, input_format_name, text_field, src
         with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
                 LineWriter(output) as writer:
             for keys, window in records.windows(TRANSLATE_WINDOW):
-                results = translator.translate(window, src_lang=src_lang, tgt_lang=tgt_lang, max_batch=max_batch,
-                                               max_batch_tokens=max_batch_tokens,
-                                               truncate=truncate, **options)
+                try:
+                    results = translator.translate(window, src_lang=src_lang, tgt_lang=tgt_lang, max_batch=max_batch,
+                                                   max_batch_tokens=max_batch_tokens, truncate=truncate, **options)
+                except TooLongError as e:  # named by its record, not by its place in the window
+                    raise InputError(f"{'<stdin>' if input_path == '-' else input_path}, {records.key_name} "
+                                     f"{keys[e.index]}: the source has {e.length} tokens, more than the model's "
+                                     f"{e.max_length} (drop --no-truncate to cut it)") from None
                 writer.write_lines([json.dumps({records.key_name: key, **r.to_json()}, ensure_ascii=False)
                                     if as_json else r.text.replace("\n", " ") for key, r in zip(keys, results)])
                 lines += len(window)

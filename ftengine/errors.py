@@ -38,12 +38,13 @@ class InputError(FtengineError):
 
 class TooLongError(InputError):
     """A text is longer than max_length and truncation is off; `index` is its 0-based place in
-    the request, `max_length` the limit."""
+    the request, `max_length` the limit, `length` its tokens where known."""
 
-    def __init__(self, message: str, *, index: int, max_length: int):
+    def __init__(self, message: str, *, index: int, max_length: int, length: int | None = None):
         super().__init__(message)
         self.index = index
         self.max_length = max_length
+        self.length = length
 
 
 class OutputError(FtengineError):

@@ -12,7 +12,7 @@ from .config import load_seq2seq_config
 from .decoding.beam import hypotheses
 from .decoding.generate import GenerationParams, check_max_batch
 from .engine import OwnsWorker, SerialWorker
-from .errors import InputError
+from .errors import InputError, TooLongError
 from .generator import Candidate, decoding_device_dtype
 from .hub import model_folder
 from .models.seq2seq import Seq2SeqRunner
@@ -140,7 +140,7 @@ class Translator(OwnsWorker):
             size = len(prefix) + len(body) + len(suffix)
             if size > limit:
                 if not truncate:
-                    raise InputError(f"source {i + 1} has {size} tokens, more than the model's {limit}")
+                    raise _too_long(i, size, limit)
                 body = body[:max(0, limit - len(prefix) - len(suffix))]
             out.append(prefix + body + suffix)
         return out
@@ -179,9 +179,13 @@ class Translator(OwnsWorker):
     def translate_stream(self, texts, **options):
         """Translations of an iterable of texts, yielded in input order as windows of
         STREAM_WINDOW sources finish: memory is bounded by the window, not by the input."""
-        iterator = iter(texts)
+        iterator, done = iter(texts), 0
         while window := list(islice(iterator, STREAM_WINDOW)):
-            yield from self.translate(window, **options)
+            try:
+                yield from self.translate(window, **options)
+            except TooLongError as e:  # numbered in the whole stream, not in its window
+                raise _too_long(done + e.index, e.length, e.max_length) from None
+            done += len(window)
 
     summarize = translate  # a BART / T5 summariser's call is the same
 
@@ -215,6 +219,11 @@ class Translator(OwnsWorker):
         prompts = [[constraints["decoder_start"]] for _ in sources]
         runner.encode(sources, copies=nb)
         return hypotheses(runner, prompts, params)
+
+
+def _too_long(index: int, length: int, limit: int) -> TooLongError:
+    return TooLongError(f"source {index + 1} has {length} tokens, more than the model's {limit}", index=index,
+                        max_length=limit, length=length)
 
 
 def _batches(order: list, tokens: list, per_batch: int, max_tokens: int | None) -> list:

@@ -270,6 +270,26 @@ def test_cuda_low_precision_agrees_and_graphs_change_no_bit(marian_gpu, cuda_tra
             print(f"{dtype} {options or 'greedy'}: {same} of {len(TEXTS)} translations equal fp32's")
 
 
+def test_an_over_long_source_is_named_by_its_line_past_the_first_window(marian, tmp_path, monkeypatch):
+    """--no-truncate refuses a source longer than the model takes, naming the input's line, not its
+    place in the window it was read in; nothing is written. translate_stream numbers it in the
+    whole stream likewise."""
+    import ftengine.cli_text
+    import ftengine.translator
+    monkeypatch.setattr(ftengine.cli_text, "TRANSLATE_WINDOW", 4)
+    monkeypatch.setattr(ftengine.translator, "STREAM_WINDOW", 4)
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    texts = [t or "x" for t in TEXTS] + ["word " * 100] + TEXTS[:2]
+    src.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    r = CliRunner().invoke(main, ["translate", str(src), "-o", str(out), "--model", str(marian), "--device", "cpu",
+                                  "--no-truncate", "--max-new-tokens", "2"])
+    assert r.exit_code == 1 and not out.exists(), r.output
+    assert f"{src}, line 7: the source has 101 tokens, more than the model's 64 (drop --no-truncate" in r.stderr
+    with Translator.from_pretrained(marian, device="cpu") as translator:
+        with pytest.raises(InputError, match="source 7 has 101 tokens, more than the model's 64"):
+            list(translator.translate_stream(texts, truncate=False, max_new_tokens=2))
+
+
 def test_translate_ctrl_c_is_interrupted_with_130_and_writes_nothing(marian, tmp_path, monkeypatch):
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt
