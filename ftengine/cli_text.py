@@ -213,7 +213,7 @@ TRANSLATE_WINDOW = 512  # sources read, translated (sorted by length into batche
 @click.argument("input_path", metavar="[INPUT|-]", default="-")
 @click.option("-o", "--output", default="-", show_default=True,
               help="Output file: one translation a line, or with --json (or a .jsonl name) one JSON object a "
-                   "source; '-' writes to stdout.")
+                   "source, or a .parquet file of those objects' fields a row; '-' writes to stdout.")
 @click.option("--model", "model_path", required=True,
               help="Encoder-decoder checkpoint folder or Hub id (Marian / opus-mt, BART, mBART, M2M100 / NLLB).")
 @click.option("--input-format", "input_format_name", type=click.Choice(INPUT_FORMATS), default=None,
@@ -271,7 +271,8 @@ def translate(input_path, output, model_path, input_format_name, text_field, src
         if in_fmt == "txt" and text_field is not None:
             raise InputError(f"--text-field applies to jsonl, csv, tsv and parquet input; {input_path} is read "
                              "as text lines (see --input-format)")
-        as_json = as_json or output.lower().endswith(".jsonl")
+        parquet = output.lower().endswith(".parquet")
+        as_json = as_json or parquet or output.lower().endswith(".jsonl")
         check_writable(output)
         records = open_records(input_path, in_fmt, text_field=text_field or "text", errors=errors)
         translator = Translator.from_pretrained(model_path, device=device, dtype=dtype)
@@ -280,7 +281,7 @@ def translate(input_path, output, model_path, input_format_name, text_field, src
         start, lines, tokens = time.perf_counter(), 0, 0
         from tqdm import tqdm
         with tqdm(unit="line", disable=quiet or not sys.stderr.isatty(), file=sys.stderr) as bar, \
-                LineWriter(output) as writer:
+                (RecordWriter(output, "parquet") if parquet else LineWriter(output)) as writer:
             for keys, window in records.windows(TRANSLATE_WINDOW):
                 try:
                     results = translator.translate(window, src_lang=src_lang, tgt_lang=tgt_lang, max_batch=max_batch,
@@ -289,8 +290,12 @@ def translate(input_path, output, model_path, input_format_name, text_field, src
                     raise InputError(f"{'<stdin>' if input_path == '-' else input_path}, {records.key_name} "
                                      f"{keys[e.index]}: the source has {e.length} tokens, more than the model's "
                                      f"{e.max_length} (drop --no-truncate to cut it)") from None
-                writer.write_lines([json.dumps({records.key_name: key, **r.to_json()}, ensure_ascii=False)
-                                    if as_json else r.text.replace("\n", " ") for key, r in zip(keys, results)])
+                rows = [{records.key_name: key, **r.to_json()} for key, r in zip(keys, results)] if as_json else None
+                if parquet:
+                    writer.write_records(rows)
+                else:
+                    writer.write_lines([json.dumps(row, ensure_ascii=False) for row in rows] if as_json
+                                       else [r.text.replace("\n", " ") for r in results])
                 lines += len(window)
                 tokens += sum(len(c.token_ids) for r in results for c in r.candidates[:1])
                 bar.update(len(window))

@@ -203,6 +203,32 @@ def test_translate_command(marian, hf, tmp_path):
         assert r.exit_code == 1 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
 
 
+@pytest.mark.parametrize("options", [[], ["--num-beams", "3", "--num-return-sequences", "2"]],
+                         ids=["greedy", "beams"])
+def test_translate_command_writes_parquet(marian, hf, tmp_path, options):
+    """A .parquet output holds the --json objects' fields a row (the key first), the values HF's."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    src, out = tmp_path / "in.txt", tmp_path / "out.parquet"
+    src.write_text("".join(t + "\n" for t in TEXTS), encoding="utf-8")
+    r = CliRunner().invoke(main, ["translate", str(src), "-o", str(out), "--model", str(marian), "--device", "cpu",
+                                  "--quiet", *options])
+    assert r.exit_code == 0, r.output
+    table = pq.read_table(out)
+    assert table.column_names == ["line", "source", "text", "token_ids", "score", "candidates"]
+    rows = table.to_pylist()
+    assert [row["line"] for row in rows] == list(range(1, len(TEXTS) + 1))
+    assert [row["source"] for row in rows] == TEXTS
+    kwargs = {"num_beams": 3, "num_return_sequences": 2} if options else {}
+    expected = [hf_generate(hf, t, **kwargs) for t in TEXTS]
+    for row, (hypotheses, scores) in zip(rows, expected):
+        assert [c["token_ids"] for c in row["candidates"]] == hypotheses and row["token_ids"] == hypotheses[0]
+        assert row["text"] == hf[1].decode(hypotheses[0], skip_special_tokens=True)
+        if scores is None:
+            assert row["score"] is None
+        else:
+            assert abs(row["score"] - scores[0]) <= BEAM_SCORE_FP32
+
+
 @pytest.fixture(scope="module")
 def marian_gpu(tmp_path_factory):
     """Head size 32, which the CUDA encoder's fused attention takes (opus-mt's is 64)."""
