@@ -6,15 +6,16 @@ from __future__ import annotations
 import json
 import sys
 import time
+from itertools import chain, islice
 
 import click
 
 from .backends import DEVICES
 from .cli_support import close_engine, closes_on_failure, exits_when_stopped, fail, rate, text_option
 from .encoder import DTYPES, ENCODER_DTYPES
-from .errors import FtengineError, InputError, TooLongError
+from .errors import FtengineError, InputError, PromptError, TooLongError
 from .records import INPUT_FORMATS, input_format, open_records
-from .textio import read_lines
+from .textio import iter_lines
 from .token_classifier import STRATEGIES
 from .writers import LineWriter, RecordWriter, check_writable
 
@@ -60,13 +61,17 @@ def generate(model_path, prompt, input_path, max_new_tokens, min_new_tokens, do_
                        early_stopping={"true": True, "false": False, "never": "never"}[early_stopping]))
 
 
+GENERATE_WINDOW = 1024  # prompts read, generated (in waves of --max-batch) and printed at a time
+
+
 def _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json, stream, options):
     from ftengine import Generator
     from .decoding.generate import check_prompts
     try:
         if (prompt is None) == (input_path is None):
             raise FtengineError("give exactly one of --prompt and --input")
-        prompts = [text_option(prompt, "--prompt", empty=True)] if prompt is not None else read_lines(input_path)
+        lines = iter([text_option(prompt, "--prompt", empty=True)] if prompt is not None else iter_lines(input_path))
+        prompts = list(islice(lines, 2))  # the first two: whether there is one, and whether there are more
         if stream and (len(prompts) != 1 or as_json):
             raise FtengineError("--stream prints one prompt's text as it comes: give one prompt, without --json")
         if stream and options["num_beams"] > 1:
@@ -86,11 +91,20 @@ def _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json,
                     shown = text
             click.echo(gen.decode(ids)[len(shown):])
             return
-        results = gen.generate(prompts, max_batch=max_batch, **options)
+        if not prompts:
+            raise InputError("no prompts to continue")
+        lines, number = chain(prompts, lines), 1
+        while window := list(islice(lines, GENERATE_WINDOW)):
+            try:
+                results = gen.generate(window, max_batch=max_batch, **options)
+            except PromptError as e:  # named by its line, not by its place in the window
+                raise e if input_path is None else \
+                    InputError(f"{input_path}, line {number + e.index}: the prompt {e.reason}") from None
+            for r in results:
+                click.echo(json.dumps(r.to_json(), ensure_ascii=False) if as_json else r.prompt + r.text)
+            number += len(window)
     except FtengineError as e:
         fail(str(e))
-    for r in results:
-        click.echo(json.dumps(r.to_json(), ensure_ascii=False) if as_json else r.prompt + r.text)
 
 
 CLASSIFY_WINDOW = 4096  # records classified at a time: only their labels are kept

@@ -47,6 +47,16 @@ class TooLongError(InputError):
         self.length = length
 
 
+class PromptError(InputError):
+    """A prompt that cannot run: `index` is its 0-based place in the call, `reason` what is wrong
+    with it (the message reads "prompt N <reason>")."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(f"prompt {index + 1} {reason}")
+        self.index = index
+        self.reason = reason
+
+
 class OutputError(FtengineError):
     """The output cannot be created, written or put in place."""
 

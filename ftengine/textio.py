@@ -186,11 +186,6 @@ def _raw_windows(whole: bytes, size: int, first: int, source: str, errors: str):
         yield RawTexts(whole, starts[a:a + size], stops[a:a + size], first=first + a, source=source, errors=errors)
 
 
-def read_lines(path: str, *, errors: str = "strict") -> list[str]:
-    """Every line of a file (or stdin for '-')."""
-    return list(iter_lines(path, errors=errors))
-
-
 REPLACE_HINT = " (use --errors replace to substitute U+FFFD)"
 
 

@@ -191,6 +191,28 @@ def test_generate_json_in_input_order(gpt2_model, tmp_path):
         assert row["candidates"] == [{"text": e.text, "token_ids": e.token_ids, "score": None}]
 
 
+def test_generate_input_runs_in_windows_named_by_line(gpt2_model, tmp_path, monkeypatch):
+    """--input is read, generated and printed a window at a time (GENERATE_WINDOW, shrunk to 2
+    here): the results are Generator.generate's in input order, and a prompt that cannot run is
+    named by its line in the file, after the windows before it were printed."""
+    import ftengine.cli_text
+    from ftengine import Generator
+    monkeypatch.setattr(ftengine.cli_text, "GENERATE_WINDOW", 2)
+    prompts = ["hello there", "A", "the quick brown fox", "zz", "one more"]
+    src = tmp_path / "prompts.txt"
+    src.write_text("".join(p + "\n" for p in prompts))
+    r = gen("--model", gpt2_model, "--input", src, "--max-new-tokens", 4, "--json", "--device", "cpu")
+    assert r.exit_code == 0, r.stderr
+    expected = Generator.from_pretrained(gpt2_model, device="cpu").generate(prompts, max_new_tokens=4)
+    assert [json.loads(line)["token_ids"] for line in r.stdout.splitlines()] == [e.token_ids for e in expected]
+    for bad, message in (("", "line 5: the prompt is empty: GPT-2 needs at least one prompt token"),
+                         ("word " * 200, "line 5: the prompt has 1000 tokens; with max_new_tokens 4 that is beyond")):
+        src.write_text("".join(p + "\n" for p in prompts[:4] + [bad]))
+        r = gen("--model", gpt2_model, "--input", src, "--max-new-tokens", 4, "--device", "cpu")
+        assert r.exit_code == 1 and f"{src}, {message}" in r.stderr, r.stderr
+        assert len(r.stdout.splitlines()) == 4  # the two windows before it
+
+
 def test_generate_stream_prints_prompt_and_continuation(gpt2_model):
     from ftengine import Generator
     r = gen("--model", gpt2_model, "--prompt", "hi", "--max-new-tokens", 5, "--stream", "--device", "cpu",

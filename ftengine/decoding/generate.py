@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, PromptError
 
 MAX_EOS_IDS = 16  # eos ids one generation may name (the runner's device buffer holds this many)
 CHUNK_STEPS = 8   # steps queued on the device between two reads of the chosen tokens (at most)
@@ -102,10 +102,10 @@ class GenerationParams:
 def check_prompts(prompts: list, params: GenerationParams, n_positions: int):
     for i, p in enumerate(prompts):
         if len(p) == 0:
-            raise InputError(f"prompt {i + 1} is empty: GPT-2 needs at least one prompt token")
+            raise PromptError(i, "is empty: GPT-2 needs at least one prompt token")
         if len(p) + params.max_new_tokens > n_positions:
-            raise InputError(f"prompt {i + 1} has {len(p)} tokens; with max_new_tokens {params.max_new_tokens} "
-                             f"that is beyond the model's n_positions {n_positions}")
+            raise PromptError(i, f"has {len(p)} tokens; with max_new_tokens {params.max_new_tokens} that is beyond "
+                                 f"the model's n_positions {n_positions}")
 
 
 def check_max_batch(max_batch, params: GenerationParams) -> int:
