@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import read_json
+from .config import check_head_architecture, read_json
+from .hub import model_folder
 from .encoder import Encoder, _as_list
 from .errors import InputError, TooLongError
 
@@ -19,6 +20,8 @@ class SequenceHead:
 
     def __init__(self, path, *, device: str = "auto", dtype: str | None = None, max_length: int | None = None,
                  cuda_graphs: bool = True, layout: str = "auto", tokenizer: str = "auto"):
+        path = model_folder(path)
+        check_head_architecture(path, read_json(path / "config.json", "model config"), "sequence")
         self._encoder = Encoder(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs,
                                 layout=layout, classifier=True, tokenizer=tokenizer)
         self.path, self.device, self.dtype = self._encoder.path, self._encoder.device, self._encoder.dtype

@@ -50,6 +50,22 @@ def read_json(path: Path, what: str) -> dict:
     return data
 
 
+HEAD_ARCHITECTURES = {"sequence": "ForSequenceClassification", "token": "ForTokenClassification"}
+HEAD_TASKS = {"sequence": "classify / rerank", "token": "ner"}
+
+
+def check_head_architecture(path, data: dict, head: str):
+    """Refuse a checkpoint whose config.json names the other classification head in its
+    architectures: head "sequence" (classify, rerank) or "token" (ner). Both heads are a
+    `classifier` of the same shape in BERT-family checkpoints, so the wrong one would run on the
+    wrong outputs without a word. No architectures named: nothing to check."""
+    other = "token" if head == "sequence" else "sequence"
+    named = [str(a) for a in data.get("architectures") or () if str(a).endswith(HEAD_ARCHITECTURES[other])]
+    if named:
+        raise ConfigError(f"{path}: config.json names {named[0]}, a {other}-classification model "
+                          f"({HEAD_TASKS[other]}); {HEAD_TASKS[head]} needs a ...{HEAD_ARCHITECTURES[head]} checkpoint")
+
+
 class _Keys:
     """Typed access to config.json values; every error names the file and the key."""
 

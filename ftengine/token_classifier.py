@@ -18,7 +18,7 @@ import numpy as np
 
 from .backends import get_ops, resolve_device
 from .checkpoint import SafetensorsFiles, load_bert_weights
-from .config import load_bert_config, read_json
+from .config import check_head_architecture, load_bert_config, read_json
 from .encoder import DTYPES, _as_list
 from .engine import OwnsWorker, SerialWorker
 from .errors import CheckpointError, ConfigError, DeviceError, InputError
@@ -55,6 +55,7 @@ class TokenClassifier(OwnsWorker):
         if self.config.family == "modernbert":
             raise ConfigError(f"{path}: ModernBERT token classification is not supported yet")
         raw = read_json(path / "config.json", "model config")
+        check_head_architecture(path, raw, "token")
         self.weights = load_bert_weights(path, self.config)
         self.head_weight, self.head_bias = _token_head(path, self.config.hidden_size)
         names = raw.get("id2label") or {}

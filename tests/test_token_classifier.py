@@ -183,3 +183,34 @@ def test_cuda_fp32_entities_match_the_hf_pipeline(ner_model, strategy):
     with TokenClassifier.from_pretrained(ner_model, device="cuda", dtype="fp32") as model:
         got = model.predict(TEXTS, aggregation_strategy=strategy)
     assert_same_entities(got, hf_entities(ner_model, TEXTS, strategy))
+
+
+def test_a_checkpoint_of_the_other_head_is_refused_by_name(tmp_path):
+    """BERT's sequence- and token-classification heads are both a `classifier` of one shape, so
+    config.json's architectures decide: ner never runs a sentiment head, nor classify / rerank an
+    NER one, without a word (in the API and the CLI)."""
+    from ftengine import Classifier, Reranker
+    from ftengine.errors import ConfigError
+    from weights.fixtures import add_classification_head
+    seq = add_classification_head(write_bert_checkpoint(tmp_path / "seq", seed=1), num_labels=3, seed=6)
+    config = json.loads((seq / "config.json").read_text())
+    (seq / "config.json").write_text(json.dumps({**config, "architectures": ["BertForSequenceClassification"]}))
+    tok = add_token_classification_head(write_bert_checkpoint(tmp_path / "tok", seed=1), seed=6)
+    to_ner = "names BertForSequenceClassification, a sequence-classification model (classify / rerank); ner needs a " \
+             "...ForTokenClassification checkpoint"
+    to_sequence = "names BertForTokenClassification, a token-classification model (ner); classify / rerank needs a " \
+                  "...ForSequenceClassification checkpoint"
+    with pytest.raises(ConfigError) as e:
+        TokenClassifier.from_pretrained(seq, device="cpu")
+    assert to_ner in str(e.value)
+    for cls in (Classifier, Reranker):
+        with pytest.raises(ConfigError) as e:
+            cls.from_pretrained(tok, device="cpu")
+        assert to_sequence in str(e.value)
+    src = tmp_path / "in.txt"
+    src.write_text("hello world\n")
+    for command, model, message in (("ner", seq, to_ner), ("classify", tok, to_sequence)):
+        r = CliRunner().invoke(main, [command, str(src), "--model", str(model), "--device", "cpu"])
+        assert r.exit_code == 1 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+    TokenClassifier.from_pretrained(tok, device="cpu").close()  # each head still loads where it belongs
+    Classifier.from_pretrained(seq, device="cpu").close()
