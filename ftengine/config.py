@@ -54,15 +54,21 @@ HEAD_ARCHITECTURES = {"sequence": "ForSequenceClassification", "token": "ForToke
 HEAD_TASKS = {"sequence": "classify / rerank", "token": "ner"}
 
 
+def head_architecture(data: dict, head: str) -> str | None:
+    """The first architecture config.json (`data`) names with classification head `head`
+    ("sequence": ...ForSequenceClassification, "token": ...ForTokenClassification), or None."""
+    return next((str(a) for a in data.get("architectures") or () if str(a).endswith(HEAD_ARCHITECTURES[head])), None)
+
+
 def check_head_architecture(path, data: dict, head: str):
     """Refuse a checkpoint whose config.json names the other classification head in its
     architectures: head "sequence" (classify, rerank) or "token" (ner). Both heads are a
     `classifier` of the same shape in BERT-family checkpoints, so the wrong one would run on the
     wrong outputs without a word. No architectures named: nothing to check."""
     other = "token" if head == "sequence" else "sequence"
-    named = [str(a) for a in data.get("architectures") or () if str(a).endswith(HEAD_ARCHITECTURES[other])]
+    named = head_architecture(data, other)
     if named:
-        raise ConfigError(f"{path}: config.json names {named[0]}, a {other}-classification model "
+        raise ConfigError(f"{path}: config.json names {named}, a {other}-classification model "
                           f"({HEAD_TASKS[other]}); {HEAD_TASKS[head]} needs a ...{HEAD_ARCHITECTURES[head]} checkpoint")
 
 

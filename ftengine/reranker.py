@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .classifier import SequenceHead
-from .config import read_json
+from .config import head_architecture, read_json
 from .encoder import _as_list
 from .errors import ConfigError, InputError
 from .hub import model_folder
@@ -79,9 +79,9 @@ def model_task(path) -> str:
     label (a cross-encoder), "classify" for one of more labels, "ner" for a
     ...ForTokenClassification one, else "embed"."""
     config = read_json(model_folder(path) / "config.json", "model config") if path is not None else {}
-    if any(str(a).endswith("ForTokenClassification") for a in config.get("architectures") or ()):
+    if head_architecture(config, "token"):
         return "ner"
-    if not any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ()):
+    if not head_architecture(config, "sequence"):
         return "embed"
     labels = config.get("id2label") or {}
     return "rerank" if config.get("num_labels", len(labels) or 1) == 1 and len(labels) <= 1 else "classify"
