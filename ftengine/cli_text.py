@@ -15,7 +15,7 @@ from .cli_support import close_engine, closes_on_failure, exits_when_stopped, fa
 from .encoder import DTYPES, ENCODER_DTYPES
 from .errors import FtengineError, InputError, PromptError, TooLongError
 from .records import INPUT_FORMATS, input_format, open_records
-from .textio import iter_lines
+from .textio import iter_lines, source_name
 from .token_classifier import STRATEGIES
 from .writers import LineWriter, RecordWriter, check_writable
 
@@ -99,7 +99,7 @@ def _generate(model_path, prompt, input_path, device, dtype, max_batch, as_json,
                 results = gen.generate(window, max_batch=max_batch, **options)
             except PromptError as e:  # named by its line, not by its place in the window
                 raise e if input_path is None else \
-                    InputError(f"{input_path}, line {number + e.index}: the prompt {e.reason}") from None
+                    InputError(f"{source_name(input_path)}, line {number + e.index}: the prompt {e.reason}") from None
             for r in results:
                 click.echo(json.dumps(r.to_json(), ensure_ascii=False) if as_json else r.prompt + r.text)
             number += len(window)
@@ -301,7 +301,7 @@ def translate(input_path, output, model_path, input_format_name, text_field, src
                     results = translator.translate(window, src_lang=src_lang, tgt_lang=tgt_lang, max_batch=max_batch,
                                                    max_batch_tokens=max_batch_tokens, truncate=truncate, **options)
                 except TooLongError as e:  # named by its record, not by its place in the window
-                    raise InputError(f"{'<stdin>' if input_path == '-' else input_path}, {records.key_name} "
+                    raise InputError(f"{source_name(input_path)}, {records.key_name} "
                                      f"{keys[e.index]}: the source has {e.length} tokens, more than the model's "
                                      f"{e.max_length} (drop --no-truncate to cut it)") from None
                 rows = [{records.key_name: key, **r.to_json()} for key, r in zip(keys, results)] if as_json else None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from .errors import InputError
-from .textio import REPLACE_HINT, RawLines, iter_lines, unicode_text
+from .textio import REPLACE_HINT, RawLines, iter_lines, source_name, unicode_text
 
 INPUT_FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
 _EXTENSIONS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
@@ -88,17 +88,13 @@ def open_records(path: str, fmt: str, *, text_field: str = "text", id_field: str
     if fmt == "jsonl":
         lines = iter_lines(path, errors=errors)
         records = Records(None, id_field or "line")
-        records.texts = _jsonl(lines, _source(path), text_field, id_field, records.keys, errors)
+        records.texts = _jsonl(lines, source_name(path), text_field, id_field, records.keys, errors)
         return records
     if fmt in ("csv", "tsv"):
         return _csv(path, fmt, text_field, id_field, errors)
     if fmt == "parquet":
         return _parquet(path, text_field, id_field, errors)
     raise InputError(f"input format {fmt!r} is not one of {', '.join(INPUT_FORMATS)}")
-
-
-def _source(path: str) -> str:
-    return "<stdin>" if path == "-" else path
 
 
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
@@ -232,8 +228,8 @@ def _csv_open_error(path: str, error, wanted: list, parse) -> InputError:
                 kind = "text" if name == wanted[0] else "id"
                 return _columns_error(path, kind, name, header)
     if "straddl" in str(error):
-        return InputError(f"cannot read {_source(path)} as CSV: {_long_row(path)}")
-    return InputError(f"cannot read {_source(path)} as CSV: {error}")
+        return InputError(f"cannot read {source_name(path)} as CSV: {_long_row(path)}")
+    return InputError(f"cannot read {source_name(path)} as CSV: {error}")
 
 
 def _long_row(path: str) -> str:
@@ -245,7 +241,7 @@ def _long_row(path: str) -> str:
 
 def _csv_texts(opened, open_reader, path: str, text_field: str, id_field: str | None, errors: str, keys: deque):
     import pyarrow as pa
-    where = _source(path)
+    where = source_name(path)
     source, block, reader = opened
     row = skip = 0  # skip: rows already read before a reopen with larger blocks
     try:

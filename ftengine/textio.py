@@ -150,7 +150,7 @@ class RawLines:
 
     def __init__(self, path: str, *, errors: str = "strict", keys=None):
         self.path, self.errors, self.keys = path, errors, keys
-        self.source = "<stdin>" if path == "-" else path
+        self.source = source_name(path)
         self._file = sys.stdin.buffer if path == "-" else _open(path)
 
     def __iter__(self):
@@ -184,6 +184,11 @@ def _raw_windows(whole: bytes, size: int, first: int, source: str, errors: str):
     stops = np.concatenate([nl, [len(whole)]]).astype(np.int64)
     for a in range(0, len(starts), size):
         yield RawTexts(whole, starts[a:a + size], stops[a:a + size], first=first + a, source=source, errors=errors)
+
+
+def source_name(path: str) -> str:
+    """How errors name an input: its path, or <stdin> for '-'."""
+    return "<stdin>" if path == "-" else path
 
 
 REPLACE_HINT = " (use --errors replace to substitute U+FFFD)"
