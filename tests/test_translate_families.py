@@ -12,7 +12,7 @@ from ftengine import InputError, Translator
 from ftengine.config import load_seq2seq_config
 from ftengine.seq2seq_text import load_text
 from tests.hf_oracle import assert_candidates_match, assert_encoder_and_first_logits_match, hf_seq2seq_generate
-from tests.tolerances import BEAM_SCORE_FP32, GPU_FP32_REL, HF_FP32_MAX_ABS
+from tests.tolerances import BATCHING_INVARIANCE_FP32, BEAM_SCORE_FP32, GPU_FP32_REL, HF_FP32_MAX_ABS
 from weights.fixtures import write_bart_family_checkpoint, write_t5_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -243,6 +243,55 @@ def test_cuda_fp32_translations_match_hf(family_gpu, cuda_translator, options):
         alone = [translator.translate([t], src_lang=src_lang, tgt_lang=tgt_lang, **options)[0] for t in TEXTS]
     assert [r.token_ids for r in results] == [r.token_ids for r in alone]
     assert_candidates_match(results, [hf_generate(hf, text, tgt_lang, **options) for text in TEXTS], BEAM_SCORE_FP32)
+
+
+def assert_bucketing_changes_nothing(folder, ops, bound: float):
+    """A batch of mixed-length sources encoded at the bucketed shape the CUDA backend runs (tokens and
+    sources padded, bert.bucket_packed) equals the exact shape's pass within `bound`: the encoder's
+    output, each source's memory, the first step's logits; the padding writes no memory (the
+    caches start as NaN: every position past a source's last stays so)."""
+    import numpy as np
+
+    from ftengine.decoding.generate import GenerationParams
+    from ftengine.models.seq2seq import Seq2SeqRunner
+    from ftengine.seq2seq_checkpoint import load_seq2seq_weights
+    config = load_seq2seq_config(folder)
+    weights = load_seq2seq_weights(folder, config)
+    sources = [[5, 9, 11, config.eos_token_id], [7] * 9 + [config.eos_token_id], [12, config.eos_token_id]]
+    params = GenerationParams(max_new_tokens=2, eos_token_ids=(config.eos_token_id,)).checked(
+        vocab_size=config.vocab_size)
+    found = []
+    for bucketed in (False, True):
+        runner = Seq2SeqRunner(config, weights, ops, dtype="fp32", max_batch=8, max_len=8, max_source=16)
+        runner.bucketed = bucketed
+        for i in range(config.decoder_layers):
+            for cache in runner._memory(i):
+                ops.copy_from_host(cache, np.full(cache.shape, np.nan, np.float32))
+        runner.encode(sources, copies=2)
+        states = ops.to_host(runner.ws.view(runner.out, (sum(map(len, sources)), config.d_model)))
+        memory = np.stack([ops.to_host(a) for i in range(config.decoder_layers) for a in runner._memory(i)])
+        runner.start([[config.decoder_start_token_id]] * 6, params)
+        found.append((states, memory, runner.logits(6)))
+    (states, memory, logits), (b_states, b_memory, b_logits) = found
+    assert np.abs(b_states - states).max() <= bound
+    for s, source in enumerate(sources):
+        assert np.abs(b_memory[:, s, :, :len(source)] - memory[:, s, :, :len(source)]).max() <= bound
+    written = np.zeros(b_memory.shape[1:4], bool)
+    for s, source in enumerate(sources):
+        written[s, :, :len(source)] = True
+    assert not np.isnan(b_memory[:, written]).any() and np.isnan(b_memory[:, ~written]).all()
+    assert np.abs(b_logits - logits).max() <= bound * max(1.0, float(np.abs(logits).max()))
+
+
+def test_a_bucketed_encoder_pass_equals_the_exact_one(family):
+    from ftengine.backends import numpy_ops
+    assert_bucketing_changes_nothing(family[1], numpy_ops, BATCHING_INVARIANCE_FP32)
+
+
+@pytest.mark.gpu
+def test_cuda_bucketed_encoder_pass_equals_the_exact_one(family_gpu, cuda_translator):
+    from ftengine.backends.cuda import ops
+    assert_bucketing_changes_nothing(family_gpu[1], ops, GPU_FP32_REL)
 
 
 def test_a_folder_missing_its_parts_is_refused_by_name(family, tmp_path):

@@ -24,7 +24,7 @@ from ..decoding.beam import CANDIDATE_CHUNK, NEG
 from ..errors import ConfigError, InputError
 from ..seq2seq_checkpoint import Seq2SeqWeights
 from ..workspace import Workspace
-from .bert import PACKED_HEAD_DIMS, relative_position_buckets
+from .bert import PACKED_HEAD_DIMS, bucket_packed, relative_position_buckets
 from .generation import GenerationRunner, generation_table
 
 # compiled when the runner is built (beam search is translation's default); sampling's one-kernel
@@ -55,6 +55,8 @@ class Seq2SeqRunner(GenerationRunner):
         ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(c.d_model // c.encoder_heads,),
                             general=(bool(c.relative_buckets),), gelu_product=gelu, ln_product=True)
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps: kind, rows, GenerationParams.graph_key
+        self.encoder_graphs = ops.GraphCache(enabled=graphs)  # encoder passes: their bucketed shape
+        self.bucketed = ops.name == "cuda"  # few shapes, few graphs; the NumPy backend runs the real one
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         # the logits' rows padded to VOCAB_ALIGN columns (zero head rows, a -1e9 bias: never chosen), which
         # cuBLASLt's products at many rows need (measurements: docs/gpu-internals.md, seq2seq.py VOCAB_ALIGN)
@@ -159,8 +161,10 @@ class Seq2SeqRunner(GenerationRunner):
 
     def encode(self, sources: list, *, copies: int = 1):
         """The sources (token id lists) through the encoder; each decoder layer's cross-attention
-        keys and values of them into its memory. Decoder row r then reads source r // copies."""
-        ops, c, ws = self.ops, self.config, self.ws
+        keys and values of them into its memory. Decoder row r then reads source r // copies. On
+        the CUDA backend the pass runs at a bucketed shape (bert.bucket_packed: tokens past the
+        sources belong to none and write no memory), one captured graph per shape."""
+        c = self.config
         n = len(sources)
         if not 1 <= n * copies <= self.max_batch:
             raise InputError(f"{n} sources x {copies} rows exceed this runner's {self.max_batch} rows")
@@ -170,20 +174,37 @@ class Seq2SeqRunner(GenerationRunner):
                              f"takes 1..{self.max_source}")
         ids = np.fromiter((t for s in sources for t in s), np.int64, int(sizes.sum()))
         self._check_ids(ids, c.source_vocab_size)
-        t, e = len(ids), c.d_model
+        real, longest = len(ids), int(sizes.max())
+        t, b, s = real, n, longest
+        if self.bucketed:
+            t, b, s = bucket_packed(real, n, longest, max_batch_tokens=self.max_batch * self.max_source,
+                                    max_seq_len=self.max_source)
+            b = min(b, self.max_batch)
         ends = np.cumsum(sizes)
-        inputs = np.empty(4 * t + n + 1, np.int32)
-        inputs[:t] = ids
-        inputs[t:2 * t] = np.arange(t) - np.repeat(ends - sizes, sizes)
-        inputs[2 * t:3 * t] = np.repeat(np.arange(n), sizes)
-        inputs[3 * t:4 * t] = self._table_positions(ids, sizes, inputs[t:2 * t])
-        inputs[4 * t:] = np.concatenate([[0], ends])
+        inputs = np.zeros(4 * t + b + 1, np.int32)
+        inputs[:real] = ids
+        inputs[t:t + real] = np.arange(real) - np.repeat(ends - sizes, sizes)
+        inputs[2 * t:3 * t] = -1  # the source of each token; -1: bucket padding, which writes no memory
+        inputs[2 * t:2 * t + real] = np.repeat(np.arange(n), sizes)
+        inputs[3 * t:3 * t + real] = self._table_positions(ids, sizes, inputs[t:t + real])
+        inputs[4 * t + 1:4 * t + n + 1] = ends
+        inputs[4 * t + n + 1:] = real
         self._upload("source_inputs", inputs)
-        d_in = ws.view("source_inputs", (4 * t + n + 1,))
+        self.encoder_graphs.run(("encode", t, b, s), lambda: self._encoder_launches(t, b, s))
+        self._mem_rows = np.arange(n * copies) // copies
+        self._mem_last = sizes[self._mem_rows] - 1
+        self._upload("mem_rows", self._mem_rows)
+        self._upload("mem_last", self._mem_last)
+
+    def _encoder_launches(self, t: int, b: int, longest: int):
+        """The encoder over t packed tokens of b sources (ws source_inputs), the longest at most
+        `longest`; then each decoder layer's memory of them."""
+        ops, c, ws = self.ops, self.config, self.ws
+        e = c.d_model
+        d_in = ws.view("source_inputs", (4 * t + b + 1,))
         d_ids, d_pos, d_seq, d_rows, cu_seqlens = (d_in[:t], d_in[t:2 * t], d_in[2 * t:3 * t], d_in[3 * t:4 * t],
                                                    d_in[4 * t:])
         self._embed(t, "encoder", d_ids, d_rows, self.encoder_positions)
-        longest = int(sizes.max())
 
         def attend(i, qkv, ctx):
             ops.varlen_attention(ctx, qkv, self.encoder[i]["qkv_bias"], cu_seqlens, heads=c.encoder_heads,
@@ -193,10 +214,6 @@ class Seq2SeqRunner(GenerationRunner):
         for i, w in enumerate(self.decoder):  # each layer's memory: keys and values of the encoder's output
             ops.matmul(qkv, memory, w["cross_kv_weight"])
             ops.write_kv_cache(*self._memory(i), qkv, w["cross_kv_bias"], d_seq, d_pos, heads=c.decoder_heads)
-        self._mem_rows = np.arange(n * copies) // copies
-        self._mem_last = sizes[self._mem_rows] - 1
-        self._upload("mem_rows", self._mem_rows)
-        self._upload("mem_last", self._mem_last)
 
     def _table_positions(self, ids: np.ndarray, sizes: np.ndarray, places: np.ndarray) -> np.ndarray:
         """Each token's row of the position table: its place in its sequence, or M2M100 / NLLB's
