@@ -4,8 +4,9 @@ token-classification pipeline gives it: each token's softmax over the labels, th
 pipeline's aggregation ("none", "simple", "first", "average", "max") into entities with their
 words and character offsets.
 
-The encoder runs on either backend; the per-token head (labels x hidden) runs on the host over
-the last hidden states."""
+The encoder runs on either backend, and the per-token head (labels x hidden) with it, after the
+last layer (in the pass's CUDA graph on the GPU): only each token's label logits come back, and the
+softmax over those few labels runs on the host."""
 
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ class TokenClassifier(OwnsWorker):
             layout = "packed" if self.config.head_dim in PACKED_HEAD_DIMS else "padded"
             self._runner = BertRunner(self.config, self.weights, self.ops, dtype=self.dtype,
                                       max_batch_tokens=max(BATCH_TOKENS, self.max_length), max_seq_len=self.max_length,
-                                      layout=layout)
+                                      layout=layout, token_head=(self.head_weight, self.head_bias))
         out, batch = [], []
         for enc in encodings + [None]:
             if enc is not None and (not batch or sum(len(e.ids) for e in batch) + len(enc.ids) <= BATCH_TOKENS):
@@ -163,8 +164,7 @@ class TokenClassifier(OwnsWorker):
                 continue
             if batch:
                 types = [e.type_ids if self.config.type_vocab_size > 1 else [0] * len(e.ids) for e in batch]
-                for hidden in self._runner.hidden_states(Batch.from_lists([e.ids for e in batch], types)):
-                    logits = hidden @ self.head_weight.T + self.head_bias
+                for logits in self._runner.token_logits(Batch.from_lists([e.ids for e in batch], types)):
                     shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
                     out.append(shifted / shifted.sum(axis=-1, keepdims=True))
             batch = [enc]

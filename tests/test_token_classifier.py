@@ -185,6 +185,58 @@ def test_cuda_fp32_entities_match_the_hf_pipeline(ner_model, strategy):
     assert_same_entities(got, hf_entities(ner_model, TEXTS, strategy))
 
 
+@pytest.fixture(scope="module")
+def wide_ner_model(tmp_path_factory):
+    """A BERT of head size 32, which the packed layout takes, with a token-classification head."""
+    folder = write_bert_checkpoint(tmp_path_factory.mktemp("ner-wide"), seed=3, hidden=64, heads=2)
+    return add_token_classification_head(folder, seed=1)
+
+
+def assert_token_head_follows_the_last_layer(folder, ops, layout: str, bound):
+    """BertRunner.token_logits (the head run by the backend after the last layer, its labels padded
+    to LABEL_ALIGN) equals the head applied on the host to hidden_states' rows, sequence for
+    sequence: |difference| <= bound(reference)."""
+    import numpy as np
+
+    from ftengine.checkpoint import load_bert_weights
+    from ftengine.config import load_bert_config
+    from ftengine.models.bert import LABEL_ALIGN, Batch, BertRunner
+    from ftengine.token_classifier import _token_head
+    config = load_bert_config(folder)
+    weight, bias = (a[:5] for a in _token_head(folder, config.hidden_size))  # labels the padding completes
+    assert len(bias) % LABEL_ALIGN
+    runner = BertRunner(config, load_bert_weights(folder, config), ops, dtype="fp32", max_batch_tokens=256,
+                        max_seq_len=64, layout=layout, token_head=(weight, bias))
+    ids = [[5 + (7 * i) % 40 for i in range(n)] for n in (7, 1, 30)]
+    batch = Batch.from_lists(ids, [[0] * len(x) for x in ids])
+    found, hidden = runner.token_logits(batch), runner.hidden_states(batch)
+    assert [f.shape for f in found] == [(len(x), len(bias)) for x in ids]
+    for logits, states in zip(found, hidden):
+        expected = states @ weight.T + bias
+        assert np.abs(logits - expected).max() <= bound(expected)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_the_token_head_follows_the_last_layer(wide_ner_model, layout):
+    from ftengine.backends import numpy_ops
+    from tests.tolerances import OPS
+    assert_token_head_follows_the_last_layer(
+        wide_ner_model, numpy_ops, layout, lambda ref: OPS["fp32"]["atol"] + OPS["fp32"]["rtol"] * abs(ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_cuda_token_head_follows_the_last_layer(wide_ner_model, layout):
+    pytest.importorskip("cupy")
+    from ftengine.backends import cuda_available
+    if not cuda_available():
+        pytest.skip("needs a CUDA GPU and CuPy")
+    from ftengine.backends.cuda import ops
+    from tests.tolerances import GPU_FP32_REL
+    assert_token_head_follows_the_last_layer(wide_ner_model, ops, layout,
+                                             lambda ref: GPU_FP32_REL * max(1.0, float(abs(ref).max())))
+
+
 def test_a_checkpoint_of_the_other_head_is_refused_by_name(tmp_path):
     """BERT's sequence- and token-classification heads are both a `classifier` of one shape, so
     config.json's architectures decide: ner never runs a sentiment head, nor classify / rerank an

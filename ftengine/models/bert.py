@@ -33,6 +33,9 @@ KERNEL_FILES = {
 }
 # ModernBERT's rotary embeddings and its pre-LayerNorm kernels (shared with GPT-2)
 MODERNBERT_FILES = ("rotary.cu", "decoder.cu")
+# token_head's labels are padded to a multiple of this: float32 logits rows of whole 32-byte units, as
+# cuBLASLt's plans favour (seq2seq.py VOCAB_ALIGN measured unaligned rows slow)
+LABEL_ALIGN = 8
 # dtype fp8: the products that read a LayerNorm's or the GELU's output take e4m3 operands (weights
 # scaled per output channel once at load, activations per token by the kernel that writes them);
 # the attention output projection, whose input the attention kernel writes, stays fp16
@@ -226,7 +229,7 @@ class BertRunner:
 
     def __init__(self, config: BertConfig, weights: BertWeights, ops, *, dtype: str,
                  max_batch_tokens: int, max_seq_len: int, layout: str = "packed", graphs: bool = True,
-                 head: tuple = ()):
+                 head: tuple = (), token_head: tuple = ()):
         if max_seq_len > config.max_position_embeddings:
             raise InputError(
                 f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
@@ -264,6 +267,16 @@ class BertRunner:
         self.head = [(f32(layer.weight), f32(layer.bias), layer.activation,
                       (f32(layer.norm[0]), f32(layer.norm[1]), layer.norm[2]) if layer.norm else ())
                      for layer in head]
+        # a token-classification head (weight (labels, H), bias): token_logits runs it on every token,
+        # its labels padded to LABEL_ALIGN rows (zero weights; the padding's logits are never read)
+        self.token_labels, self.token_head = 0, None
+        if token_head:
+            weight, bias = (np.asarray(a, np.float32) for a in token_head)
+            self.token_labels = len(bias)
+            rows = -(-self.token_labels // LABEL_ALIGN) * LABEL_ALIGN
+            padded_weight, padded_bias = np.zeros((rows, config.hidden_size), np.float32), np.zeros(rows, np.float32)
+            padded_weight[:self.token_labels], padded_bias[:self.token_labels] = weight, bias
+            self.token_head = (up(padded_weight), f32(padded_bias))
         self.rel_bias = None
         if config.relative_buckets:  # MPNet: bias table (buckets, heads) and each relative position's bucket
             self.rel_bias = (f32(weights.rel_bias),
@@ -304,6 +317,8 @@ class BertRunner:
         if self.fp8:  # e4m3 product inputs and their per-token scales
             table.update({"x8": (t * h, np.uint8), "x_scales": (t, np.float32),
                           "inter8": (t * c.intermediate_size, np.uint8), "inter_scales": (t, np.float32)})
+        if self.token_head is not None:  # (T, padded labels): token_logits' output
+            table["token_logits"] = (t * self.token_head[1].shape[0], np.float32)
         if self.head:  # the head's layers, ping-ponging between two (B, widest layer) buffers
             widest = max(layer[0].shape[0] for layer in self.head)
             table.update({"head_a": (t * widest, np.float32), "head_b": (t * widest, np.float32)})
@@ -582,6 +597,28 @@ class BertRunner:
         if self.layout == "padded":
             return [hidden[i * s:i * s + n] for i, n in enumerate(batch.lengths)]
         return batch.split(hidden)
+
+    def token_logits(self, batch: Batch) -> list:
+        """The token head's logits (token_head) of every token, one (length, labels) float32 host
+        array per sequence: the head runs on the device after the last layer, in the pass's graph,
+        so that only the labels' logits come back."""
+        if self.token_head is None:
+            raise InputError("this runner has no token head")
+        while self._in_flight:
+            self._in_flight.popleft().wait()
+        t, b, s = self._load_inputs(batch)
+        weight, bias = self.token_head
+        logits = self.ws.view("token_logits", (t, bias.shape[0]))
+
+        def forward():
+            self._encoder_layers(t, b, s)
+            self.ops.matmul_bias_act(logits, self.ws.view("hidden", (t, self.config.hidden_size)), weight, bias,
+                                     act="identity")
+        self.graphs.run(("tokens", t, b, s), forward)
+        rows = self.ops.to_host(logits)[:, :self.token_labels]
+        if self.layout == "padded":
+            return [rows[i * s:i * s + n] for i, n in enumerate(batch.lengths)]
+        return batch.split(rows)
 
     def submit(self, batch: Batch, *, pooling: tuple, normalize: bool, skip: int = 0) -> "PendingEmbeddings":
         """Queue one batch on the device and return at once; .wait() gives its pooled (and
