@@ -593,10 +593,14 @@ class BertRunner:
             self._in_flight.popleft().wait()
         t, b, s = self._load_inputs(batch)
         self.graphs.run(("hidden", t, b, s), lambda: self._encoder_layers(t, b, s))
-        hidden = self.ops.to_host(self.ws.view("hidden", (t, self.config.hidden_size))).astype(np.float32)
+        return self._per_sequence(
+            self.ops.to_host(self.ws.view("hidden", (t, self.config.hidden_size))).astype(np.float32), batch, s)
+
+    def _per_sequence(self, rows: np.ndarray, batch: Batch, s: int) -> list:
+        """A pass's token rows (at its bucketed shape, longest s) as one array per sequence."""
         if self.layout == "padded":
-            return [hidden[i * s:i * s + n] for i, n in enumerate(batch.lengths)]
-        return batch.split(hidden)
+            return [rows[i * s:i * s + n] for i, n in enumerate(batch.lengths)]
+        return batch.split(rows)
 
     def token_logits(self, batch: Batch) -> list:
         """The token head's logits (token_head) of every token, one (length, labels) float32 host
@@ -615,10 +619,7 @@ class BertRunner:
             self.ops.matmul_bias_act(logits, self.ws.view("hidden", (t, self.config.hidden_size)), weight, bias,
                                      act="identity")
         self.graphs.run(("tokens", t, b, s), forward)
-        rows = self.ops.to_host(logits)[:, :self.token_labels]
-        if self.layout == "padded":
-            return [rows[i * s:i * s + n] for i, n in enumerate(batch.lengths)]
-        return batch.split(rows)
+        return self._per_sequence(self.ops.to_host(logits)[:, :self.token_labels], batch, s)
 
     def submit(self, batch: Batch, *, pooling: tuple, normalize: bool, skip: int = 0) -> "PendingEmbeddings":
         """Queue one batch on the device and return at once; .wait() gives its pooled (and
