@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import DeviceError, FtengineError, InputError, TooLongError
-from .models.bert import Batch, fits, run_shape
+from .models.bert import Batch
+from .models.shapes import fits, run_shape
 from .textio import RawTexts
 from .tokenizer import TokenizedTexts, check_texts
 

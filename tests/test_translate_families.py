@@ -247,7 +247,7 @@ def test_cuda_fp32_translations_match_hf(family_gpu, cuda_translator, options):
 
 def assert_bucketing_changes_nothing(folder, ops, bound: float):
     """A batch of mixed-length sources encoded at the bucketed shape the CUDA backend runs (tokens and
-    sources padded, bert.bucket_packed) equals the exact shape's pass within `bound`: the encoder's
+    sources padded, shapes.bucket_packed) equals the exact shape's pass within `bound`: the encoder's
     output, each source's memory, the first step's logits; the padding writes no memory (the
     caches start as NaN: every position past a source's last stays so)."""
     import numpy as np

@@ -23,6 +23,7 @@ from ..config import BertConfig
 from ..errors import ConfigError, DeviceError, InputError
 from ..tokenizer import POOLING_ORDER
 from ..workspace import Workspace
+from .shapes import fits, run_shape
 
 LAYOUTS = ("packed", "padded")
 PACKED_HEAD_DIMS = (32, 64, 128)
@@ -165,21 +166,6 @@ def check_layout(config: BertConfig, layout: str):
                          f"{config.head_dim}; use the padded layout")
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def bucket_padded(b: int, s: int, *, max_seq_len: int, max_batch_tokens: int) -> tuple[int, int]:
-    """The padded shape a (b, s) batch runs at: s up to a multiple of 16, b up to a power of two
-    (multiples of 16 past 16), within the limits (b * s itself must fit them).
-    Few distinct shapes -> few CUDA graphs."""
-    s_pad = min(max_seq_len, _round_up(s, 16))
-    if b * s_pad > max_batch_tokens:
-        s_pad = s
-    b_pad = 1 << (b - 1).bit_length() if b <= 16 else _round_up(b, 16)
-    return max(b, min(b_pad, max_batch_tokens // s_pad)), s_pad
-
-
 def ids_below(values: np.ndarray, limit: int) -> bool:
     """Whether every value lies in 0..limit - 1: one reduction over signed integers (a negative
     one read as unsigned is past any limit), two over others."""
@@ -188,39 +174,6 @@ def ids_below(values: np.ndarray, limit: int) -> bool:
     if values.dtype.kind == "i":
         return int(values.view(np.dtype(f"u{values.dtype.itemsize}")).max()) < limit
     return bool(values.min() >= 0 and values.max() < limit)
-
-
-def bucket_packed(t: int, b: int, s: int, *, max_batch_tokens: int, max_seq_len: int) -> tuple[int, int, int]:
-    """(tokens, sequences, longest) a packed batch runs at: tokens up to a multiple of 64 to
-    512, then up to a quarter of the power of two below them (640, 768, 896, 1024, 1280, ...:
-    four rungs an octave, each power of two one, so that full batches of power-of-two shapes
-    carry no padding); sequences up to a power of two; longest up to a multiple of 64 (the
-    attention kernel's query tile)."""
-    t_pad = _round_up(t, 64)
-    if t_pad > 512:
-        t_pad = _round_up(t, 1 << ((t - 1).bit_length() - 3))
-    t_pad = min(t_pad, max_batch_tokens)
-    b_pad = min(1 << (b - 1).bit_length(), max_batch_tokens)
-    return t_pad, b_pad, min(_round_up(s, 64), max_seq_len)
-
-
-def run_shape(layout: str, lengths: np.ndarray, *, max_batch_tokens: int, max_seq_len: int,
-              totals: tuple = ()) -> tuple:
-    """The bucketed shape (tokens, sequences, longest) a batch of these lengths runs at; totals:
-    their (sum, max) where the caller has them."""
-    b = len(lengths)
-    total, s = totals or (int(lengths.sum()), int(lengths.max()))
-    if layout == "padded":
-        bp, sp = bucket_padded(b, s, max_seq_len=max_seq_len, max_batch_tokens=max_batch_tokens)
-        return bp * sp, bp, sp
-    return bucket_packed(total, b, s, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len)
-
-
-def fits(layout: str, count: int, total: int, longest: int, *, max_batch_tokens: int, max_seq_len: int) -> bool:
-    """Whether `count` sequences of `total` tokens, the longest `longest`, fit one batch: real
-    tokens when packed, count x longest when padded."""
-    used = count * longest if layout == "padded" else total
-    return used <= max_batch_tokens and longest <= max_seq_len
 
 
 class BertRunner:

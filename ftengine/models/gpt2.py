@@ -21,7 +21,8 @@ from ..config import GPT2Config
 from ..decoding.beam import CANDIDATE_CHUNK
 from ..errors import InputError
 from ..workspace import Workspace
-from .bert import PACKED_HEAD_DIMS, bucket_packed
+from .bert import PACKED_HEAD_DIMS
+from .shapes import bucket_packed
 from .generation import GenerationRunner, generation_table
 
 

@@ -24,7 +24,8 @@ from ..decoding.beam import CANDIDATE_CHUNK, NEG
 from ..errors import ConfigError, InputError
 from ..seq2seq_checkpoint import Seq2SeqWeights
 from ..workspace import Workspace
-from .bert import PACKED_HEAD_DIMS, bucket_packed, relative_position_buckets
+from .bert import PACKED_HEAD_DIMS, relative_position_buckets
+from .shapes import bucket_packed
 from .generation import GenerationRunner, generation_table
 
 # compiled when the runner is built (beam search is translation's default); sampling's one-kernel
@@ -162,7 +163,7 @@ class Seq2SeqRunner(GenerationRunner):
     def encode(self, sources: list, *, copies: int = 1):
         """The sources (token id lists) through the encoder; each decoder layer's cross-attention
         keys and values of them into its memory. Decoder row r then reads source r // copies. On
-        the CUDA backend the pass runs at a bucketed shape (bert.bucket_packed: tokens past the
+        the CUDA backend the pass runs at a bucketed shape (shapes.bucket_packed: tokens past the
         sources belong to none and write no memory), one captured graph per shape."""
         c = self.config
         n = len(sources)
