@@ -176,10 +176,6 @@ def test_waiting_requests_share_forward_passes_and_a_cancelled_one_is_dropped(ne
 @pytest.mark.gpu
 @pytest.mark.parametrize("strategy", ["none", "average"])
 def test_cuda_fp32_entities_match_the_hf_pipeline(ner_model, strategy):
-    pytest.importorskip("cupy")
-    from ftengine.backends import cuda_available
-    if not cuda_available():
-        pytest.skip("needs a CUDA GPU and CuPy")
     with TokenClassifier.from_pretrained(ner_model, device="cuda", dtype="fp32") as model:
         got = model.predict(TEXTS, aggregation_strategy=strategy)
     assert_same_entities(got, hf_entities(ner_model, TEXTS, strategy))
@@ -227,10 +223,6 @@ def test_the_token_head_follows_the_last_layer(wide_ner_model, layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_cuda_token_head_follows_the_last_layer(wide_ner_model, layout):
-    pytest.importorskip("cupy")
-    from ftengine.backends import cuda_available
-    if not cuda_available():
-        pytest.skip("needs a CUDA GPU and CuPy")
     from ftengine.backends.cuda import ops
     from tests.tolerances import GPU_FP32_REL
     assert_token_head_follows_the_last_layer(wide_ner_model, ops, layout,

@@ -289,7 +289,7 @@ def test_a_bucketed_encoder_pass_equals_the_exact_one(family):
 
 
 @pytest.mark.gpu
-def test_cuda_bucketed_encoder_pass_equals_the_exact_one(family_gpu, cuda_translator):
+def test_cuda_bucketed_encoder_pass_equals_the_exact_one(family_gpu):
     from ftengine.backends.cuda import ops
     assert_bucketing_changes_nothing(family_gpu[1], ops, GPU_FP32_REL)
 
