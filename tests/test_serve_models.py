@@ -4,6 +4,8 @@ names, /v1/models lists them, 64 concurrent clients spread over the models all g
 model's answers, and SIGTERM drains them all."""
 
 import asyncio
+import re
+import signal
 
 import numpy as np
 import pytest
@@ -93,8 +95,15 @@ def test_sixty_four_clients_over_four_models_then_sigterm_drains_them(server, lo
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as http:
             replies = await asyncio.gather(*(ask(http, kind, texts) for kind, texts in calls))
             late = [asyncio.ensure_future(ask(http, kind, texts)) for kind, texts in calls[:8]]
-            await asyncio.sleep(0.05)
-            server.proc.send_signal(__import__("signal").SIGTERM)
+            while True:  # every late request answered or accepted (the queue-depth gauges), then SIGTERM:
+                # one still on its way in would meet a connection the server closes as idle
+                metrics = (await http.get(server.url + "/metrics")).text
+                gauges = re.findall(r"^ftengine_queue_depth\{model=.*\} (\S+)$", metrics, re.M)
+                assert len(gauges) == 4, metrics  # one a model
+                if sum(map(float, gauges)) + sum(t.done() for t in late) >= len(late):
+                    break
+                await asyncio.sleep(0.01)
+            server.proc.send_signal(signal.SIGTERM)
             return replies, await asyncio.gather(*late)
 
     replies, late = asyncio.run(main())
