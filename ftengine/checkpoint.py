@@ -574,7 +574,7 @@ def load_gpt2_weights(model_dir: Path, config) -> GPT2Weights:
     top, layers = _slots(arrays, expected, config.n_layer)
     if not has_head:
         top["lm_head"] = top["wte"]
-    for parts in layers:
+    for parts in layers:  # transposed views: the backends lay them out as they upload them (to_device)
         for slot in GPT2_TRANSPOSED:
-            parts[slot] = np.ascontiguousarray(parts[slot].T)
+            parts[slot] = parts[slot].T
     return GPT2Weights(layers=[GPT2LayerWeights(**parts) for parts in layers], **top)

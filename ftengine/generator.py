@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from .encoder import DTYPES
 from .engine import SerialWorker
 from .errors import ConfigError, DeviceError, InputError
 from .hub import model_folder
-from .models.gpt2 import GPT2Runner
+from .models.gpt2 import GPT2Runner, prepare_kernels
 
 CPU_DEFAULT_BATCH = 64
 MAX_DEFAULT_BATCH = 256
@@ -65,11 +66,20 @@ class Generator:
         self.ops = get_ops(device)
         self.path = path
         self.config = load_gpt2_config(path)
+        # the kernels compile (NVRTC, without the GIL) while the weights load; the first runner then
+        # waits only for what is left (kernels.module compiles each module once, whoever asks first)
+        threading.Thread(target=self._prepare, name="ftengine-generator-kernels", daemon=True).start()
         self.weights = load_gpt2_weights(path, self.config)
         self.tokenizer = _load_tokenizer(path)
         self._runner = None
         # every call runs on this one thread, which owns the runner (and its CUDA stream)
         self._worker = SerialWorker("ftengine-generator")
+
+    def _prepare(self):
+        try:
+            prepare_kernels(self.config, self.ops, self.dtype)
+        except Exception:  # the first runner prepares again, and reports the failure
+            pass
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *,

@@ -18,7 +18,8 @@ token's normalised form appears (`tokenizers` splits the text there first).
 
 The vocabulary is a trie of code points (root 0: a word's first piece; root 1: continuing pieces,
 their prefix removed) stored as a hash table of (node, code point) -> child, so that the longest
-match is one probe per character.
+match is one probe per character; kept on disk per vocabulary (building it is a third of a second of
+Python, which would hold the GIL while a process starts).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def build_tables(data: dict, *, max_length: int) -> WordPieceTables:
     char_map, expansions = unicode_tables(cfg)
     model = data["model"]
     vocab = model["vocab"]
-    keys, children, node_token = _trie(vocab, model["continuing_subword_prefix"])
+    keys, children, node_token = trie(vocab, model["continuing_subword_prefix"])
     contents = [t["content"] for t in data.get("added_tokens", [])]
     normalised = [normalize(char_map, expansions, c) for c in contents]
     for content, cps in zip(contents, normalised):
@@ -191,7 +192,7 @@ def unicode_tables(cfg: dict) -> tuple[np.ndarray, np.ndarray]:
              cfg.get("strip_accents"), bool(cfg.get("lowercase", True))]
     key = json.dumps([FORMAT, tokenizers.__version__, flags])
     path = cache_folder() / f"wordpiece_{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
-    found = _load(path)
+    found = _load(path, UNICODE_ARRAYS)
     if found is not None:
         return found
     try:
@@ -204,28 +205,33 @@ def unicode_tables(cfg: dict) -> tuple[np.ndarray, np.ndarray]:
         path = folder / path.name
     child = subprocess.run([sys.executable, "-m", "ftengine.wordpiece", json.dumps(cfg), str(path)],
                            capture_output=True, text=True)
-    found = _load(path) if child.returncode == 0 else None
-    return found if found is not None else _save(path, *measure_unicode_tables(cfg))
+    found = _load(path, UNICODE_ARRAYS) if child.returncode == 0 else None
+    return found if found is not None else _save(path, UNICODE_ARRAYS, measure_unicode_tables(cfg))
 
 
-def _load(path: Path):
+UNICODE_ARRAYS, TRIE_ARRAYS = ("char_map", "expansions"), ("keys", "children", "node_token")
+
+
+def _load(path: Path, names: tuple):
+    """The arrays `names` of a file _save wrote, or None."""
     try:
         with np.load(path) as saved:
-            return saved["char_map"], saved["expansions"]
+            return tuple(saved[name] for name in names)
     except (OSError, ValueError, KeyError):
         return None
 
 
-def _save(path: Path, char_map: np.ndarray, expansions: np.ndarray):
-    """Write the tables (a temporary file renamed over `path`: a reader never sees half of one);
-    a folder that cannot be written keeps nothing."""
+def _save(path: Path, names: tuple, arrays: tuple, compress: bool = True):
+    """Write the arrays under `names` (a temporary file renamed over `path`: a reader never sees half
+    of one); a folder that cannot be written keeps nothing."""
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npz", delete=False) as f:
-            np.savez_compressed(f, char_map=char_map, expansions=expansions)
+            (np.savez_compressed if compress else np.savez)(f, **dict(zip(names, arrays)))
         os.replace(f.name, path)
     except OSError:
         pass
-    return char_map, expansions
+    return arrays
 
 
 def _scalars() -> np.ndarray:
@@ -310,6 +316,15 @@ def mix(keys: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def trie(vocab: dict, prefix: str):
+    """_trie's tables of this vocabulary, from the disk cache (keyed by the vocabulary and prefix)
+    or built and kept there."""
+    key = hashlib.sha256(json.dumps([FORMAT, prefix, vocab], ensure_ascii=False).encode()).hexdigest()[:24]
+    path = cache_folder() / f"wordpiece_trie_{key}.npz"
+    found = _load(path, TRIE_ARRAYS)
+    return found if found is not None else _save(path, TRIE_ARRAYS, _trie(vocab, prefix), compress=False)
+
+
 def _trie(vocab: dict, prefix: str):
     """(keys, children, node_token): root 0 spells every token, root 1 the tokens after `prefix`."""
     edges = {}          # (node, code point) -> child
@@ -350,4 +365,4 @@ def _trie(vocab: dict, prefix: str):
 
 
 if __name__ == "__main__":  # the child unicode_tables runs: python -m ftengine.wordpiece CONFIG_JSON PATH
-    _save(Path(sys.argv[2]), *measure_unicode_tables(json.loads(sys.argv[1])))
+    _save(Path(sys.argv[2]), UNICODE_ARRAYS, measure_unicode_tables(json.loads(sys.argv[1])))

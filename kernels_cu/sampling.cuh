@@ -1,5 +1,5 @@
-// Device helpers of the token choice kernels (sampling.cu, sampling_cluster.cu) and of beam search
-// (beam.cu), prepended to each of those sources (kernels.py FOLLOWS).
+// Device helpers of the token choice kernels (sampling.cu, sampling_levels.cu, sampling_cluster.cu)
+// and of beam search (beam.cu), prepended to each of those sources (kernels.py FOLLOWS).
 
 __device__ __forceinline__ float philox_uniform(unsigned step, unsigned seq, unsigned key0, unsigned key1) {
     unsigned c0 = step, c1 = seq, c2 = 0u, c3 = 0u;
@@ -93,4 +93,34 @@ __device__ __forceinline__ V block_exclusive_scan(V v, V* scratch, V& total) {
 // sums are exact, whatever their order, and fit).
 __device__ __forceinline__ unsigned long long fixed_mass(float x, float mx, double scale) {
     return (unsigned long long)((double)expf(x - mx) * scale);
+}
+
+// ---------------------------------------------------------------- the sliced token choice's row state
+// Grid (B, S) for every kernel: row b's vocabulary in S slices of `slice` tokens, a block each,
+// so that a few rows still fill the GPU. Row b's state (`words` u64 words at state + b * words,
+// zero between calls: the kernel that finishes a row clears what it used) holds CHOICE_BINS
+// words (the selects' digit counts, then the draw's chunk sums) and 8 at CHOICE_BINS + CH_*.
+// A kernel that needs all slices' results takes them in the row's last block to finish (a
+// ticket counter, __threadfence).
+#define CHOICE_THREADS 256
+#define CHOICE_BINS 2048
+#define CH_FLAGS 0   // bit 0: a non-finite logit
+#define CH_MAX 1     // max over the scores of (order_key << 32) | ~index
+#define CH_K 2       // top-k: the key prefix chosen so far, then the k-th largest key
+#define CH_K_ABOVE 3
+#define CH_Y 4       // top-p: the same for its cut-off key
+#define CH_Y_ABOVE 5
+#define CH_TOTAL 6   // top-p: the mass of the tokens top-k keeps (fixed point)
+#define CH_TICKETS 7  // a row's state: CHOICE_BINS + 8 words
+
+// Whether this block is the last of the row's S to get here (its writes before the call are
+// then visible to it). Block-wide.
+__device__ __forceinline__ bool last_of_row(unsigned long long* tickets, int S) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(tickets, 1ull) == (unsigned long long)(S - 1);
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
 }

@@ -719,7 +719,8 @@ def test_prepare_kernels_compiles_the_wgmma_attention_for_its_head_dims_only(cu,
     for dtype, head_dim in [("fp16", 64), ("bf16", 64), ("fp16", 32), ("bf16", 128), ("fp32", 64)]:
         cu.prepare_kernels(("attention_varlen.cu",), dtype, head_dims=(head_dim,))
     cu.prepare_kernels(("attention_varlen.cu",), "fp16", head_dims=(64,), general=(True,))  # never takes it
-    assert compiled == [("attention_varlen.cu", "attention_sm90.cu")] * 3 + [("attention_varlen.cu",)] * 3
+    assert compiled == [("attention_varlen.cu", "attention_sm90.cu", "convert.cu")] * 3 + \
+        [("attention_varlen.cu", "convert.cu")] * 3
 
 
 def test_prepare_kernels_compiles_the_attention_its_runner_launches_only(cu, monkeypatch):
@@ -754,7 +755,7 @@ def test_prepare_kernels_compiles_the_wgmma_product_for_the_erf_form_only(cu, mo
     for dtype, form, ln in [("fp16", "erf", False), ("bf16", "erf", False), ("fp16", "tanh", True), ("bf16", None, True),
                             ("fp16", "tanh", False), ("bf16", None, False), ("fp32", "erf", True)]:
         cu.prepare_kernels(("activation.cu",), dtype, head_dims=(64,), gelu_product=form, ln_product=ln)
-    assert compiled == [("activation.cu", "gemm_sm90.cu")] * 4 + [("activation.cu",)] * 3
+    assert compiled == [("activation.cu", "gemm_sm90.cu", "convert.cu")] * 4 + [("activation.cu", "convert.cu")] * 3
 
 
 ARCH_MODULE_RUN = """
@@ -948,3 +949,24 @@ def test_host_copies_both_ways(cu):
         np.testing.assert_array_equal(got, values)
         cu.copy_to_host_async(cu.to_device(np.zeros(shape, np.float32)), slot).wait()
         np.testing.assert_array_equal(got, values)  # wait() gave a copy, not the slot's buffer
+
+
+@pytest.mark.parametrize("storage", [np.float16, np.uint16, np.float32])
+@pytest.mark.parametrize("staging", [None, 1000])
+def test_to_device_converts_and_lays_out_weights_as_the_host_does(cu, rng, monkeypatch, storage, staging):
+    """float32 to a 16-bit type, and transposed views (GPT-2's Conv1D weights), go through the
+    device's conversion (convert.cu): the same bits as NumPy's float16 cast and the host's bf16
+    words (rounding to nearest even, overflow to infinity, subnormals), in one piece and in
+    staging pieces of `staging` elements with a ragged last one."""
+    from ftengine.backends.cuda import runtime
+    if staging:
+        monkeypatch.setattr(runtime, "STAGING_ELEMENTS", staging)
+    a = (rng.standard_normal((301, 77)) * np.exp(rng.uniform(-30, 30, (301, 77)))).astype(np.float32)
+    a.flat[:12] = [np.inf, -np.inf, 0.0, -0.0, 65504.0, 65520.0, 1e-8, -3e-7, 3.4e38, -3.4e38, 1.5e-45, 2.0 ** -24]
+    for host in (a, a.T, a[::2]):  # contiguous, a transposed view, neither (the host's path)
+        want = np.ascontiguousarray(host)
+        with np.errstate(over="ignore"):
+            want = runtime._bf16_words(want) if storage == np.uint16 else want.astype(storage)
+        got = cu.to_device(host, storage)
+        assert got.dtype == storage and got.shape == want.shape and got.flags.c_contiguous
+        np.testing.assert_array_equal(got.get(stream=cu.context().stream).view(np.uint8), want.view(np.uint8))

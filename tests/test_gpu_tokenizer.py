@@ -16,7 +16,7 @@ from ftengine.encoder import default_model_path
 from ftengine.errors import DeviceError, InputError
 from ftengine.gpu_tokenizer import GpuTokenizer, choose_tokenizer
 from ftengine.tokenizer import Tokenizer
-from ftengine.wordpiece import ON_CPU, TRUNCATED, build_tables, unicode_tables, unsupported
+from ftengine.wordpiece import ON_CPU, TRUNCATED, _trie, build_tables, trie, unicode_tables, unsupported
 from tests.tolerances import BATCHING_INVARIANCE_FP32
 
 MAX_LENGTH = 24
@@ -348,6 +348,22 @@ def test_unicode_tables_are_kept_on_disk(tmp_path, monkeypatch):
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
 
+
+
+def test_the_vocabulary_trie_is_kept_on_disk_per_vocabulary(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    vocab = json.loads(default_model_path().joinpath("tokenizer.json").read_text())["model"]["vocab"]
+    other = {token: i for i, token in enumerate(["[UNK]", "un", "##able", "##s", "a", "##b"])}
+    for words in (vocab, other, vocab):  # the third from the file the first wrote
+        for got, want in zip(trie(words, "##"), _trie(words, "##")):
+            np.testing.assert_array_equal(got, want)
+    files = sorted((tmp_path / "ftengine").glob("wordpiece_trie_*.npz"))
+    assert len(files) == 2
+    for f in files:
+        f.write_bytes(b"not an npz")  # a damaged file is built again and replaced
+    for got, want in zip(trie(other, "##"), _trie(other, "##")):
+        np.testing.assert_array_equal(got, want)
+    assert len(trie(vocab, "##")[0]) == len(_trie(vocab, "##")[0])
 
 # ------------------------------------------------------------ the kernel against its twin (GPU)
 

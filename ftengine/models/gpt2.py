@@ -32,6 +32,11 @@ from .generation import GenerationRunner, generation_table
 KERNEL_FILES = ("decoder.cu", "sampling.cu", "gemv.cu", "attention_varlen.cu", "activation.cu")
 
 
+def prepare_kernels(config: GPT2Config, ops, dtype: str):
+    """Compile (or load) the kernels a runner of this model launches (ops.prepare_kernels)."""
+    ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(config.head_dim,), gelu_product=config.gelu)
+
+
 def _flat_ids(prompts, total: int) -> np.ndarray:
     """The prompts' token ids back to back, int64: from lists of Python ints through array's
     fromlist (H100 host, 32 x 128 tokens: 62 us against 98 for np.fromiter), else np.fromiter."""
@@ -58,7 +63,7 @@ class GPT2Runner(GenerationRunner):
         self.config, self.ops = config, ops
         self.dtype = ops.storage_dtype(dtype)
         self.max_batch, self.max_len = max_batch, max_len
-        ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(config.head_dim,), gelu_product=config.gelu)
+        prepare_kernels(config, ops, dtype)
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps: kind, batch, GenerationParams.graph_key
         # prefills, keyed by their bucketed shape (tokens, prompts, longest): a prompt batch of a shape
         # seen before replays a graph instead of ~110 launches from Python

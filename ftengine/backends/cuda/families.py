@@ -14,7 +14,7 @@ from .gemm import (BLAS_SPLITS, GEMV_COLS, SKINNY_TILES, SPLIT_COUNTS, SPLIT_TIL
 from .kernels import CUDA_TYPES, prepare
 from .norms import LN_ROW_WARPS, ROW_WARP_ITEMS
 from .pooling import POOL_WARPS
-from .runtime import ROW_ITEMS, STORAGE, VECS, context
+from .runtime import ROW_ITEMS, STORAGE, VECS, runs_wgmma
 from .sampling import SAMPLING_KERNELS
 
 
@@ -79,9 +79,11 @@ FAMILIES = {
                              + _vec_variants("write_kv_cache", t) + _vec_variants("cached_attention", t)
                              + _vec_variants("gather_rows", t)),
     "sampling.cu": lambda t: [],
+    "sampling_levels.cu": lambda t: [],
     "sampling_cluster.cu": lambda t: [],
     "beam.cu": lambda t: [],
     "wordpiece.cu": lambda t: [],
+    "convert.cu": lambda t: [f"convert_rows<{t}>"],
     "gemv.cu": lambda t: ([f"gemv<{t}, {o}, {v}, {c}>" for o in dict.fromkeys((t, "float")) for v in VECS[t]
                            for c in GEMV_COLS]
                           + ([] if t == "float" else [skinny_name(t, o, tiles) for o in (t, "float")
@@ -110,8 +112,8 @@ SHARED = {"pooling.cu": ["l2_normalize<float>"], **SAMPLING_KERNELS,
 
 def prepare_kernels(files, dtype_name: str, *, head_dims, general=(False,), gelu_product: str | None = None,
                     ln_product: bool = False):
-    """Compile the kernel modules a runner needs for one dtype (and the shared ones), in
-    parallel, before its first launch. Of the fused attention, the kernels of the head dims
+    """Compile the kernel modules a runner needs for one dtype (and the shared ones, and convert.cu,
+    which uploads its weights: runtime.to_device), in parallel, before its first launch. Of the fused attention, the kernels of the head dims
     (head_dims) and variants (general: False for plain attention, True for windows or a relative
     bias; both where a runner launches both) its attention runs: where the GPU runs the wgmma
     kernels (fp16, bf16), the wgmma attention in place of the plain variant at the head dims it
@@ -120,7 +122,7 @@ def prepare_kernels(files, dtype_name: str, *, head_dims, general=(False,), gelu
     that calls matmul_bias_residual_layernorm (ln_product). A kernel left out compiles at its first
     launch (a graph's eager pass, never inside a capture)."""
     ctype = CUDA_TYPES[np.dtype(STORAGE[dtype_name]).name]
-    wgmma = dtype_name in ("fp16", "bf16") and context().wgmma
+    wgmma = dtype_name in ("fp16", "bf16") and runs_wgmma()
     wg_dims = [d for d in head_dims if d in VARLEN_WG_HEAD_DIMS] if wgmma and False in general else []
     if "attention_varlen.cu" in files and wg_dims:
         files = (*files, "attention_sm90.cu")
@@ -130,4 +132,4 @@ def prepare_kernels(files, dtype_name: str, *, head_dims, general=(False,), gelu
     only = {"attention_varlen.cu": set(_varlen_attention(ctype, plain, (False,)) if False in general else ())
             | set(_varlen_attention(ctype, head_dims, (True,)) if True in general else ()),
             "attention_sm90.cu": set(_wgmma_attention(ctype, wg_dims))}
-    prepare(files, (ctype,), only=only)
+    prepare((*files, "convert.cu"), (ctype,), only=only)

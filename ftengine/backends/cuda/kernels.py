@@ -27,7 +27,8 @@ CUDA_TYPES = {"float32": "float", "float16": "__half", "uint16": "__nv_bfloat16"
 ARCH_SPECIFIC = {"attention_sm90.cu": ("sm_90a", (9, 0)), "gemm_sm90.cu": ("sm_90a", (9, 0))}
 # file -> the files its source follows (after common.cuh): the device code it shares with others
 FOLLOWS = {"attention_sm90.cu": ("attention_varlen.cu", "sm90.cuh"), "gemm_sm90.cu": ("sm90.cuh",),
-           "sampling.cu": ("sampling.cuh",), "sampling_cluster.cu": ("sampling.cuh",), "beam.cu": ("sampling.cuh",)}
+           "sampling.cu": ("sampling.cuh",), "sampling_levels.cu": ("sampling.cuh",),
+           "sampling_cluster.cu": ("sampling.cuh",), "beam.cu": ("sampling.cuh",)}
 SHARED_KEY = "shared"
 
 
@@ -149,8 +150,10 @@ class ArchModule:
 
 
 def module(file: str, ctype: str, index: int = 0):
-    """One compiled module per (file, element type, group of groups()): a run compiles only the
-    types it uses. Thread-safe; two threads asking for one module compile it once."""
+    """One compiled module per (file, element type, group of groups()), compiled (or read from the
+    disk cache) and loaded before it is returned: a run compiles only the types it uses.
+    Thread-safe; two threads asking for one module compile it once (CuPy's RawModule compiles at
+    its first get_function, so that call is made here, under the module's lock)."""
     key = (file, ctype, index)
     found = _modules.get(key)
     if found is not None:
@@ -162,9 +165,11 @@ def module(file: str, ctype: str, index: int = 0):
             import cupy
             names = list(groups(file, ctype)[index])
             if file in ARCH_SPECIFIC:
-                _modules[key] = ArchModule(source(file), names, ARCH_SPECIFIC[file][0])
+                built = ArchModule(source(file), names, ARCH_SPECIFIC[file][0])
             else:
-                _modules[key] = cupy.RawModule(code=source(file), options=compile_options(), name_expressions=names)
+                built = cupy.RawModule(code=source(file), options=compile_options(), name_expressions=names)
+                built.get_function(names[0])
+            _modules[key] = built
     return _modules[key]
 
 

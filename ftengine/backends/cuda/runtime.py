@@ -47,8 +47,7 @@ class _Context:
         # kernels captured into graphs launch with programmatic dependent launch where the GPU has it
         self.dependent_launch = props["major"] >= 9
         self.clusters = props["major"] >= 9  # thread-block clusters, distributed shared memory
-        # the wgmma kernels (attention_sm90.cu, gemm_sm90.cu) run on their architecture alone
-        self.wgmma = (props["major"], props["minor"]) == ARCH_SPECIFIC["attention_sm90.cu"][1]
+        self.wgmma = runs_wgmma()
         self.shared_mem_optin = int(props.get("sharedMemPerBlockOptin", 48 * 1024))
         # the prefetches' branches of a captured graph, and the ends of their launches, which the
         # capture joins before it ends; the ends of work launched beside the capture's stream
@@ -56,6 +55,14 @@ class _Context:
         self.branch_stream = cupy.cuda.Stream(non_blocking=True)
         self.branch_ends = []
         self.beside_ends = []
+
+
+def runs_wgmma() -> bool:
+    """Whether the current GPU runs the wgmma kernels (attention_sm90.cu, gemm_sm90.cu: their
+    architecture alone); without a thread context (prepare_kernels may run on a thread of its own)."""
+    import cupy
+    capability = cupy.cuda.Device().compute_capability  # e.g. "90"
+    return (int(capability[:-1]), int(capability[-1])) == ARCH_SPECIFIC["attention_sm90.cu"][1]
 
 
 def _device_name(props) -> str:
@@ -112,14 +119,54 @@ def _bf16_words(a: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint16)
 
 
+# to_device's float32 staging on the device, in elements: the most device memory a conversion holds
+# beside its result
+STAGING_ELEMENTS = 1 << 23
+
+
 def to_device(array, dtype=None):
-    """Host array -> device array of storage dtype `dtype` (bf16: uint16 words)."""
+    """Host array -> device array of storage dtype `dtype` (bf16: uint16 words). float32 going to a
+    16-bit type, and the transpose of a contiguous float32 matrix (GPT-2's Conv1D weights, loaded as
+    views), are copied as they are and converted or laid out on the device (convert.cu): done on
+    the host, the two took most of a second of GPT-2 small's start."""
     dtype = np.dtype(dtype or array.dtype)
+    transposed = array.ndim == 2 and array.flags.f_contiguous and not array.flags.c_contiguous
+    if array.dtype == np.float32 and array.size and (dtype in (np.float16, np.uint16) or
+                                                     (transposed and dtype == np.float32)):
+        return _converted(array, dtype, transposed)
     host = _bf16_words(array) if dtype == np.uint16 and array.dtype != np.uint16 else \
         np.ascontiguousarray(array, dtype=dtype)
     out = empty(host.shape, dtype)
     out.set(host, stream=context().stream)
     return out
+
+
+def _converted(array: np.ndarray, dtype: np.dtype, transposed: bool):
+    """to_device's device-side conversion: a transposed matrix whole, anything else in pieces of at
+    most STAGING_ELEMENTS through one float32 staging buffer (the stream orders each piece's copy
+    after the kernel that read the one before)."""
+    stream, name = context().stream, f"convert_rows<{CUDA_TYPES[dtype.name]}>"
+    out = empty(array.shape, dtype)
+    if transposed:
+        staged = empty(array.T.shape, np.float32)
+        staged.set(array.T, stream=stream)
+        rows, cols = array.shape
+        _launch("convert.cu", name, _grid(out.size), (ROW_THREADS,),
+                (out, staged, np.int64(rows), np.int64(cols), np.int32(1)))
+        return out
+    flat, out_flat = array.reshape(-1), out.reshape(-1)
+    staged = empty(min(flat.size, STAGING_ELEMENTS), np.float32)
+    for at in range(0, flat.size, STAGING_ELEMENTS):
+        piece = flat[at:at + STAGING_ELEMENTS]
+        staged[:piece.size].set(piece, stream=stream)
+        _launch("convert.cu", name, _grid(piece.size), (ROW_THREADS,),
+                (out_flat[at:], staged, np.int64(1), np.int64(piece.size), np.int32(0)))
+    return out
+
+
+def _grid(n: int) -> tuple:
+    """A grid-stride kernel's blocks for n elements: enough to fill the GPU, no more."""
+    return (max(1, min(-(-n // ROW_THREADS), 32 * context().sm_count)),)
 
 
 def copy_from_host(dst, src):

@@ -1,5 +1,5 @@
 """Launchers of the decoder's token choice (greedy, sampling, HF's logits processors) and its
-bookkeeping (kernels_cu/sampling.cu; on sm_90+, sampling_cluster.cu), and of beam search's
+bookkeeping (kernels_cu/sampling.cu, sampling_levels.cu; on sm_90+, sampling_cluster.cu), and of beam search's
 selection (beam.cu)."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ CHOICE_BINS, CHOICE_STATE_WORDS = 2048, 2048 + 8
 SAMPLE_THREADS, SAMPLE_CLUSTER_MAX, SAMPLE_HIST_WORDS, SAMPLE_SLICE_MAX = 256, 8, 3 * 2048, 65536
 SAMPLE_CANDIDATES = 2048
 # each file's kernels (none templated on the element type: families.SHARED)
-SAMPLING_KERNELS = {"sampling.cu": ["choose_prepare", "choose_level", "choose_draw", "mark_seen", "append_tokens",
-                                    "increment"],
+SAMPLING_KERNELS = {"sampling.cu": ["choose_prepare", "mark_seen", "append_tokens", "increment"],
+                    "sampling_levels.cu": ["choose_level", "choose_draw"],
                     "sampling_cluster.cu": ["choose_sample<false>", "choose_sample<true>"],
                     "beam.cu": ["beam_logsumexp", "beam_candidates", "beam_select"]}
 
@@ -67,8 +67,9 @@ def _sample_shared_mem(blocks: int, slice_: int) -> int:
 def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seed, seq=None, lengths=None):
     """out (B,) int32: the next token of each row of logits (B, V) float32; HF processors and
     order (reference: decoding/processors.py choose); -1 for a non-finite row. Each row's
-    vocabulary is split over several blocks (sampling.cu); sampling on sm_90+ runs as one kernel,
-    a thread-block cluster per row, where a block's slice fits its shared memory. step (1,) int32,
+    vocabulary is split over several blocks (sampling.cu; sampling's selects and draw:
+    sampling_levels.cu); sampling on sm_90+ runs as one kernel, a thread-block cluster per row,
+    where a block's slice fits its shared memory. step (1,) int32,
     seed (2,) uint32 (the draw's seed, GenerationParams.seed_words: read here, not params.seed)
     and, for no_repeat_ngram_size, seq (B, L) / lengths (B,) are device arrays; scratch (B, V)
     float32; state (B, CHOICE_STATE_WORDS) uint64, zero before the call and left zero after it."""
@@ -111,10 +112,10 @@ def choose_tokens(out, logits, seen, eos, step, *, scratch, state, params, seed,
         return
     for mode, on in ((0, 0 < params.top_k < v), (1, params.top_p < 1.0)):
         for level in range(3) if on else ():
-            _launch("sampling.cu", "choose_level", grid, block,
+            _launch("sampling_levels.cu", "choose_level", grid, block,
                     (scratch, state, words, np.int32(v), np.int32(size), np.int32(level), np.int32(mode),
                      np.int32(params.top_k), np.float32(params.top_p), scale))
-    _launch("sampling.cu", "choose_draw", grid, block,
+    _launch("sampling_levels.cu", "choose_draw", grid, block,
             (out, scratch, state, words, np.int32(v), np.int32(size), np.int32(chunk), step, seed))
 
 
