@@ -319,7 +319,7 @@ def mix(keys: np.ndarray) -> np.ndarray:
 def trie(vocab: dict, prefix: str):
     """_trie's tables of this vocabulary, from the disk cache (keyed by the vocabulary and prefix)
     or built and kept there."""
-    key = hashlib.sha256(json.dumps([FORMAT, prefix, vocab], ensure_ascii=False).encode()).hexdigest()[:24]
+    key = hashlib.sha256(json.dumps([FORMAT, prefix, vocab]).encode()).hexdigest()[:24]
     path = cache_folder() / f"wordpiece_trie_{key}.npz"
     found = _load(path, TRIE_ARRAYS)
     return found if found is not None else _save(path, TRIE_ARRAYS, _trie(vocab, prefix), compress=False)

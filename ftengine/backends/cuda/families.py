@@ -113,11 +113,11 @@ SHARED = {"pooling.cu": ["l2_normalize<float>"], **SAMPLING_KERNELS,
 def prepare_kernels(files, dtype_name: str, *, head_dims, general=(False,), gelu_product: str | None = None,
                     ln_product: bool = False):
     """Compile the kernel modules a runner needs for one dtype (and the shared ones, and convert.cu,
-    which uploads its weights: runtime.to_device), in parallel, before its first launch. Of the fused attention, the kernels of the head dims
-    (head_dims) and variants (general: False for plain attention, True for windows or a relative
-    bias; both where a runner launches both) its attention runs: where the GPU runs the wgmma
-    kernels (fp16, bf16), the wgmma attention in place of the plain variant at the head dims it
-    takes. Where the GPU runs them, the wgmma products too, for a runner whose matmul_bias_gelu
+    which uploads its weights: runtime.to_device), in parallel, before its first launch. Of the
+    fused attention, the kernels of the head dims (head_dims) and variants (general: False for
+    plain attention, True for windows or a relative bias; both where a runner launches both) its
+    attention runs: where the GPU runs the wgmma kernels (fp16, bf16), the wgmma attention in place
+    of the plain variant at the head dims it takes. Where the GPU runs them, the wgmma products too, for a runner whose matmul_bias_gelu
     calls take the erf form (gelu_product: that form, None for a runner that makes no such call) or
     that calls matmul_bias_residual_layernorm (ln_product). A kernel left out compiles at its first
     launch (a graph's eager pass, never inside a capture)."""

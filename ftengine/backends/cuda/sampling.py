@@ -1,6 +1,6 @@
 """Launchers of the decoder's token choice (greedy, sampling, HF's logits processors) and its
-bookkeeping (kernels_cu/sampling.cu, sampling_levels.cu; on sm_90+, sampling_cluster.cu), and of beam search's
-selection (beam.cu)."""
+bookkeeping (kernels_cu/sampling.cu, sampling_levels.cu; on sm_90+, sampling_cluster.cu), and of
+beam search's selection (beam.cu)."""
 
 from __future__ import annotations
 
