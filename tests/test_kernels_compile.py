@@ -5,8 +5,13 @@ errors without a GPU); common.cuh's erf GELU coefficients meet the accuracy its 
 import importlib.util
 import re
 import shutil
-from pathlib import Path
 import subprocess
+import sys
+import threading
+import time
+import types
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +58,41 @@ def test_every_kernel_waits_for_the_kernel_before_it_first():
             kernels += 1
     assert kernels >= 36
 
+
+
+def test_threads_asking_for_one_module_compile_it_once_and_get_it_loaded(monkeypatch):
+    """kernels.module under eight threads at once: one RawModule built, compiled (its first
+    get_function, where CuPy compiles) once, and only then handed to any thread. Stands in for
+    CuPy's RawModule (a class of its own in a stand-in `cupy` module), so that this runs without a GPU."""
+    from ftengine.backends.cuda import kernels
+    built = []
+
+    class RawModule:
+        def __init__(self, *, code, options, name_expressions):
+            self.names, self.compiled = name_expressions, 0
+            built.append(self)
+
+        def get_function(self, name):
+            if not self.compiled:
+                time.sleep(0.05)  # a compile: threads that found the module uncompiled would compile it again
+                self.compiled += 1
+            return name
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=RawModule))
+    monkeypatch.setattr(kernels, "_modules", {})
+    monkeypatch.setattr(kernels, "_compile_locks", {})
+    start = threading.Barrier(8)
+
+    def ask():
+        start.wait()
+        found = kernels.module("pooling.cu", "__half", 0)
+        return found, found.compiled
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: ask(), range(8)))
+    assert len(built) == 1 and built[0].compiled == 1
+    assert all(m is built[0] and compiled == 1 for m, compiled in got)
+    assert built[0].names == list(groups("pooling.cu", "__half")[0])
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
 @pytest.mark.parametrize("file", sorted(FAMILIES))
