@@ -557,7 +557,10 @@ class GPT2Weights:
     layers: list            # n_layer x GPT2LayerWeights
 
 
-def load_gpt2_weights(model_dir: Path, config) -> GPT2Weights:
+def load_gpt2_weights(model_dir: Path, config, *, views: bool = False) -> GPT2Weights:
+    """The checkpoint's weights as float32 host arrays, the Conv1D matrices (GPT2_TRANSPOSED) laid out
+    as (out, in): contiguous copies, or with views=True transposed views of the stored ones, for a
+    backend that lays them out as it uploads them (CUDA's to_device, on the device)."""
     files = SafetensorsFiles(model_dir)
     has_head = GPT2_LM_HEAD in files.names()
     names = dict(GPT2_EMBEDDING_NAMES)
@@ -574,7 +577,7 @@ def load_gpt2_weights(model_dir: Path, config) -> GPT2Weights:
     top, layers = _slots(arrays, expected, config.n_layer)
     if not has_head:
         top["lm_head"] = top["wte"]
-    for parts in layers:  # transposed views: the backends lay them out as they upload them (to_device)
+    for parts in layers:
         for slot in GPT2_TRANSPOSED:
-            parts[slot] = parts[slot].T
+            parts[slot] = parts[slot].T if views else np.ascontiguousarray(parts[slot].T)
     return GPT2Weights(layers=[GPT2LayerWeights(**parts) for parts in layers], **top)

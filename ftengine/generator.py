@@ -69,7 +69,7 @@ class Generator:
         # the kernels compile (NVRTC, without the GIL) while the weights load; the first runner then
         # waits only for what is left (kernels.module compiles each module once, whoever asks first)
         threading.Thread(target=self._prepare, name="ftengine-generator-kernels", daemon=True).start()
-        self.weights = load_gpt2_weights(path, self.config)
+        self.weights = load_gpt2_weights(path, self.config, views=device == "cuda")
         self.tokenizer = _load_tokenizer(path)
         self._runner = None
         # every call runs on this one thread, which owns the runner (and its CUDA stream)

@@ -174,6 +174,11 @@ def test_lm_head_tied_untied_and_missing(tmp_path):
     w = load_gpt2_weights(tmp_path, load_gpt2_config(tmp_path))
     np.testing.assert_array_equal(w.lm_head, tensors["lm_head.weight"])
     np.testing.assert_array_equal(w.layers[0].qkv_weight, tensors["transformer.h.0.attn.c_attn.weight"].T)
+    views = load_gpt2_weights(tmp_path, load_gpt2_config(tmp_path), views=True)  # CUDA's: laid out as uploaded
+    for laid, view in zip(w.layers, views.layers):
+        for slot in ("qkv_weight", "attn_out_weight", "fc_weight", "proj_weight"):
+            assert getattr(laid, slot).flags.c_contiguous and not getattr(view, slot).flags.c_contiguous
+            np.testing.assert_array_equal(getattr(view, slot), getattr(laid, slot))
     del tensors["lm_head.weight"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="lm_head.weight is missing and tie_word_embeddings is false"):
