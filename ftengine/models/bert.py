@@ -23,7 +23,7 @@ from ..config import BertConfig
 from ..errors import ConfigError, DeviceError, InputError
 from ..tokenizer import POOLING_ORDER
 from ..workspace import Workspace
-from .shapes import fits, run_shape
+from .shapes import fits, round_up, run_shape
 
 LAYOUTS = ("packed", "padded")
 PACKED_HEAD_DIMS = (32, 64, 128)
@@ -226,10 +226,8 @@ class BertRunner:
         if token_head:
             weight, bias = (np.asarray(a, np.float32) for a in token_head)
             self.token_labels = len(bias)
-            rows = -(-self.token_labels // LABEL_ALIGN) * LABEL_ALIGN
-            padded_weight, padded_bias = np.zeros((rows, config.hidden_size), np.float32), np.zeros(rows, np.float32)
-            padded_weight[:self.token_labels], padded_bias[:self.token_labels] = weight, bias
-            self.token_head = (up(padded_weight), f32(padded_bias))
+            pad = round_up(self.token_labels, LABEL_ALIGN) - self.token_labels
+            self.token_head = (up(np.pad(weight, ((0, pad), (0, 0)))), f32(np.pad(bias, (0, pad))))
         self.rel_bias = None
         if config.relative_buckets:  # MPNet: bias table (buckets, heads) and each relative position's bucket
             self.rel_bias = (f32(weights.rel_bias),

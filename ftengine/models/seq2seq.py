@@ -25,7 +25,7 @@ from ..errors import ConfigError, InputError
 from ..seq2seq_checkpoint import Seq2SeqWeights
 from ..workspace import Workspace
 from .bert import PACKED_HEAD_DIMS, relative_position_buckets
-from .shapes import bucket_packed
+from .shapes import bucket_packed, round_up
 from .generation import GenerationRunner, generation_table
 
 # compiled when the runner is built (beam search is translation's default); sampling's one-kernel
@@ -61,9 +61,8 @@ class Seq2SeqRunner(GenerationRunner):
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         # the logits' rows padded to VOCAB_ALIGN columns (zero head rows, a -1e9 bias: never chosen), which
         # cuBLASLt's products at many rows need (measurements: docs/gpu-internals.md, seq2seq.py VOCAB_ALIGN)
-        self.vocab = -(-c.vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN
-        head = np.zeros((self.vocab, c.d_model), weights.lm_head.dtype)
-        head[:c.vocab_size] = weights.lm_head
+        self.vocab = round_up(c.vocab_size, VOCAB_ALIGN)
+        head = np.pad(weights.lm_head, ((0, self.vocab - c.vocab_size), (0, 0)))
         self.embed, self.lm_head = up(weights.embed), up(head)   # (V, E), (vocab, E)
         # the encoder's token table: the same as the decoder's unless the vocabularies are separate
         self.source_embed = self.embed if weights.source_embed is None else up(weights.source_embed)

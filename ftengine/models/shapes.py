@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
+    """x rounded up to a multiple of m."""
     return -(-x // m) * m
 
 
@@ -15,10 +16,10 @@ def bucket_padded(b: int, s: int, *, max_seq_len: int, max_batch_tokens: int) ->
     """The padded shape a (b, s) batch runs at: s up to a multiple of 16, b up to a power of two
     (multiples of 16 past 16), within the limits (b * s itself must fit them).
     Few distinct shapes -> few CUDA graphs."""
-    s_pad = min(max_seq_len, _round_up(s, 16))
+    s_pad = min(max_seq_len, round_up(s, 16))
     if b * s_pad > max_batch_tokens:
         s_pad = s
-    b_pad = 1 << (b - 1).bit_length() if b <= 16 else _round_up(b, 16)
+    b_pad = 1 << (b - 1).bit_length() if b <= 16 else round_up(b, 16)
     return max(b, min(b_pad, max_batch_tokens // s_pad)), s_pad
 
 
@@ -28,12 +29,12 @@ def bucket_packed(t: int, b: int, s: int, *, max_batch_tokens: int, max_seq_len:
     four rungs an octave, each power of two one, so that full batches of power-of-two shapes
     carry no padding); sequences up to a power of two; longest up to a multiple of 64 (the
     attention kernel's query tile)."""
-    t_pad = _round_up(t, 64)
+    t_pad = round_up(t, 64)
     if t_pad > 512:
-        t_pad = _round_up(t, 1 << ((t - 1).bit_length() - 3))
+        t_pad = round_up(t, 1 << ((t - 1).bit_length() - 3))
     t_pad = min(t_pad, max_batch_tokens)
     b_pad = min(1 << (b - 1).bit_length(), max_batch_tokens)
-    return t_pad, b_pad, min(_round_up(s, 64), max_seq_len)
+    return t_pad, b_pad, min(round_up(s, 64), max_seq_len)
 
 
 def run_shape(layout: str, lengths: np.ndarray, *, max_batch_tokens: int, max_seq_len: int,
