@@ -12,7 +12,7 @@ from .config import load_gpt2_config
 from .decoding.beam import hypotheses
 from .decoding.generate import GenerationParams, check_max_batch, check_prompts, stream_tokens
 from .encoder import DTYPES
-from .engine import SerialWorker
+from .engine import OwnsWorker, SerialWorker
 from .errors import ConfigError, DeviceError, InputError
 from .hub import model_folder
 from .models.gpt2 import GPT2Runner, prepare_kernels
@@ -54,7 +54,7 @@ class GenerationResult:
                 "candidates": [vars(c) for c in self.candidates]}
 
 
-class Generator:
+class Generator(OwnsWorker):
     """Prompts -> generated text. Safe to call from any number of threads: calls are
     serialised (one at a time, on the Generator's own worker thread, which owns the model's
     device state); a stream holds the Generator until it ends or is closed."""
@@ -179,10 +179,6 @@ class Generator:
     def _search(self, ids: list, params: GenerationParams) -> list:
         """Hypotheses [(new token ids, score)] per prompt; runs on the worker thread."""
         return hypotheses(self._runner_for(len(ids) * params.num_beams, ids, params), ids, params)
-
-    def close(self):
-        """Stop the worker thread (it starts again on the next call)."""
-        self._worker.close()
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)

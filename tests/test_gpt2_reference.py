@@ -232,12 +232,16 @@ def test_waves_give_the_tokens_of_one_by_one(gpt2, options):
 
 
 def test_default_max_batch_on_the_cpu_and_its_checks(gpt2):
-    gen = Generator.from_pretrained(gpt2, device="cpu")
-    assert gen.default_max_batch(64) == 64
-    with pytest.raises(InputError, match="max_batch must be an integer >= num_beams"):
-        gen.generate(["a"], max_new_tokens=2, max_batch=True)
-    with pytest.raises(InputError, match="no prompts to continue"):
-        gen.generate([], max_new_tokens=2)
+    """Also: a Generator is a context manager; closed, its next call starts its worker again."""
+    with Generator.from_pretrained(gpt2, device="cpu") as gen:
+        assert gen.default_max_batch(64) == 64
+        with pytest.raises(InputError, match="max_batch must be an integer >= num_beams"):
+            gen.generate(["a"], max_new_tokens=2, max_batch=True)
+        with pytest.raises(InputError, match="no prompts to continue"):
+            gen.generate([], max_new_tokens=2)
+        before = gen.generate(["a"], max_new_tokens=3)[0].token_ids
+    assert gen.generate(["a"], max_new_tokens=3)[0].token_ids == before
+    gen.close()
 
 
 def test_seeded_sampling_in_waves_draws_as_each_wave_alone(gpt2):
