@@ -413,7 +413,7 @@ WARMUP_BATCHES = ((1, 8), (32, 16), (256, 100), (1024, 100))
               help="Also load this model (folder or Hub id) and run it on a few batches of several sizes: what it "
                    "compiles and the algorithm file's product choices are then on disk.")
 def warmup(dtypes, model_path):
-    """Compile every CUDA kernel into CuPy's on-disk cache (e.g. while building a container
+    """Compile every CUDA kernel into the on-disk kernel cache (e.g. while building a container
     image), so that a first run starts without compiling; with --model, also run that model
     once on batches of several sizes."""
     from .backends import cuda_available

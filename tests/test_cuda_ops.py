@@ -719,8 +719,8 @@ def test_prepare_kernels_compiles_the_wgmma_attention_for_its_head_dims_only(cu,
     for dtype, head_dim in [("fp16", 64), ("bf16", 64), ("fp16", 32), ("bf16", 128), ("fp32", 64)]:
         cu.prepare_kernels(("attention_varlen.cu",), dtype, head_dims=(head_dim,))
     cu.prepare_kernels(("attention_varlen.cu",), "fp16", head_dims=(64,), general=(True,))  # never takes it
-    assert compiled == [("attention_varlen.cu", "attention_sm90.cu", "convert.cu")] * 3 + \
-        [("attention_varlen.cu", "convert.cu")] * 3
+    assert compiled == [("attention_varlen.cu", "attention_sm90.cu", "convert.cu", "prefetch.cu")] * 3 + \
+        [("attention_varlen.cu", "convert.cu", "prefetch.cu")] * 3
 
 
 def test_prepare_kernels_compiles_the_attention_its_runner_launches_only(cu, monkeypatch):
@@ -755,42 +755,46 @@ def test_prepare_kernels_compiles_the_wgmma_product_for_the_erf_form_only(cu, mo
     for dtype, form, ln in [("fp16", "erf", False), ("bf16", "erf", False), ("fp16", "tanh", True), ("bf16", None, True),
                             ("fp16", "tanh", False), ("bf16", None, False), ("fp32", "erf", True)]:
         cu.prepare_kernels(("activation.cu",), dtype, head_dims=(64,), gelu_product=form, ln_product=ln)
-    assert compiled == [("activation.cu", "gemm_sm90.cu", "convert.cu")] * 4 + [("activation.cu", "convert.cu")] * 3
+    assert compiled == [("activation.cu", "gemm_sm90.cu", "convert.cu", "prefetch.cu")] * 4 + \
+        [("activation.cu", "convert.cu", "prefetch.cu")] * 3
 
 
-ARCH_MODULE_RUN = """
+CACHED_MODULE_RUN = """
 import hashlib
 import numpy as np
 from ftengine.backends.cuda import kernels, ops
 compiles = []
-compile_ = kernels.ArchModule._compile
-kernels.ArchModule._compile = staticmethod(lambda *a: compiles.append(1) or compile_(*a))
+compile_ = kernels.CachedModule._compile
+kernels.CachedModule._compile = staticmethod(lambda *a: compiles.append(a[-1][-1]) or compile_(*a))
 rng = np.random.default_rng(0)
 qkv = ops.to_device(rng.standard_normal((150, 3 * 128)).astype(np.float32), np.float16)
 bias = ops.to_device(rng.standard_normal(3 * 128).astype(np.float32), np.float16)
 out = ops.empty((150, 128), np.float16)
 ops.varlen_attention(out, qkv, bias, ops.to_device(np.array([0, 100, 150], np.int32)), heads=2, max_seqlen=100)
-print(len(compiles), hashlib.sha256(ops.to_host(out).tobytes()).hexdigest())
+print(",".join(sorted(compiles)), hashlib.sha256(ops.to_host(out).tobytes()).hexdigest())
 """
 
 
-def test_arch_specific_module_is_compiled_once_then_loaded_from_the_cache(cu, tmp_path):
-    """The wgmma attention (sm_90a: compiled by NVRTC outside CuPy's RawModule) is compiled by the
-    first process and written to the kernel cache; the next process loads it from there, compiles
-    nothing, and computes the same output bit for bit."""
+def test_modules_are_compiled_once_then_loaded_from_the_cache(cu, tmp_path):
+    """The modules a run uses (the conversion's, and the attention's: on sm_90 the wgmma one, for
+    the arch-specific target sm_90a) are compiled by the first process and written to the kernel
+    cache; the next process loads them from there, compiles nothing, and computes the same output
+    bit for bit."""
     import os
     import subprocess
     import sys
-    if not cu.context().wgmma:
-        pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
     env = {**os.environ, "CUPY_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
-    runs = [subprocess.run([sys.executable, "-c", ARCH_MODULE_RUN], env=env, capture_output=True, text=True,
+    runs = [subprocess.run([sys.executable, "-c", CACHED_MODULE_RUN], env=env, capture_output=True, text=True,
                            timeout=300) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
-    (first_compiles, first), (second_compiles, second) = (r.stdout.split() for r in runs)
-    assert (first_compiles, second_compiles) == ("1", "0") and first == second
-    assert len(list(tmp_path.glob("ftengine_sm_90a_*.cubin"))) == 1
+    (first_compiles, first), (second_compiles, second) = (r.stdout.split(" ") for r in runs)
+    sm = f"--gpu-architecture=sm_{cu.context().cupy.cuda.Device().compute_capability}"
+    arch = ["--gpu-architecture=sm_90a"] if cu.context().wgmma else []
+    assert sorted(set(first_compiles.split(","))) == sorted([sm, *arch]) and second_compiles == "" and first == second
+    cubins = {p.name.split("_")[1] + "_" + p.name.split("_")[2] for p in tmp_path.glob("ftengine_*.cubin")}
+    assert cubins == {a.split("=")[1] for a in [sm, *arch]}
+    assert len(list(tmp_path.glob("ftengine_*.json"))) == len(list(tmp_path.glob("ftengine_*.cubin"))) >= 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

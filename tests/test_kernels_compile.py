@@ -6,16 +6,14 @@ import importlib.util
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
-import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from ftengine.backends.cuda.families import FAMILIES, MODULE_KERNELS, SHARED
+from ftengine.backends.cuda.families import FAMILIES, MODULE_KERNELS, SHARED, sections
 from ftengine.backends.cuda.kernels import (ARCH_SPECIFIC, CUDA_TYPES, SHARED_KEY, _owner, all_instantiations, groups,
                                             instantiations, source)
 from ftengine.backends.cuda import kernel_dir
@@ -30,17 +28,24 @@ def test_every_cu_file_is_listed():
 
 def test_every_kernel_lies_in_one_module_of_its_file():
     """groups() splits each file's instantiations into modules of at most MODULE_KERNELS[file]
-    kernels (all of them in one where unlisted), in order, each kernel in exactly one, and the
-    launchers' lookup (_owner) finds it there."""
+    kernels (all of them in one where unlisted), in order, each kernel in exactly one, no module
+    across two sections (BY_WIDTH's files: one a vector width, widest first), and the launchers'
+    lookup (_owner) finds it there."""
     for file in FAMILIES:
         for key in (*CUDA_TYPES.values(), SHARED_KEY):
             names, modules = instantiations(file, key), groups(file, key)
-            assert [n for m in modules for n in m] == names
-            assert all(0 < len(m) <= MODULE_KERNELS.get(file, len(names)) for m in modules)
-            assert len(modules) == (-(-len(names) // MODULE_KERNELS[file]) if file in MODULE_KERNELS else int(bool(names)))
+            parts = [names] if key == SHARED_KEY else sections(file, key)
+            assert [n for m in modules for n in m] == names == [n for part in parts for n in part]
+            size = MODULE_KERNELS.get(file, len(names)) or 1
+            assert all(0 < len(m) <= size for m in modules)
+            assert len(modules) == sum(-(-len(part) // size) for part in parts)
+            assert all(any(set(m) <= set(part) for part in parts) for m in modules)
             for index, m in enumerate(modules):
                 assert all(_owner(file, n) == (key, index) for n in m)
     assert len(groups("attention_varlen.cu", "__half")) == len(instantiations("attention_varlen.cu", "__half")) > 1
+    assert [len(part) for part in sections("decoder.cu", "__half")] == [15, 9, 9, 9]
+    assert all(f", {v}, " in n for v, part in zip((8, 4, 2, 1), sections("gemv.cu", "__half")) for n in part
+               if n.startswith("gemv<"))
 
 
 def test_every_kernel_waits_for_the_kernel_before_it_first():
@@ -59,26 +64,25 @@ def test_every_kernel_waits_for_the_kernel_before_it_first():
     assert kernels >= 36
 
 
-
 def test_threads_asking_for_one_module_compile_it_once_and_get_it_loaded(monkeypatch):
-    """kernels.module under eight threads at once: one RawModule built, compiled (its first
-    get_function, where CuPy compiles) once, and only then handed to any thread. Stands in for
-    CuPy's RawModule (a class of its own in a stand-in `cupy` module), so that this runs without a GPU."""
+    """kernels.module under eight threads at once: one module built (compiled or read from the
+    cache) once, and loaded (its first get_function) before any thread gets it. Stands in for
+    CachedModule, so that this runs without a GPU."""
     from ftengine.backends.cuda import kernels
     built = []
 
-    class RawModule:
-        def __init__(self, *, code, options, name_expressions):
-            self.names, self.compiled = name_expressions, 0
+    class CachedModule:
+        def __init__(self, code, names, options):
+            time.sleep(0.05)  # a compile: threads that found no module would each compile it
+            self.names, self.arch, self.loaded = names, options[-1], 0
             built.append(self)
 
         def get_function(self, name):
-            if not self.compiled:
-                time.sleep(0.05)  # a compile: threads that found the module uncompiled would compile it again
-                self.compiled += 1
+            self.loaded += 1
             return name
 
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=RawModule))
+    monkeypatch.setattr(kernels, "CachedModule", CachedModule)
+    monkeypatch.setattr(kernels, "options", lambda file: ("--std=c++17", "--gpu-architecture=sm_90"))
     monkeypatch.setattr(kernels, "_modules", {})
     monkeypatch.setattr(kernels, "_compile_locks", {})
     start = threading.Barrier(8)
@@ -86,13 +90,35 @@ def test_threads_asking_for_one_module_compile_it_once_and_get_it_loaded(monkeyp
     def ask():
         start.wait()
         found = kernels.module("pooling.cu", "__half", 0)
-        return found, found.compiled
+        return found, found.loaded
 
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda _: ask(), range(8)))
-    assert len(built) == 1 and built[0].compiled == 1
-    assert all(m is built[0] and compiled == 1 for m, compiled in got)
-    assert built[0].names == list(groups("pooling.cu", "__half")[0])
+    assert len(built) == 1 and built[0].loaded == 1
+    assert all(m is built[0] and loaded == 1 for m, loaded in got)
+    assert built[0].names == list(groups("pooling.cu", "__half")[0]) and built[0].arch == "--gpu-architecture=sm_90"
+
+
+@pytest.mark.parametrize("rows, widths", [((768, 64, 3072), (8,)), ((768, 64, 3070), (8, 2)), ((36, 12, 144), (8, 4)),
+                                           (None, (8, 4, 2, 1))])
+def test_a_runner_prepares_the_vector_widths_of_its_rows_only(monkeypatch, rows, widths):
+    """prepare_kernels(rows=) compiles, of the files whose kernels take a vector width, the modules
+    of the widths rows of those lengths are read in (runtime._vec: the widest that divides) and of
+    the widest (which holds the kernels without a width): all of those kernels, nothing else."""
+    from ftengine.backends.cuda import families, kernels
+    from ftengine.models.gpt2 import KERNEL_FILES
+    asked = []
+    monkeypatch.setattr(families, "runs_wgmma", lambda: False)
+    monkeypatch.setattr(families, "prepare", lambda files, types, only: asked.extend(kernels.modules_of(files, types, only=only)))
+    families.prepare_kernels(KERNEL_FILES + ("embedding.cu", "layernorm.cu", "attention.cu"), "fp16", head_dims=(64,),
+                             rows=rows)
+    for file, width_kernels in families.BY_WIDTH.items():
+        wanted = {n for v in widths for n in width_kernels("__half", v)}
+        got = {n for f, key, index in asked if f == file and key == "__half" for n in kernels.groups(f, key)[index]}
+        assert got == wanted, file
+    shared = {(f, SHARED_KEY, 0) for f in ("sampling.cu", "activation.cu", "prefetch.cu")}
+    assert shared | {("convert.cu", "__half", 0)} <= set(asked)
+
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
 @pytest.mark.parametrize("file", sorted(FAMILIES))

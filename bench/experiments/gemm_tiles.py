@@ -371,7 +371,7 @@ def main():
     root = Path(__file__).resolve().parents[2] / "kernels_cu"
     code = "\n".join([*((root / f).read_text() for f in ("common.cuh", "gemm_sm90.cu")),
                       (Path(__file__).resolve().parent / "gemm_sm90.cu").read_text()])
-    mod = kernels.ArchModule(code, names, "sm_90a")
+    mod = kernels.CachedModule(code, names, (*kernels.compile_options(), "--gpu-architecture=sm_90a"))
     rng = np.random.default_rng(0)
 
     def launch(cfg, out, x, w, bias, epi):

@@ -204,7 +204,8 @@ class BertRunner:
         ops.prepare_kernels(KERNEL_FILES[layout] + (MODERNBERT_FILES if self.modern else ())
                             + (FP8_FILES if self.fp8 else ()), dtype, head_dims=(config.head_dim,), general=general,
                             gelu_product=None if self.fp8 or self.modern else config.gelu,
-                            ln_product=not (self.fp8 or self.modern))
+                            ln_product=not (self.fp8 or self.modern),
+                            rows=(config.hidden_size, config.head_dim, config.intermediate_size))
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.word_emb = up(weights.word_emb)        # (V, H)
         self.pos_emb = up(weights.pos_emb)          # (P, H)

@@ -34,7 +34,8 @@ KERNEL_FILES = ("decoder.cu", "sampling.cu", "gemv.cu", "attention_varlen.cu", "
 
 def prepare_kernels(config: GPT2Config, ops, dtype: str):
     """Compile (or load) the kernels a runner of this model launches (ops.prepare_kernels)."""
-    ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(config.head_dim,), gelu_product=config.gelu)
+    ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(config.head_dim,), gelu_product=config.gelu,
+                        rows=(config.n_embd, config.head_dim, config.n_inner))
 
 
 def _flat_ids(prompts, total: int) -> np.ndarray:

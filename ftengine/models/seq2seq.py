@@ -54,7 +54,9 @@ class Seq2SeqRunner(GenerationRunner):
         self.max_batch, self.max_len, self.max_source = max_batch, max_len, max_source
         gelu = "erf" if c.activation == "gelu" else None
         ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(c.d_model // c.encoder_heads,),
-                            general=(bool(c.relative_buckets),), gelu_product=gelu, ln_product=True)
+                            general=(bool(c.relative_buckets),), gelu_product=gelu, ln_product=True,
+                            rows=(c.d_model, c.d_model // c.encoder_heads, c.d_model // c.decoder_heads,
+                                  c.encoder_ffn, c.decoder_ffn))
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps: kind, rows, GenerationParams.graph_key
         self.encoder_graphs = ops.GraphCache(enabled=graphs)  # encoder passes: their bucketed shape
         self.bucketed = ops.name == "cuda"  # few shapes, few graphs; the NumPy backend runs the real one

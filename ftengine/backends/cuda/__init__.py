@@ -1,4 +1,4 @@
-"""The CUDA backend: kernels from kernels_cu/ compiled with cupy.RawModule, cuBLAS through ctypes."""
+"""The CUDA backend: kernels from kernels_cu/ compiled with NVRTC, cuBLAS through ctypes."""
 
 from __future__ import annotations
 

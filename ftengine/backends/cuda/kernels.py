@@ -1,9 +1,10 @@
-"""Compile kernels_cu/*.cu with cupy.RawModule: modules of a file's kernels per element type, on demand.
+"""Compile kernels_cu/*.cu with NVRTC: modules of a file's kernels per element type, on demand,
+kept in the kernel cache and loaded as CuPy RawModules.
 
-common.cuh is prepended to each source (not #included) so that CuPy's compile cache key
-covers it. families.py lists each file's template instantiations, in one place, and how many of
-them share a module (NVRTC's time grows with a module's kernels; modules compile in parallel). A
-runner calls `prepare` with the files and types it uses, which compiles them in parallel.
+common.cuh is prepended to each source (not #included) so that the cache key covers it.
+families.py lists each file's template instantiations, in one place, and how many of them share a
+module (NVRTC's time grows with a module's kernels; modules compile in parallel). A runner calls
+`prepare` with the files and types it uses, which compiles them in parallel.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from . import kernel_dir
 CUDA_TYPES = {"float32": "float", "float16": "__half", "uint16": "__nv_bfloat16"}
 
 # files of arch-specific instructions (sm_90a: wgmma), which run on that exact architecture only:
-# file -> (NVRTC's target, the compute capability it runs on). They are compiled by NVRTC for that
-# target (CuPy's RawModule targets the plain sm_XY of the device) and used on GPUs of that compute
+# file -> (NVRTC's target, the compute capability it runs on). They are compiled for that target
+# (the others for the device's plain sm_XY: device_target) and used on GPUs of that compute
 # capability alone.
 ARCH_SPECIFIC = {"attention_sm90.cu": ("sm_90a", (9, 0)), "gemm_sm90.cu": ("sm_90a", (9, 0))}
 # file -> the files its source follows (after common.cuh): the device code it shares with others
@@ -32,12 +33,30 @@ FOLLOWS = {"attention_sm90.cu": ("attention_varlen.cu", "sm90.cuh"), "gemm_sm90.
 SHARED_KEY = "shared"
 
 
+@lru_cache(maxsize=None)
 def compile_options() -> tuple[str, ...]:
-    options = ["--std=c++17", "-DNDEBUG"]
-    include = "/usr/local/cuda/include"  # NVRTC may not find the toolkit headers on its own
-    if os.path.isdir(include):
-        options.append(f"-I{include}")
-    return tuple(options)
+    """NVRTC's options for every module: C++17, and the folders of the CUDA headers the kernels
+    include (NVRTC has no mma.h of its own): the toolkit's where CuPy finds one, and those of pip's
+    CUDA wheels, which CuPy's own compiles add."""
+    import cupy
+    import cupy._environment
+    from cupy_backends.cuda.libs import nvrtc
+    folders = [os.path.join(cupy.cuda.get_cuda_path() or "/usr/local/cuda", "include")]
+    wheels = getattr(cupy._environment, "_get_include_dir_from_conda_or_wheel", None)  # private: may go
+    if wheels is not None:
+        folders += wheels(*nvrtc.getVersion())
+    return ("--std=c++17", "-DNDEBUG", *(f"-I{f}" for f in dict.fromkeys(folders) if os.path.isdir(f)))
+
+
+# what CuPy's RawModule adds to a compile's options (NVRTC 12+), with which the files other than the
+# ARCH_SPECIFIC ones were compiled through it: flush-to-zero, and functions (e.g. lambdas in device
+# code) device functions unless annotated
+CUPY_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+
+
+def options(file: str) -> tuple[str, ...]:
+    """NVRTC's options for `file` on the current device, its target last."""
+    return (*compile_options(), *(() if file in ARCH_SPECIFIC else CUPY_OPTIONS), f"--gpu-architecture={target(file)}")
 
 
 def source(file: str) -> str:
@@ -60,11 +79,12 @@ def all_instantiations(file: str) -> list[str]:
 
 def groups(file: str, key: str) -> list[tuple[str, ...]]:
     """The modules of `file` for `key` (an element type or SHARED_KEY), each as the kernels it
-    holds: the instantiations in groups of families.MODULE_KERNELS[file] (one group where unlisted)."""
-    from .families import MODULE_KERNELS
-    names = instantiations(file, key)
-    size = MODULE_KERNELS.get(file, len(names)) or 1
-    return [tuple(names[at:at + size]) for at in range(0, len(names), size)]
+    holds: the instantiations in groups of families.MODULE_KERNELS[file] (one group where unlisted),
+    each group within one of families.sections (e.g. the kernels of one vector width)."""
+    from .families import MODULE_KERNELS, sections
+    parts = [instantiations(file, key)] if key == SHARED_KEY else sections(file, key)
+    size = MODULE_KERNELS.get(file, sum(map(len, parts))) or 1
+    return [tuple(names[at:at + size]) for names in parts for at in range(0, len(names), size)]
 
 
 @lru_cache(maxsize=None)
@@ -83,53 +103,54 @@ _modules_lock = threading.Lock()
 
 
 def kernel_cache_dir() -> str:
-    """CuPy's on-disk kernel cache, where the arch-specific modules are kept beside CuPy's own."""
+    """CuPy's on-disk kernel cache directory, where ftengine keeps its compiled modules."""
     return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
 
 
-class ArchKernel:
-    """A kernel of an ArchModule, with the part of CuPy's RawKernel that the launchers use: `kernel` (the
-    loaded function; launched through launch_ex) and `max_dynamic_shared_size_bytes`."""
-
-    def __init__(self, function):
-        self.kernel = function
-
-    @property
-    def max_dynamic_shared_size_bytes(self) -> int:
-        from cupy.cuda import driver
-        return driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.kernel.ptr)
-
-    @max_dynamic_shared_size_bytes.setter
-    def max_dynamic_shared_size_bytes(self, size: int):
-        from cupy.cuda import driver
-        driver.funcSetAttribute(self.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, size)
+@lru_cache(maxsize=None)
+def device_target(capability: int) -> str:
+    """NVRTC's target for a GPU of compute capability `capability` (e.g. 90): its own SASS where NVRTC
+    knows the architecture; else PTX of the newest architecture below it, which the driver compiles."""
+    from cupy_backends.cuda.libs import nvrtc
+    supported = [int(a) for a in nvrtc.getSupportedArchs()]
+    if capability in supported:
+        return f"sm_{capability}"
+    return f"compute_{max(a for a in supported if a <= capability)}"
 
 
-class ArchModule:
-    """`names` (template instantiations) of `code` compiled by NVRTC for the arch-specific target
-    `arch` (e.g. sm_90a) and loaded; the cubin is kept in the kernel cache, keyed by the source,
-    names, options and NVRTC's version."""
+def target(file: str) -> str:
+    """The NVRTC target `file` is compiled for on the current device: its own for ARCH_SPECIFIC files."""
+    if file in ARCH_SPECIFIC:
+        return ARCH_SPECIFIC[file][0]
+    import cupy
+    return device_target(int(cupy.cuda.Device().compute_capability))
 
-    def __init__(self, code: str, names, arch: str):
-        from cupy.cuda import function
+
+class CachedModule:
+    """`names` (template instantiations) of `code` compiled by NVRTC with `options` (the last one
+    the target, --gpu-architecture= sm_XY, sm_90a or compute_XY) and kept in the kernel cache (the
+    binary, and beside it the names' lowered forms), keyed by the source, names, options and NVRTC's
+    version. Kernels come as CuPy RawKernels of the binary loaded from there. CuPy's own RawModule
+    cache runs an NVRTC preprocessing pass in every process before its first lookup; this one reads
+    two files."""
+
+    def __init__(self, code: str, names, options: tuple[str, ...]):
+        import cupy
         from cupy_backends.cuda.libs import nvrtc
-        options = (*compile_options(), f"--gpu-architecture={arch}")
+        arch = options[-1].split("=", 1)[1]
         key = json.dumps([code, sorted(names), options, list(nvrtc.getVersion())])
-        path = os.path.join(kernel_cache_dir(), f"ftengine_{arch}_{hashlib.sha256(key.encode()).hexdigest()}.cubin")
+        stem = os.path.join(kernel_cache_dir(), f"ftengine_{arch}_{hashlib.sha256(key.encode()).hexdigest()}")
+        binary = f"{stem}.{'ptx' if arch.startswith('compute_') else 'cubin'}"
         try:
-            with open(path, "rb") as f:
-                header, cubin = f.read().split(b"\n", 1)
-            lowered = json.loads(header)
+            with open(f"{stem}.json") as f:  # written after the binary: its presence means both are whole
+                self._lowered = json.load(f)
+            os.stat(binary)
         except (OSError, ValueError):
-            lowered, cubin = self._compile(nvrtc, code, names, options)
+            self._lowered, built = self._compile(nvrtc, code, names, options)
             os.makedirs(kernel_cache_dir(), exist_ok=True)
-            part = f"{path}.{os.getpid()}.{threading.get_ident()}.part"
-            with open(part, "wb") as f:
-                f.write(json.dumps(lowered).encode() + b"\n" + cubin)
-            os.replace(part, path)
-        self._module = function.Module()
-        self._module.load(cubin)
-        self._lowered = lowered
+            _write_atomically(binary, built)
+            _write_atomically(f"{stem}.json", json.dumps(self._lowered))
+        self._module = cupy.RawModule(path=binary)
 
     @staticmethod
     def _compile(nvrtc, code: str, names, options) -> tuple[dict, bytes]:
@@ -141,19 +162,28 @@ class ArchModule:
                 nvrtc.compileProgram(program, list(options))
             except nvrtc.NVRTCError as e:
                 raise RuntimeError(f"NVRTC failed for {options[-1]}: {e}\n{nvrtc.getProgramLog(program)}") from None
-            return {n: nvrtc.getLoweredName(program, n) for n in names}, nvrtc.getCUBIN(program)
+            built = nvrtc.getPTX(program) if "=compute_" in options[-1] else nvrtc.getCUBIN(program)
+            return {n: nvrtc.getLoweredName(program, n) for n in names}, built
         finally:
             nvrtc.destroyProgram(program)
 
-    def get_function(self, name: str) -> ArchKernel:
-        return ArchKernel(self._module.get_function(self._lowered[name]))
+    def get_function(self, name: str):
+        """The kernel `name` (one of the names compiled), loaded on the current device."""
+        return self._module.get_function(self._lowered[name])
 
 
-def module(file: str, ctype: str, index: int = 0):
+def _write_atomically(path: str, data: bytes | str):
+    part = f"{path}.{os.getpid()}.{threading.get_ident()}.part"
+    with open(part, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.replace(part, path)
+
+
+def module(file: str, ctype: str, index: int = 0) -> CachedModule:
     """One compiled module per (file, element type, group of groups()), compiled (or read from the
     disk cache) and loaded before it is returned: a run compiles only the types it uses.
-    Thread-safe; two threads asking for one module compile it once (CuPy's RawModule compiles at
-    its first get_function, so that call is made here, under the module's lock)."""
+    Thread-safe; two threads asking for one module compile it once (under the module's lock; the
+    first get_function loads it)."""
     key = (file, ctype, index)
     found = _modules.get(key)
     if found is not None:
@@ -162,13 +192,9 @@ def module(file: str, ctype: str, index: int = 0):
         lock = _compile_locks.setdefault(key, threading.Lock())
     with lock:
         if key not in _modules:
-            import cupy
             names = list(groups(file, ctype)[index])
-            if file in ARCH_SPECIFIC:
-                built = ArchModule(source(file), names, ARCH_SPECIFIC[file][0])
-            else:
-                built = cupy.RawModule(code=source(file), options=compile_options(), name_expressions=names)
-                built.get_function(names[0])
+            built = CachedModule(source(file), names, options(file))
+            built.get_function(names[0])
             _modules[key] = built
     return _modules[key]
 
@@ -182,7 +208,7 @@ def modules_of(files, ctypes, *, only: dict | None = None) -> list[tuple[str, st
 
 
 def prepare(files, ctypes, *, only: dict | None = None):
-    """Compile (or load from CuPy's disk cache) the modules of `files` for element types
+    """Compile (or load from the disk cache) the modules of `files` for element types
     `ctypes`, and their shared kernels (modules_of), in parallel threads: NVRTC runs without the
     GIL, so a cold start costs far less than their sum (modules compiled at once slow each other
     down: docs/performance.md, Cold start)."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
-from .kernels import ARCH_SPECIFIC, CUDA_TYPES, ArchKernel, kernel
+from .kernels import ARCH_SPECIFIC, CUDA_TYPES, kernel
 from .launch import launch_ex
 
 
@@ -260,8 +260,9 @@ def _launch(file, kname, grid, block, args, shared_mem=0, cluster=None):
     """Launch a kernel on this thread's stream; inside a graph capture on sm_90+, as a programmatic
     dependent launch (scheduled while the kernel before it runs: at that kernel's end, or once it
     has passed its wait where it starts with common.cuh's wait_then_launch_next, as the decode
-    step's kernels do), from Python the plain way (CuPy's launch costs the host less); with
-    `cluster` (sm_90+), in thread-block clusters of those dimensions."""
+    step's kernels do), from Python the plain way (CuPy's launch costs the host less) except for the
+    ARCH_SPECIFIC files' kernels (they take TensorMaps, by value); with `cluster` (sm_90+), in
+    thread-block clusters of those dimensions."""
     if _planning():
         return
     k = kernel(file, kname)
@@ -269,7 +270,7 @@ def _launch(file, kname, grid, block, args, shared_mem=0, cluster=None):
         k.max_dynamic_shared_size_bytes = shared_mem  # opt in past the 48 KiB default, once
     ctx = context()
     dependent = ctx.dependent_launch and ctx.stream.is_capturing()
-    if dependent or cluster is not None or isinstance(k, ArchKernel):
+    if dependent or cluster is not None or file in ARCH_SPECIFIC:
         launch_ex(k, grid, block, args, shared_mem, ctx.stream.ptr, dependent=dependent, cluster=cluster)
         return
     with ctx.stream:
@@ -300,7 +301,7 @@ def prefetch_l2(arrays, *, rows: int):
     if not arrays or rows not in PREFETCH_ROWS or not _branching():
         return
     pairs = [(a, a.nbytes // 16 * 16) for a in arrays] + [(arrays[0], 0)] * (4 - len(arrays))
-    _on_branch("gemv.cu", "prefetch_l2", (4,), (32,), tuple(v for a, n in pairs for v in (a, np.int64(n))))
+    _on_branch("prefetch.cu", "prefetch_l2", (4,), (32,), tuple(v for a, n in pairs for v in (a, np.int64(n))))
 
 
 def prefetch_kv(k_cache, v_cache, positions):
@@ -313,7 +314,7 @@ def prefetch_kv(k_cache, v_cache, positions):
     row_bytes = d * k_cache.itemsize
     if positions.size not in KV_PREFETCH_ROWS or row_bytes % 16 or not _branching():
         return
-    _on_branch("gemv.cu", "prefetch_kv", (positions.size,), (32,),
+    _on_branch("prefetch.cu", "prefetch_kv", (positions.size,), (32,),
                (k_cache, v_cache, positions, np.int32(positions.size), np.int32(heads), np.int32(length),
                 np.int32(row_bytes), np.int64(KV_PREFETCH_BYTES)))
 
@@ -356,9 +357,13 @@ def join_branches():
     ctx.branch_ends.clear()
 
 
-def _vec(a, *widths) -> int:
-    """The widest vector (at most 16 bytes) of a's element type that divides every width."""
-    return next(v for v in VECS[_ctype(a)] if all(w % v == 0 for w in widths))
+def vec_width(ctype: str, *lengths) -> int:
+    """The widest vector (at most 16 bytes) of CUDA element type ctype that divides every length."""
+    return next(v for v in VECS[ctype] if all(n % v == 0 for n in lengths))
+
+
+def _vec(a, *lengths) -> int:
+    return vec_width(_ctype(a), *lengths)
 
 
 def _threads(n: int, limit: int = 1024) -> int:
