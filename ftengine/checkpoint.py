@@ -126,33 +126,52 @@ def _raw_tensor_bytes(path: Path, name: str) -> np.ndarray:
 
 # ---------------------------------------------------------------- BERT name table
 
-# HF name (after an optional "bert." prefix) -> (slot, shape as a function of the config)
-BERT_EMBEDDING_NAMES = {
+def _h(c) -> tuple:
+    return (c.hidden_size,)
+
+
+def _hh(c) -> tuple:
+    return (c.hidden_size, c.hidden_size)
+
+
+# The name tables: HF name (after an optional "bert." prefix) -> (slot, shape as a function of the
+# config). The token and position tables and the LayerNorm after them, as BERT, DistilBERT and MPNet
+# name them (DistilBERT's and BERT's positions have no offset: RoBERTa's and MPNet's count from the
+# padding id).
+_TOKENS_POSITIONS = {
     "embeddings.word_embeddings.weight": ("word_emb", lambda c: (c.vocab_size, c.hidden_size)),
     "embeddings.position_embeddings.weight": ("pos_emb", lambda c: (c.max_position_embeddings + c.position_offset,
                                                                      c.hidden_size)),
-    "embeddings.token_type_embeddings.weight": ("type_emb", lambda c: (c.type_vocab_size, c.hidden_size)),
-    "embeddings.LayerNorm.weight": ("emb_ln_gamma", lambda c: (c.hidden_size,)),
-    "embeddings.LayerNorm.bias": ("emb_ln_beta", lambda c: (c.hidden_size,)),
 }
-BERT_LAYER_NAMES = {
-    "encoder.layer.{i}.attention.self.query.weight": ("q_weight", lambda c: (c.hidden_size, c.hidden_size)),
-    "encoder.layer.{i}.attention.self.query.bias": ("q_bias", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.attention.self.key.weight": ("k_weight", lambda c: (c.hidden_size, c.hidden_size)),
-    "encoder.layer.{i}.attention.self.key.bias": ("k_bias", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.attention.self.value.weight": ("v_weight", lambda c: (c.hidden_size, c.hidden_size)),
-    "encoder.layer.{i}.attention.self.value.bias": ("v_bias", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.attention.output.dense.weight": ("attn_out_weight", lambda c: (c.hidden_size, c.hidden_size)),
-    "encoder.layer.{i}.attention.output.dense.bias": ("attn_out_bias", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.attention.output.LayerNorm.weight": ("attn_ln_gamma", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.attention.output.LayerNorm.bias": ("attn_ln_beta", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.intermediate.dense.weight": ("ffn_in_weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    "encoder.layer.{i}.intermediate.dense.bias": ("ffn_in_bias", lambda c: (c.intermediate_size,)),
-    "encoder.layer.{i}.output.dense.weight": ("ffn_out_weight", lambda c: (c.hidden_size, c.intermediate_size)),
-    "encoder.layer.{i}.output.dense.bias": ("ffn_out_bias", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.output.LayerNorm.weight": ("ffn_ln_gamma", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.output.LayerNorm.bias": ("ffn_ln_beta", lambda c: (c.hidden_size,)),
-}
+_EMBEDDING_NORM = {"embeddings.LayerNorm.weight": ("emb_ln_gamma", _h), "embeddings.LayerNorm.bias": ("emb_ln_beta", _h)}
+BERT_EMBEDDING_NAMES = {**_TOKENS_POSITIONS,
+                        "embeddings.token_type_embeddings.weight": ("type_emb", lambda c: (c.type_vocab_size,
+                                                                                            c.hidden_size)),
+                        **_EMBEDDING_NORM}
+
+
+# a BERT-style layer's eight modules, in the order the families' name lists below give them: their
+# weight and bias slots, and the shapes of those as functions of the config
+_BERT_LAYER_MODULES = (
+    ("q_weight", "q_bias", _hh, _h), ("k_weight", "k_bias", _hh, _h), ("v_weight", "v_bias", _hh, _h),
+    ("attn_out_weight", "attn_out_bias", _hh, _h), ("attn_ln_gamma", "attn_ln_beta", _h, _h),
+    ("ffn_in_weight", "ffn_in_bias", lambda c: (c.intermediate_size, c.hidden_size), lambda c: (c.intermediate_size,)),
+    ("ffn_out_weight", "ffn_out_bias", lambda c: (c.hidden_size, c.intermediate_size), _h),
+    ("ffn_ln_gamma", "ffn_ln_beta", _h, _h),
+)
+
+
+def _bert_layer_names(prefix: str, modules) -> dict:
+    """HF name -> (slot, shape) of a BERT-style layer whose modules (_BERT_LAYER_MODULES' order) are
+    named prefix + module, each with a .weight and a .bias."""
+    return {f"{prefix}{module}.{part}": (slot, shape) for module, (weight, bias, weight_shape, bias_shape)
+            in zip(modules, _BERT_LAYER_MODULES, strict=True)
+            for part, slot, shape in (("weight", weight, weight_shape), ("bias", bias, bias_shape))}
+
+
+BERT_LAYER_NAMES = _bert_layer_names("encoder.layer.{i}.", (
+    "attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+    "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm"))
 # Tensors that are in BERT / RoBERTa checkpoints but not used by the encoder: buffers, the
 # pooler, and the heads of ...ForPreTraining / MaskedLM / SequenceClassification / QA / ...
 BERT_IGNORED = [re.compile(p) for p in (
@@ -165,30 +184,10 @@ BERT_IGNORED = [re.compile(p) for p in (
 )]
 
 # DistilBERT: the same layer with its own names; no token-type table (a zero row stands in)
-DISTILBERT_EMBEDDING_NAMES = {
-    "embeddings.word_embeddings.weight": ("word_emb", lambda c: (c.vocab_size, c.hidden_size)),
-    "embeddings.position_embeddings.weight": ("pos_emb", lambda c: (c.max_position_embeddings, c.hidden_size)),
-    "embeddings.LayerNorm.weight": ("emb_ln_gamma", lambda c: (c.hidden_size,)),
-    "embeddings.LayerNorm.bias": ("emb_ln_beta", lambda c: (c.hidden_size,)),
-}
-DISTILBERT_LAYER_NAMES = {
-    "transformer.layer.{i}.attention.q_lin.weight": ("q_weight", lambda c: (c.hidden_size, c.hidden_size)),
-    "transformer.layer.{i}.attention.q_lin.bias": ("q_bias", lambda c: (c.hidden_size,)),
-    "transformer.layer.{i}.attention.k_lin.weight": ("k_weight", lambda c: (c.hidden_size, c.hidden_size)),
-    "transformer.layer.{i}.attention.k_lin.bias": ("k_bias", lambda c: (c.hidden_size,)),
-    "transformer.layer.{i}.attention.v_lin.weight": ("v_weight", lambda c: (c.hidden_size, c.hidden_size)),
-    "transformer.layer.{i}.attention.v_lin.bias": ("v_bias", lambda c: (c.hidden_size,)),
-    "transformer.layer.{i}.attention.out_lin.weight": ("attn_out_weight", lambda c: (c.hidden_size, c.hidden_size)),
-    "transformer.layer.{i}.attention.out_lin.bias": ("attn_out_bias", lambda c: (c.hidden_size,)),
-    "transformer.layer.{i}.sa_layer_norm.weight": ("attn_ln_gamma", lambda c: (c.hidden_size,)),
-    "transformer.layer.{i}.sa_layer_norm.bias": ("attn_ln_beta", lambda c: (c.hidden_size,)),
-    "transformer.layer.{i}.ffn.lin1.weight": ("ffn_in_weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    "transformer.layer.{i}.ffn.lin1.bias": ("ffn_in_bias", lambda c: (c.intermediate_size,)),
-    "transformer.layer.{i}.ffn.lin2.weight": ("ffn_out_weight", lambda c: (c.hidden_size, c.intermediate_size)),
-    "transformer.layer.{i}.ffn.lin2.bias": ("ffn_out_bias", lambda c: (c.hidden_size,)),
-    "transformer.layer.{i}.output_layer_norm.weight": ("ffn_ln_gamma", lambda c: (c.hidden_size,)),
-    "transformer.layer.{i}.output_layer_norm.bias": ("ffn_ln_beta", lambda c: (c.hidden_size,)),
-}
+DISTILBERT_EMBEDDING_NAMES = {**_TOKENS_POSITIONS, **_EMBEDDING_NORM}
+DISTILBERT_LAYER_NAMES = _bert_layer_names("transformer.layer.{i}.", (
+    "attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin", "sa_layer_norm", "ffn.lin1",
+    "ffn.lin2", "output_layer_norm"))
 DISTILBERT_IGNORED = [re.compile(p) for p in (
     r"(distilbert\.)?embeddings\.position_ids",
     r"vocab_(transform|layer_norm|projector)\..+",
@@ -198,31 +197,12 @@ DISTILBERT_IGNORED = [re.compile(p) for p in (
 )]
 # MPNet: BERT's layer under other names, no token types, one relative-position bias table
 MPNET_EMBEDDING_NAMES = {
-    "embeddings.word_embeddings.weight": ("word_emb", lambda c: (c.vocab_size, c.hidden_size)),
-    "embeddings.position_embeddings.weight": ("pos_emb", lambda c: (c.max_position_embeddings + c.position_offset,
-                                                                     c.hidden_size)),
-    "embeddings.LayerNorm.weight": ("emb_ln_gamma", lambda c: (c.hidden_size,)),
-    "embeddings.LayerNorm.bias": ("emb_ln_beta", lambda c: (c.hidden_size,)),
+    **_TOKENS_POSITIONS, **_EMBEDDING_NORM,
     "encoder.relative_attention_bias.weight": ("rel_bias", lambda c: (c.relative_buckets, c.num_attention_heads)),
 }
-MPNET_LAYER_NAMES = {
-    "encoder.layer.{i}.attention.attn.q.weight": ("q_weight", lambda c: (c.hidden_size, c.hidden_size)),
-    "encoder.layer.{i}.attention.attn.q.bias": ("q_bias", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.attention.attn.k.weight": ("k_weight", lambda c: (c.hidden_size, c.hidden_size)),
-    "encoder.layer.{i}.attention.attn.k.bias": ("k_bias", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.attention.attn.v.weight": ("v_weight", lambda c: (c.hidden_size, c.hidden_size)),
-    "encoder.layer.{i}.attention.attn.v.bias": ("v_bias", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.attention.attn.o.weight": ("attn_out_weight", lambda c: (c.hidden_size, c.hidden_size)),
-    "encoder.layer.{i}.attention.attn.o.bias": ("attn_out_bias", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.attention.LayerNorm.weight": ("attn_ln_gamma", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.attention.LayerNorm.bias": ("attn_ln_beta", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.intermediate.dense.weight": ("ffn_in_weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    "encoder.layer.{i}.intermediate.dense.bias": ("ffn_in_bias", lambda c: (c.intermediate_size,)),
-    "encoder.layer.{i}.output.dense.weight": ("ffn_out_weight", lambda c: (c.hidden_size, c.intermediate_size)),
-    "encoder.layer.{i}.output.dense.bias": ("ffn_out_bias", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.output.LayerNorm.weight": ("ffn_ln_gamma", lambda c: (c.hidden_size,)),
-    "encoder.layer.{i}.output.LayerNorm.bias": ("ffn_ln_beta", lambda c: (c.hidden_size,)),
-}
+MPNET_LAYER_NAMES = _bert_layer_names("encoder.layer.{i}.", (
+    "attention.attn.q", "attention.attn.k", "attention.attn.v", "attention.attn.o", "attention.LayerNorm",
+    "intermediate.dense", "output.dense", "output.LayerNorm"))
 MPNET_IGNORED = [re.compile(p) for p in (
     r"(mpnet\.)?embeddings\.position_ids",
     r"(mpnet\.)?pooler\..+",

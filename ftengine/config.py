@@ -226,7 +226,6 @@ class BertConfig:
             family="distilbert",
         )
 
-
     @classmethod
     def _modernbert(cls, keys: _Keys, path: Path) -> "BertConfig":
         """ModernBERT's keys as the Hub's config.json files have them (global_attn_every_n_layers,
