@@ -48,3 +48,12 @@ def st_model(tmp_path_factory):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="module")
+def cuda_translator():
+    """Translator.from_pretrained on the CUDA backend (skips where there is no usable GPU)."""
+    if not _cuda_usable():
+        pytest.skip("needs a CUDA GPU and CuPy")
+    from ftengine import Translator
+    return lambda folder, **kw: Translator.from_pretrained(folder, device="cuda", **kw)

@@ -241,15 +241,6 @@ def hf_gpu(marian_gpu):
             transformers.MarianTokenizer.from_pretrained(marian_gpu))
 
 
-@pytest.fixture(scope="module")
-def cuda_translator():
-    pytest.importorskip("cupy")
-    from ftengine.backends import cuda_available
-    if not cuda_available():
-        pytest.skip("needs a CUDA GPU and CuPy")
-    return lambda folder, **kw: Translator.from_pretrained(folder, device="cuda", **kw)
-
-
 GPU_OPTIONS = [{}, {"num_beams": 4}, {"num_beams": 3, "num_return_sequences": 2, "length_penalty": 0.6}]
 
 

@@ -204,15 +204,6 @@ def test_pads_take_no_position_as_in_hf(name, text, tmp_path):
     assert_pads_take_no_position(name, write_family(name, tmp_path, seed=5), numpy_ops, text, 3.0)
 
 
-@pytest.fixture(scope="module")
-def cuda_translator():
-    pytest.importorskip("cupy")
-    from ftengine.backends import cuda_available
-    if not cuda_available():
-        pytest.skip("needs a CUDA GPU and CuPy")
-    return lambda folder, **kw: Translator.from_pretrained(folder, device="cuda", **kw)
-
-
 @pytest.fixture(scope="module", params=list(LANGUAGES))
 def family_gpu(request, tmp_path_factory):
     """Head size 32, which the CUDA encoder's fused attention takes."""
