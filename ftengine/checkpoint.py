@@ -143,7 +143,8 @@ _TOKENS_POSITIONS = {
     "embeddings.position_embeddings.weight": ("pos_emb", lambda c: (c.max_position_embeddings + c.position_offset,
                                                                      c.hidden_size)),
 }
-_EMBEDDING_NORM = {"embeddings.LayerNorm.weight": ("emb_ln_gamma", _h), "embeddings.LayerNorm.bias": ("emb_ln_beta", _h)}
+_EMBEDDING_NORM = {"embeddings.LayerNorm.weight": ("emb_ln_gamma", _h),
+                   "embeddings.LayerNorm.bias": ("emb_ln_beta", _h)}
 BERT_EMBEDDING_NAMES = {**_TOKENS_POSITIONS,
                         "embeddings.token_type_embeddings.weight": ("type_emb", lambda c: (c.type_vocab_size,
                                                                                             c.hidden_size)),

@@ -46,9 +46,9 @@ def _widest(t: str, v: int, names: list[str]) -> list[str]:
 
 
 def _gemv(t: str, v: int) -> list[str]:
-    return [f"gemv<{t}, {o}, {v}, {c}>" for o in dict.fromkeys((t, "float")) for c in GEMV_COLS] + _widest(
-        t, v, [] if t == "float" else [skinny_name(t, o, tiles) for o in (t, "float") for tiles in SKINNY_TILES.values()]
-        + [skinny_name(t, "float", tiles) for tiles in SPLIT_TILES.values()])
+    skinny = [] if t == "float" else ([skinny_name(t, o, tiles) for o in (t, "float") for tiles in SKINNY_TILES.values()]
+                                      + [skinny_name(t, "float", tiles) for tiles in SPLIT_TILES.values()])
+    return [f"gemv<{t}, {o}, {v}, {c}>" for o in dict.fromkeys((t, "float")) for c in GEMV_COLS] + _widest(t, v, skinny)
 
 
 # file -> (element type t, vector width v) -> the kernels of the files whose kernels read rows in
