@@ -7,7 +7,7 @@ second process reads the first one's choices). Each process: the runner built, o
 (no product of 4,096 rows or more: no trial) to load the kernels, then per batch shape its first
 call (planning with the trial where there is one, graph capture, replay: end to end, synchronised)
 and the median of 10 calls after it. A process first run before the four, its figures dropped,
-fills CuPy's kernel cache.
+fills the kernel cache.
 
 Usage: python bench/bench_algo_cache.py --out bench/results
 """
