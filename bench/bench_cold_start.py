@@ -52,8 +52,7 @@ asked = []
 families.prepare = lambda files, types, only: asked.append((files, types, only))
 encoder, decoder = load_bert_config(Path(sys.argv[1])), load_gpt2_config(Path(sys.argv[2]))
 # as BertRunner and GPT2Runner ask for these models
-families.prepare_kernels(bert.KERNEL_FILES["packed"], "fp16", head_dims=(encoder.head_dim,), gelu_product=encoder.gelu,
-                         ln_product=True, rows=(encoder.hidden_size, encoder.head_dim, encoder.intermediate_size))
+bert.prepare_kernels(encoder, families, "fp16", "packed")
 gpt2.prepare_kernels(decoder, families, "fp16")
 for run, (files, types, only) in zip(("encode", "generate"), asked):
     for file, key, index in kernels.modules_of(files, types, only=only):

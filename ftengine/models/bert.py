@@ -56,6 +56,19 @@ def check_fp8(config: BertConfig):
                           f"FP8 operands); this model has {', '.join(odd)}")
 
 
+def prepare_kernels(config: BertConfig, ops, dtype: str, layout: str):
+    """Compile (or load) the kernels a runner of this model launches (ops.prepare_kernels): its
+    layout's files, ModernBERT's and fp8's where they apply; the wgmma products for the runners
+    whose layers end in them (neither fp8 nor ModernBERT)."""
+    modern, fp8 = config.family == "modernbert", dtype == "fp8"
+    # ModernBERT's local layers attend within windows, MPNet's layers with a relative bias
+    general = tuple(sorted(set(config.local_layers))) if modern else (bool(config.relative_buckets),)
+    ops.prepare_kernels(KERNEL_FILES[layout] + (MODERNBERT_FILES if modern else ()) + (FP8_FILES if fp8 else ()), dtype,
+                        head_dims=(config.head_dim,), general=general,
+                        gelu_product=None if fp8 or modern else config.gelu, ln_product=not (fp8 or modern),
+                        rows=(config.hidden_size, config.head_dim, config.intermediate_size))
+
+
 @dataclass
 class Batch:
     """Host-side inputs of B ragged sequences, their tokens back to back."""
@@ -199,13 +212,7 @@ class BertRunner:
         self.dtype = ops.storage_dtype(dtype)
         self.max_seq_len = max_seq_len
         self.modern = config.family == "modernbert"
-        # ModernBERT's local layers attend within windows, MPNet's layers with a relative bias
-        general = tuple(sorted(set(config.local_layers))) if self.modern else (bool(config.relative_buckets),)
-        ops.prepare_kernels(KERNEL_FILES[layout] + (MODERNBERT_FILES if self.modern else ())
-                            + (FP8_FILES if self.fp8 else ()), dtype, head_dims=(config.head_dim,), general=general,
-                            gelu_product=None if self.fp8 or self.modern else config.gelu,
-                            ln_product=not (self.fp8 or self.modern),
-                            rows=(config.hidden_size, config.head_dim, config.intermediate_size))
+        prepare_kernels(config, ops, dtype, layout)
         up = lambda a: ops.to_device(a, self.dtype)  # noqa: E731
         self.word_emb = up(weights.word_emb)        # (V, H)
         self.pos_emb = up(weights.pos_emb)          # (P, H)
