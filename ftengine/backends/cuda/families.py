@@ -73,7 +73,7 @@ BY_WIDTH = {
 
 
 def _all_widths(file: str):
-    return lambda t: [n for v in VECS[t] for n in BY_WIDTH[file](t, v)]
+    return lambda t: [n for part in sections(file, t) for n in part]
 
 
 def sections(file: str, t: str) -> list[list[str]]:
