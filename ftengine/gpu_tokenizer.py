@@ -160,9 +160,10 @@ class GpuTokenizer:
         host_lengths = np.array(ops.to_host(lengths), dtype=np.int32)
         host_flags = np.array(ops.to_host(flags), dtype=np.uint8)
         offsets = np.cumsum(host_lengths, dtype=np.int64) - host_lengths
-        packed = ops.empty((max(int(host_lengths.sum()), 1),), np.int32)
+        total = int(host_lengths.sum())
+        packed = ops.empty((max(total, 1),), np.int32)
         ops.pack_rows(ids, lengths, ops.to_device(offsets), packed)
-        return np.array(ops.to_host(packed), dtype=np.int32)[:int(host_lengths.sum())], host_lengths, host_flags
+        return np.asarray(ops.to_host(packed))[:total], host_lengths, host_flags  # a new array: no second copy
 
 
 def _splice(tokens: TokenizedTexts, redo: np.ndarray, cpu: TokenizedTexts) -> TokenizedTexts:

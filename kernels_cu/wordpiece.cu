@@ -23,18 +23,20 @@ __device__ __forceinline__ unsigned long long wp_mix(unsigned long long z) {  //
 }
 
 struct WpTrie {
-    const unsigned long long* keys;   // (S,) node << 21 | code point; all ones: free
-    const int* children;              // (S,)
-    unsigned long long mask;          // S - 1
-    const int* node_token;            // (nodes,) token id or -1
+    const ulonglong2* slots;   // (S,): {node << 21 | code point (all ones: free), child | child's token << 32}
+    unsigned long long mask;   // S - 1
 
-    __device__ __forceinline__ int child(int node, unsigned cp) const {
+    // The child of `node` along `cp` (-1: none); token: the token the child spells (-1: none).
+    __device__ __forceinline__ int child(int node, unsigned cp, int& token) const {
         const unsigned long long key = ((unsigned long long)node << 21) | cp;
         unsigned long long slot = wp_mix(key) & mask;
         while (true) {
-            const unsigned long long found = __ldg(keys + slot);
-            if (found == key) return __ldg(children + slot);
-            if (found == ~0ull) return -1;
+            const ulonglong2 found = __ldg(slots + slot);
+            if (found.x == key) {
+                token = (int)(unsigned)(found.y >> 32);
+                return (int)(unsigned)found.y;
+            }
+            if (found.x == ~0ull) return -1;
             slot = (slot + 1) & mask;
         }
     }
@@ -66,6 +68,10 @@ __device__ __forceinline__ int wp_decode(const unsigned char* text, long long& p
     return (int)cp;
 }
 
+// A text's pieces, matched as its characters arrive: each character takes one step of the trie walk,
+// so that the threads of a warp (each on its own text) walk together instead of each walking a whole
+// word while the others wait. Longest match first, as WordPiece: when the walk from a piece's start
+// can go no further, its longest token is the piece and the walk starts again after it.
 struct WpText {
     int* row;            // the text's ids: prefix, pieces, suffix
     int offset;          // where pieces start (the prefix's length)
@@ -75,33 +81,58 @@ struct WpText {
     unsigned word[WP_MAX_WORD];
     int pieces[WP_MAX_WORD];
     int wlen = 0;        // the word's characters (max_word + 1: too long)
+    int n = 0;           // the word's pieces so far
+    int start = 0;       // where the piece being walked starts
+    int node = 0;        // the trie node spelling word[start, wlen)
+    int best_end = -1, best_id = -1;   // the longest token from `start` so far
+    bool bad = false;    // a part of the word matches no piece: the word is the unknown token
 
-    // The word so far as pieces (longest match first; the unknown token for a word that is too long or has a
-    // part that no piece matches), written while they fit.
-    __device__ void flush(const WpTrie& trie, int unk, int max_word) {
-        if (wlen == 0 || truncated) { wlen = 0; return; }
-        int n = 0;
-        if (wlen > max_word) {
-            pieces[n++] = unk;
-        } else {
-            for (int s = 0; s < wlen;) {
-                int node = s == 0 ? 0 : 1, best_end = -1, best_id = -1;
-                for (int e = s; e < wlen; ++e) {
-                    node = trie.child(node, word[e]);
-                    if (node < 0) break;
-                    const int token = __ldg(trie.node_token + node);
-                    if (token >= 0) { best_end = e + 1; best_id = token; }
-                }
-                if (best_end < 0) { n = 0; pieces[n++] = unk; break; }
-                pieces[n++] = best_id;
-                s = best_end;
+    __device__ void add(const WpTrie& trie, unsigned c, int max_word) {
+        if (wlen >= max_word) { wlen = max_word + 1; return; }
+        word[wlen++] = c;
+        if (bad) return;
+        int token;
+        node = trie.child(node, c, token);
+        if (node < 0) settle(trie, wlen);
+        else if (token >= 0) { best_end = wlen; best_id = token; }
+    }
+
+    // The walk from `start` ended before `end`: its longest token is a piece, and the walk goes again
+    // from there to `end`, until one is still going at `end` or a part matches no token.
+    __device__ void settle(const WpTrie& trie, int end) {
+        while (node < 0) {
+            if (best_end < 0) { bad = true; return; }
+            pieces[n++] = best_id;
+            start = best_end;
+            best_end = -1;
+            node = 1;
+            for (int k = start; k < end && node >= 0; ++k) {
+                int token;
+                node = trie.child(node, word[k], token);
+                if (node >= 0 && token >= 0) { best_end = k + 1; best_id = token; }
             }
         }
-        for (int k = 0; k < n; ++k) {
-            if (count == capacity) { truncated = true; break; }
-            row[offset + count++] = pieces[k];
+    }
+
+    // The word ends: its last pieces, written while they fit (the unknown token for a word that is
+    // too long or has a part that no piece matches).
+    __device__ void flush(const WpTrie& trie, int unk, int max_word) {
+        if (wlen > 0 && !truncated) {
+            if (wlen > max_word) bad = true;
+            while (!bad) {
+                if (best_end == wlen) { pieces[n++] = best_id; break; }
+                node = -1;
+                settle(trie, wlen);
+            }
+            if (bad) { n = 1; pieces[0] = unk; }
+            for (int k = 0; k < n; ++k) {
+                if (count == capacity) { truncated = true; break; }
+                row[offset + count++] = pieces[k];
+            }
         }
-        wlen = 0;
+        wlen = n = start = node = 0;
+        best_end = best_id = -1;
+        bad = false;
     }
 };
 
@@ -111,27 +142,30 @@ struct WpText {
 // added token's normal form among its characters, a cut text not truncated). The checks stop `tail`
 // normalised characters after the one that truncated the text (tail: the longest added token's
 // length less one), so that a thread's work is bounded by max_length, not by its text; only the
-// UTF-8 decoding goes on to the end.
+// UTF-8 decoding goes on to the end. The first `lanes` lanes of each warp take a text each: fewer
+// than 32 where the texts are few, since the lanes of a warp wait for each other's branches.
 __global__ void wordpiece_tokenize(
     const unsigned char* __restrict__ text, const long long* __restrict__ starts,
     const long long* __restrict__ stops, const unsigned char* __restrict__ cut, int n,
     const unsigned* __restrict__ char_map, const unsigned* __restrict__ expansions,
-    const unsigned long long* __restrict__ trie_keys, const int* __restrict__ trie_children,
-    unsigned long long trie_mask, const int* __restrict__ node_token,
+    const ulonglong2* __restrict__ trie_slots, unsigned long long trie_mask,
     const int* __restrict__ patterns, const int* __restrict__ pattern_offsets, int n_patterns,
     const int* __restrict__ prefix, int n_prefix, const int* __restrict__ suffix, int n_suffix,
-    int unk, int max_word, int max_length, int tail,
+    int unk, int max_word, int max_length, int tail, int lanes,
     int* __restrict__ ids, int* __restrict__ lengths, unsigned char* __restrict__ flags) {
     wait_for_previous();
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const WpTrie trie{trie_keys, trie_children, trie_mask, node_token};
+    const int lane = threadIdx.x & 31;
+    const int i = (blockIdx.x * blockDim.x + threadIdx.x) / 32 * lanes + lane;
+    if (lane >= lanes || i >= n) return;
+    const WpTrie trie{trie_slots, trie_mask};
     WpText t;
     t.row = ids + (long long)i * max_length;
     t.offset = n_prefix;
     t.capacity = max_length - n_prefix - n_suffix;
     for (int k = 0; k < n_prefix; ++k) t.row[k] = prefix[k];
     unsigned ring[WP_MAX_PATTERN];   // the last normalised characters, for the added tokens
+    unsigned last_chars = 0;         // bit c % 32 for the last character c of each added token
+    for (int j = 0; j < n_patterns; ++j) last_chars |= 1u << (patterns[pattern_offsets[j + 1] - 1] & 31);
     int seen = 0;
     int stop_at = 0x7FFFFFFF;        // once truncated: `tail` more characters, for an added token begun before
     bool on_cpu = false;
@@ -150,7 +184,7 @@ __global__ void wordpiece_tokenize(
             const unsigned c = v & WP_CP_MASK, cls = (v >> WP_CLASS_SHIFT) & 3;
             ring[seen % WP_MAX_PATTERN] = c;
             ++seen;
-            for (int j = 0; j < n_patterns; ++j) {
+            for (int j = 0; j < n_patterns && (last_chars >> (c & 31) & 1); ++j) {
                 const int a = pattern_offsets[j], len = pattern_offsets[j + 1] - a;
                 if (len > seen || (unsigned)patterns[a + len - 1] != c) continue;
                 bool same = true;
@@ -160,13 +194,11 @@ __global__ void wordpiece_tokenize(
             }
             if (on_cpu || t.truncated) continue;   // once truncated only the checks above still run
             if (cls == WP_WORD) {
-                if (t.wlen < max_word) t.word[t.wlen] = c;
-                t.wlen = min(t.wlen + 1, max_word + 1);
+                t.add(trie, c, max_word);
             } else {
                 t.flush(trie, unk, max_word);
                 if (cls == WP_PUNCT) {
-                    t.word[0] = c;
-                    t.wlen = 1;
+                    t.add(trie, c, max_word);
                     t.flush(trie, unk, max_word);
                 }
                 if (t.truncated) stop_at = seen + tail;

@@ -394,6 +394,17 @@ def test_kernel_matches_its_twin(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lanes", [1, 3, 32])
+def test_any_number_of_texts_a_warp_gives_the_same_results(case, lanes, monkeypatch):
+    """The kernel's warps take 1-32 texts each, by the call's size; here each count on one call whose
+    texts do not fill its last block."""
+    from ftengine.backends.cuda import wordpiece as cuda_wordpiece
+    data, tables, hf = case
+    monkeypatch.setattr(cuda_wordpiece, "text_lanes", lambda n: lanes)
+    _assert_twins(tables, _random_texts(7, 1_001) + _realistic_lines(data, 8, 1_000))
+
+
+@pytest.mark.gpu
 def test_a_million_lines_on_the_gpu():
     from ftengine.backends.cuda import ops as cuda_ops
     data = _base()

@@ -10,12 +10,12 @@ import numpy as np
 from .kernels import prepare
 from .runtime import _launch, context, to_device
 
-TEXT_THREADS = 32    # texts (threads) a block: small, so that a group of texts spreads over every SM
+TEXT_WARPS = 2       # warps a block
+WARP_SLOTS = 32      # warps a multiprocessor is given before a warp takes more than one text
 PACK_THREADS = 128
 _uploads = weakref.WeakKeyDictionary()  # tables -> {device id: their arrays on that device}
 _uploads_lock = threading.Lock()
-_ARRAYS = ("char_map", "expansions", "trie_keys", "trie_children", "node_token", "patterns", "pattern_offsets",
-           "prefix", "suffix")
+_ARRAYS = ("char_map", "expansions", "patterns", "pattern_offsets", "prefix", "suffix")
 
 
 def _on_device(tables) -> dict:
@@ -25,8 +25,22 @@ def _on_device(tables) -> dict:
         per_device = _uploads.setdefault(tables, {})
         if device not in per_device:
             per_device[device] = {name: to_device(getattr(tables, name)) for name in _ARRAYS}
+            per_device[device]["trie_slots"] = to_device(_trie_slots(tables))
             context().stream.synchronize()
         return per_device[device]
+
+
+def _trie_slots(tables) -> np.ndarray:
+    """(S, 2) uint64: each slot's key, and its child | the child's token << 32 (one load a trie step)."""
+    children = tables.trie_children
+    tokens = np.where(children >= 0, tables.node_token[np.maximum(children, 0)], -1)
+    value = children.astype(np.uint32).astype(np.uint64) | tokens.astype(np.uint32).astype(np.uint64) << np.uint64(32)
+    return np.stack([tables.trie_keys, value], axis=1)
+
+
+def text_lanes(n: int) -> int:
+    """Texts a warp takes for a call of n: as few as give every multiprocessor WARP_SLOTS warps."""
+    return max(1, min(32, -(-n // (WARP_SLOTS * context().sm_count))))
 
 
 def prepare_wordpiece():
@@ -41,12 +55,13 @@ def wordpiece_tokenize(tables, text, starts, stops, cut, ids, lengths, flags):
     if n == 0:
         return
     d = _on_device(tables)
-    _launch("wordpiece.cu", "wordpiece_tokenize", (-(-n // TEXT_THREADS),), (TEXT_THREADS,),
-            (text, starts, stops, cut, np.int32(n), d["char_map"], d["expansions"], d["trie_keys"],
-             d["trie_children"], np.uint64(len(tables.trie_keys) - 1), d["node_token"], d["patterns"],
+    lanes = text_lanes(n)
+    _launch("wordpiece.cu", "wordpiece_tokenize", (-(-n // (lanes * TEXT_WARPS)),), (32 * TEXT_WARPS,),
+            (text, starts, stops, cut, np.int32(n), d["char_map"], d["expansions"], d["trie_slots"],
+             np.uint64(len(tables.trie_keys) - 1), d["patterns"],
              d["pattern_offsets"], np.int32(len(tables.pattern_offsets) - 1), d["prefix"], np.int32(len(tables.prefix)),
              d["suffix"], np.int32(len(tables.suffix)), np.int32(tables.unk), np.int32(tables.max_word),
-             np.int32(tables.max_length), np.int32(tables.tail), ids, lengths, flags))
+             np.int32(tables.max_length), np.int32(tables.tail), np.int32(lanes), ids, lengths, flags))
 
 
 def pack_rows(ids, lengths, offsets, out):
