@@ -548,12 +548,17 @@ class BertRunner:
 
     def hidden_states(self, batch: Batch) -> list:
         """Last hidden states as float32 host arrays, one (length, H) array per sequence."""
-        while self._in_flight:
-            self._in_flight.popleft().wait()
-        t, b, s = self._load_inputs(batch)
+        t, b, s = self._load_alone(batch)
         self.graphs.run(("hidden", t, b, s), lambda: self._encoder_layers(t, b, s))
         return self._per_sequence(
             self.ops.to_host(self.ws.view("hidden", (t, self.config.hidden_size))).astype(np.float32), batch, s)
+
+    def _load_alone(self, batch: Batch) -> tuple:
+        """_load_inputs for a pass whose result is read at once (hidden states, token logits): the
+        batches in flight finish first, since it loads through a staging slot they may still use."""
+        while self._in_flight:
+            self._in_flight.popleft().wait()
+        return self._load_inputs(batch)
 
     def _per_sequence(self, rows: np.ndarray, batch: Batch, s: int) -> list:
         """A pass's token rows (at its bucketed shape, longest s) as one array per sequence."""
@@ -567,9 +572,7 @@ class BertRunner:
         so that only the labels' logits come back."""
         if self.token_head is None:
             raise InputError("this runner has no token head")
-        while self._in_flight:
-            self._in_flight.popleft().wait()
-        t, b, s = self._load_inputs(batch)
+        t, b, s = self._load_alone(batch)
         weight, bias = self.token_head
         logits = self.ws.view("token_logits", (t, bias.shape[0]))
 
