@@ -142,16 +142,18 @@ struct WpText {
 // added token's normal form among its characters, a cut text not truncated). The checks stop `tail`
 // normalised characters after the one that truncated the text (tail: the longest added token's
 // length less one), so that a thread's work is bounded by max_length, not by its text; only the
-// UTF-8 decoding goes on to the end. The first `lanes` lanes of each warp take a text each: fewer
-// than 32 where the texts are few, since the lanes of a warp wait for each other's branches.
+// UTF-8 decoding goes on to the end. last_chars: bit c % 32 set for the last character c of each
+// added token (one is looked for only at such a character). The first `lanes` lanes of each warp
+// take a text each: fewer than 32 where the texts are few, since a warp's lanes wait for each
+// other's branches.
 __global__ void wordpiece_tokenize(
     const unsigned char* __restrict__ text, const long long* __restrict__ starts,
     const long long* __restrict__ stops, const unsigned char* __restrict__ cut, int n,
     const unsigned* __restrict__ char_map, const unsigned* __restrict__ expansions,
     const ulonglong2* __restrict__ trie_slots, unsigned long long trie_mask,
     const int* __restrict__ patterns, const int* __restrict__ pattern_offsets, int n_patterns,
-    const int* __restrict__ prefix, int n_prefix, const int* __restrict__ suffix, int n_suffix,
-    int unk, int max_word, int max_length, int tail, int lanes,
+    unsigned last_chars, const int* __restrict__ prefix, int n_prefix, const int* __restrict__ suffix,
+    int n_suffix, int unk, int max_word, int max_length, int tail, int lanes,
     int* __restrict__ ids, int* __restrict__ lengths, unsigned char* __restrict__ flags) {
     wait_for_previous();
     const int lane = threadIdx.x & 31;
@@ -164,8 +166,6 @@ __global__ void wordpiece_tokenize(
     t.capacity = max_length - n_prefix - n_suffix;
     for (int k = 0; k < n_prefix; ++k) t.row[k] = prefix[k];
     unsigned ring[WP_MAX_PATTERN];   // the last normalised characters, for the added tokens
-    unsigned last_chars = 0;         // bit c % 32 for the last character c of each added token
-    for (int j = 0; j < n_patterns; ++j) last_chars |= 1u << (patterns[pattern_offsets[j + 1] - 1] & 31);
     int seen = 0;
     int stop_at = 0x7FFFFFFF;        // once truncated: `tail` more characters, for an added token begun before
     bool on_cpu = false;

@@ -26,6 +26,7 @@ def _on_device(tables) -> dict:
         if device not in per_device:
             per_device[device] = {name: to_device(getattr(tables, name)) for name in _ARRAYS}
             per_device[device]["trie_slots"] = to_device(_trie_slots(tables))
+            per_device[device]["last_chars"] = _last_chars(tables)
             context().stream.synchronize()
         return per_device[device]
 
@@ -36,6 +37,12 @@ def _trie_slots(tables) -> np.ndarray:
     tokens = np.where(children >= 0, tables.node_token[np.maximum(children, 0)], -1)
     value = children.astype(np.uint32).astype(np.uint64) | tokens.astype(np.uint32).astype(np.uint64) << np.uint64(32)
     return np.stack([tables.trie_keys, value], axis=1)
+
+
+def _last_chars(tables) -> np.uint32:
+    """Bit c % 32 set for the last character c of each added token: the kernel looks for one only there."""
+    lasts = tables.patterns[tables.pattern_offsets[1:] - 1].astype(np.uint32) & np.uint32(31)
+    return np.bitwise_or.reduce(np.uint32(1) << lasts, initial=np.uint32(0)).astype(np.uint32)
 
 
 def text_lanes(n: int) -> int:
@@ -59,7 +66,8 @@ def wordpiece_tokenize(tables, text, starts, stops, cut, ids, lengths, flags):
     _launch("wordpiece.cu", "wordpiece_tokenize", (-(-n // (lanes * TEXT_WARPS)),), (32 * TEXT_WARPS,),
             (text, starts, stops, cut, np.int32(n), d["char_map"], d["expansions"], d["trie_slots"],
              np.uint64(len(tables.trie_keys) - 1), d["patterns"],
-             d["pattern_offsets"], np.int32(len(tables.pattern_offsets) - 1), d["prefix"], np.int32(len(tables.prefix)),
+             d["pattern_offsets"], np.int32(len(tables.pattern_offsets) - 1), d["last_chars"],
+             d["prefix"], np.int32(len(tables.prefix)),
              d["suffix"], np.int32(len(tables.suffix)), np.int32(tables.unk), np.int32(tables.max_word),
              np.int32(tables.max_length), np.int32(tables.tail), np.int32(lanes), ids, lengths, flags))
 
