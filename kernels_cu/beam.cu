@@ -139,6 +139,7 @@ __global__ void __launch_bounds__(256) beam_candidates(
         const float* __restrict__ stats, const float* __restrict__ logits, const int* __restrict__ seq,
         const float* __restrict__ run_scores, const int* __restrict__ starts, const int* __restrict__ flags,
         const int* __restrict__ step_counter, const int* __restrict__ eos, int n_eos,
+        const int* __restrict__ banned, const int* __restrict__ n_banned,
         int V, int L, int nb, int keep, int chunk, float penalty, int min_new, int ngram,
         float* __restrict__ renorm, int renormalize) {
     wait_then_launch_next();
@@ -171,6 +172,10 @@ __global__ void __launch_bounds__(256) beam_candidates(
     }
     if (step < min_new && threadIdx.x < n_eos && eos[threadIdx.x] >= lo && eos[threadIdx.x] < hi)
         s[eos[threadIdx.x] - lo] = -FT_INFINITY;
+    for (int i = threadIdx.x; i < *n_banned; i += blockDim.x) {  // HF's bad_words_ids, after the log-softmax
+        const int token = banned[i];
+        if (token >= lo && token < hi) s[token - lo] = -FT_INFINITY;
+    }
     __syncthreads();
     float base = run_scores[r];
     if (renormalize) {  // the processed slice's max and sum of exp(s - max), as beam_logsumexp's

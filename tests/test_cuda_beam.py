@@ -67,7 +67,7 @@ def test_too_many_beam_candidates_for_the_gpu_is_a_clear_error(gpt2):  # noqa: F
         gen.generate(["hi"], max_new_tokens=4, num_beams=33, eos_token_id=PAD + 1)
 
 
-def _beam_state(prompts, nb, length, max_new):
+def _beam_state(prompts, nb, length, max_new, banned=()):
     """A beam state as GPT2Runner.beam_start uploads it (NumPy), with the CUDA kernels' scratch."""
     batch, r = len(prompts), len(prompts) * nb
     seq = np.zeros((r, length), np.int32)
@@ -79,22 +79,27 @@ def _beam_state(prompts, nb, length, max_new):
         fin_scores=np.full(r, NEG, np.float32), fin_len=np.zeros(r, np.int32), fin_flag=np.zeros(r, np.int32),
         next_ids=np.zeros(r, np.int32), next_pos=np.zeros(r, np.int32),
         flags=np.tile(np.array([1, 0, 0], np.int32), (batch, 1)), starts=np.array([len(p) for p in prompts], np.int32),
-        max_new=np.array([max_new], np.int32), step=np.zeros(1, np.int32))
+        max_new=np.array([max_new], np.int32), step=np.zeros(1, np.int32),
+        banned=np.array(list(banned) or [0], np.int32), n_banned=np.array([len(banned)], np.int32))
 
 
 RENORMALIZED = dict(renormalize_logits=True, repetition_penalty=1.4, no_repeat_ngram_size=2, min_new_tokens=2)
 
 
-@pytest.mark.parametrize("num_beams, eos, options", [(4, (7,), {}), (4, (7, 50256), {}), (16, (7,), {}),
-                                                     (4, (7, 50256), RENORMALIZED)])
-def test_cuda_beam_step_matches_the_reference_over_vocabulary_slices(cu, num_beams, eos, options):
+BANNED = (3, 4095, 4096, 50000, 50255)  # slice edges, and the last (partial) slice
+
+
+@pytest.mark.parametrize("num_beams, eos, options, banned", [
+    (4, (7,), {}, ()), (4, (7, 50256), {}, ()), (16, (7,), {}, ()), (4, (7, 50256), RENORMALIZED, ()),
+    (4, (7,), {}, BANNED), (4, (7, 50256), RENORMALIZED, BANNED)])
+def test_cuda_beam_step_matches_the_reference_over_vocabulary_slices(cu, num_beams, eos, options, banned):
     """ops.beam_select against decoding/beam.py reference_step, step by step on random logits over
     GPT-2's vocabulary (13 slices of CANDIDATE_CHUNK tokens, the last one partial), three prompts
     until every one is done (eos ids favoured at some steps, max_new_tokens 5): the same tokens,
     parents, cache indirection, lengths and flags, scores within BEAM_SCORE_FP32; 4 and 16 beams
     (8 and 32 candidates a prompt), one and two eos ids (one in the last, partial slice); the
     processors with renormalize_logits (prompts with repeats, so that the penalty and the n-gram
-    ban apply)."""
+    ban apply); tokens banned after the log-softmax (bad_words_ids), made likely at some steps."""
     vocab, max_new, length = 50257, 5, 24
     assert -(-vocab // CANDIDATE_CHUNK) == 13 and vocab % CANDIDATE_CHUNK
     rng = np.random.default_rng(num_beams + len(eos))
@@ -104,7 +109,7 @@ def test_cuda_beam_step_matches_the_reference_over_vocabulary_slices(cu, num_bea
     params = GenerationParams(max_new_tokens=max_new, num_beams=num_beams, eos_token_ids=eos,
                               length_penalty=0.8, **options).checked(vocab_size=vocab)
     batch, r = len(prompts), len(prompts) * num_beams
-    host = _beam_state(prompts, num_beams, length, max_new)
+    host = _beam_state(prompts, num_beams, length, max_new, banned)
     slices = -(-vocab // CANDIDATE_CHUNK)
     dev = SimpleNamespace(**{k: cu.to_device(v) for k, v in vars(host).items()},
                           scratch=cu.to_device(np.zeros((3 * r, length), np.int32)),
@@ -116,6 +121,8 @@ def test_cuda_beam_step_matches_the_reference_over_vocabulary_slices(cu, num_bea
         logits = (rng.standard_normal((r, vocab)) * 3).astype(np.float32)
         if step % 2:
             logits[:, list(eos)] += 6.0
+        else:
+            logits[:, list(banned)] += 6.0
         on_device = cu.to_device(logits)
         reference_step(logits, host, np.array(eos), params, batch)
         cu.beam_select(on_device, dev, eos_dev, params=params, batch=batch)

@@ -81,6 +81,35 @@ def test_translations_match_hf_generate(marian, hf, options):
         assert result.text == hf[1].decode(result.candidates[0].token_ids, skip_special_tokens=True)
 
 
+def write_unrenormalized(tmp_path_factory, **shape):
+    """A Marian model that bans tokens (bad_words_ids) without renormalize_logits: its pad, whose
+    probability is near 0 here, and ten that are not."""
+    pad = json.loads((write_marian_checkpoint(tmp_path_factory.mktemp("marian-probe"), seed=3, **shape)
+                      / "config.json").read_text())["pad_token_id"]
+    folder = write_marian_checkpoint(tmp_path_factory.mktemp("marian-unrenormalized"), seed=3, generation={
+        "renormalize_logits": False, "bad_words_ids": [[pad]] + [[token] for token in range(4, 14)]}, **shape)
+    return folder, (transformers.MarianMTModel.from_pretrained(folder).eval(),
+                    transformers.MarianTokenizer.from_pretrained(folder))
+
+
+@pytest.fixture(scope="module")
+def unrenormalized(tmp_path_factory):
+    return write_unrenormalized(tmp_path_factory)
+
+
+BANNED_OPTIONS = [{"num_beams": 4}, {"num_beams": 3, "num_return_sequences": 2, "repetition_penalty": 1.3,
+                                     "no_repeat_ngram_size": 2, "min_new_tokens": 4}]
+
+
+@pytest.mark.parametrize("options", BANNED_OPTIONS, ids=["beam4", "beam3x2-processors"])
+def test_a_ban_without_renormalizing_matches_hf(unrenormalized, options):
+    """Beam search bans a token after the log-softmax, as HF's processor does: the other tokens'
+    log-probabilities keep the banned one's share (a ban on the logits would renormalise them)."""
+    folder, hf = unrenormalized
+    with Translator.from_pretrained(folder, device="cpu") as translator:
+        assert_matches_hf(translator.translate(TEXTS, **options), hf, options)
+
+
 def test_a_batch_of_mixed_lengths_equals_one_by_one(marian):
     with Translator.from_pretrained(marian, device="cpu") as translator:
         for options in ({}, {"num_beams": 3}):
@@ -250,6 +279,14 @@ def test_cuda_fp32_translations_match_hf(marian_gpu, hf_gpu, cuda_translator, op
     with cuda_translator(marian_gpu, dtype="fp32") as translator:
         results = translator.translate(TEXTS, **options)
     assert_matches_hf(results, hf_gpu, options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", BANNED_OPTIONS, ids=["beam4", "beam3x2-processors"])
+def test_cuda_a_ban_without_renormalizing_matches_hf(tmp_path_factory, cuda_translator, options):
+    folder, hf = write_unrenormalized(tmp_path_factory, d_model=64, heads=2, ffn=96)
+    with cuda_translator(folder, dtype="fp32") as translator:
+        assert_matches_hf(translator.translate(TEXTS, **options), hf, options)
 
 
 @pytest.mark.gpu

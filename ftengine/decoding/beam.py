@@ -50,12 +50,14 @@ def reference_step(logits: np.ndarray, st, eos: np.ndarray, params: GenerationPa
     """One step for every prompt not yet done, in place on the state st (see GPT2Runner.beam_state):
     seq / fin_seq / indir (R, L), run_scores / fin_scores / fin_len / fin_flag / next_ids /
     next_pos (R,), flags (B, 3) = improvable, done, non-finite logits; starts (B,); max_new (1,):
-    max_new_tokens; step (1,)."""
+    max_new_tokens; step (1,); banned[:n_banned[0]]: tokens banned after the processors above them
+    (HF's bad_words_ids), before the renormalisation."""
     nb, vocab = params.num_beams, logits.shape[1]
     keep = candidates_per_item(params)
     top_mask = np.arange(keep) < nb
     step = int(st.step[0])
     penalty = params.length_penalty
+    banned = np.asarray(st.banned[:int(st.n_banned[0])], dtype=np.int64)
     for b in range(batch):
         if st.flags[b, 1]:
             continue
@@ -71,6 +73,7 @@ def reference_step(logits: np.ndarray, st, eos: np.ndarray, params: GenerationPa
             seen[i, running[i]] = 1
         histories = [r.tolist() for r in running] if params.no_repeat_ngram_size else None
         log_probs = P.process(_log_softmax(logits[rows]), seen, eos, step, params, histories)
+        log_probs[:, banned] = P.NEG_INF
         if params.renormalize_logits:
             log_probs = _log_softmax(log_probs)
         total = (log_probs + st.run_scores[rows][:, None]).reshape(-1)           # (beams * V,)

@@ -53,6 +53,8 @@ def generation_table(ops, b: int, t: int, v: int, beam_slices: int) -> dict:
         "stats": (2 * b * beam_slices, np.float32),  # (B, slices, 2): log-sum-exp partials
         "renorm": (2 * b * beam_slices, np.float32),  # (B, slices, 2): the same of the processed log-probs
         "keys": (b * beam_slices * KEEP_MAX, np.uint64),
+        "banned": (v, np.int32),              # tokens beam search bans after the log-softmax
+        "n_banned": (1, np.int32),
     }
 
 
@@ -61,7 +63,10 @@ class GenerationRunner:
     (generation_table's entries), with `config.vocab_size`, `vocab` (the logits' row width: the
     vocabulary, or more where a runner pads it; the columns past it are never chosen), `max_batch`,
     `max_len`, `ops`, `graphs` (a GraphCache), `prefill(rows)` and
-    `_decode_launches(b, indirect=False)`."""
+    `_decode_launches(b, indirect=False)`. beam_banned: the tokens beam search bans after its
+    log-softmax, as HF's bad_words_ids processor does."""
+
+    beam_banned: tuple = ()
 
     def _upload(self, name: str, values, dtype=np.int32):
         values = np.ascontiguousarray(values, dtype=dtype)
@@ -158,7 +163,8 @@ class GenerationRunner:
                                flags=ws.view("flags", (batch, 3)), starts=ws.view("starts", (batch,)),
                                max_new=ws.view("max_new", (1,)), step=ws.view("step", (1,)),
                                stats=ws.view("stats", (r, slices, 2)), renorm=ws.view("renorm", (r, slices, 2)),
-                               keys=ws.view("keys", (r * slices * KEEP_MAX,)))
+                               keys=ws.view("keys", (r * slices * KEEP_MAX,)), banned=ws.view("banned", (self.vocab,)),
+                               n_banned=ws.view("n_banned", (1,)))
 
     def _beam_select(self, batch: int, params):
         logits = self.ws.view("logits", (batch * params.num_beams, self.vocab))
@@ -178,6 +184,8 @@ class GenerationRunner:
         state = {"indir": np.repeat(np.arange(r), length).reshape(r, length), "fin_seq": seq,
                  "fin_len": np.zeros(r), "fin_flag": np.zeros(r), "flags": np.tile([1, 0, 0], batch),
                  "starts": [len(p) for p in prompts], "max_new": [params.max_new_tokens]}
+        banned = np.unique(np.asarray(self.beam_banned, np.int32))
+        state.update({"n_banned": [len(banned)], "banned": banned})
         for name, values in state.items():
             self._upload(name, values)
         for name, values in (("run_scores", scores), ("fin_scores", np.full(r, NEG))):

@@ -124,27 +124,34 @@ class Seq2SeqRunner(GenerationRunner):
         first (forced_bos_token_id) and the one forced at the last step (forced_eos_token_id; None:
         none), as biases on the logits after final_logits_bias: NEG on a banned token, and on every
         token but the forced one at its step. The forced token's log-probability is then 0, as HF
-        sets it; at a step both force, eos wins as in HF's processor order."""
-        self._constrained = self._bias.copy()
-        self._constrained[list(banned)] += NEG
-        self._forced = {}
-        for step, token in (("first", forced_bos), ("last", forced_eos)):
-            if token is not None:
-                self._forced[step] = self._constrained + NEG
-                self._forced[step][token] = self._constrained[token]
-        self._upload("logits_bias", self._constrained, np.float32)
-        self._bias_now = self._constrained
+        sets it; at a step both force, eos wins as in HF's processor order. Beam search bans its
+        tokens after the log-softmax instead (beam_banned), as HF does: a bias would take their
+        probability out of the other tokens' log-probabilities, which HF keeps unless it renormalises."""
+        self.beam_banned = tuple(banned)
+        self._biases = {}
+        for beams in (False, True):
+            base = self._bias.copy()
+            if not beams:
+                base[list(banned)] += NEG
+            forced = {}
+            for step, token in (("first", forced_bos), ("last", forced_eos)):
+                if token is not None:
+                    forced[step] = base + NEG
+                    forced[step][token] = base[token]
+            self._biases[beams] = (base, forced)
+        self._bias_now = self._biases[False][0]
+        self._upload("logits_bias", self._bias_now, np.float32)
 
     def _before_step(self, step: int, params):
         """Each step's logits bias (forced first, forced last or the plain one), uploaded in order
         with the steps where it changes."""
-        forced = self._forced
+        plain, forced = self._biases[params.num_beams > 1]
         if step == params.max_new_tokens - 1 and "last" in forced:
             bias = forced["last"]
         elif step == 0 and "first" in forced:
             bias = forced["first"]
         else:
-            bias = self._constrained
+            bias = plain
         if bias is not self._bias_now:
             self._upload("logits_bias", bias, np.float32)
             self._bias_now = bias

@@ -147,8 +147,9 @@ def beam_select(logits, state, eos, *, params, batch):
                                                                   np.int32(nb), np.int32(CANDIDATE_CHUNK)))
     _launch("beam.cu", "beam_candidates", (rows, slices), (256,),
             (state.keys, state.stats, logits, state.seq, state.run_scores, state.starts, state.flags, state.step,
-             eos, np.int32(eos.size), np.int32(v), np.int32(length), np.int32(nb), np.int32(keep),
-             np.int32(CANDIDATE_CHUNK), np.float32(params.repetition_penalty), np.int32(params.min_new_tokens),
+             eos, np.int32(eos.size), state.banned, state.n_banned, np.int32(v), np.int32(length), np.int32(nb),
+             np.int32(keep), np.int32(CANDIDATE_CHUNK), np.float32(params.repetition_penalty),
+             np.int32(params.min_new_tokens),
              np.int32(params.no_repeat_ngram_size), state.renorm, np.int32(params.renormalize_logits)),
             shared_mem=CANDIDATE_CHUNK * 4)
     _launch("beam.cu", "beam_select", (batch,), (256,),
