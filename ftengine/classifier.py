@@ -32,7 +32,7 @@ class SequenceHead:
     def from_pretrained(cls, path, device: str = "auto", dtype: str | None = None, *, max_length: int | None = None,
                         cuda_graphs: bool = True, layout: str = "auto", tokenizer: str = "auto"):
         """Load a ...ForSequenceClassification folder (config.json, model.safetensors, tokenizer.json).
-        tokenizer: as Encoder.from_pretrained's (pairs are tokenised on the CPU)."""
+        tokenizer: as Encoder.from_pretrained's (pairs too)."""
         return cls(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs, layout=layout,
                    tokenizer=tokenizer)
 

@@ -310,7 +310,7 @@ def _ranges(precision: str, ranges_path, calibration_path):
               help="Service processes on one port, each with its own copy of the model: HTTP and JSON work "
                    "in parallel, batches packed per process.")
 @click.option("--tokenizer", type=click.Choice(TOKENIZER_CHOICES), default="auto", show_default=True,
-              help="Where WordPiece models are tokenised, as for encode (NER models and reranker pairs: the CPU).")
+              help="Where WordPiece models are tokenised, as for encode (NER models: the CPU).")
 def serve(model_paths, host, port, device, dtype, max_batch_tokens, max_client_batch_size, max_input_length,
           max_concurrent_requests, api_key, api_key_file, workers, tokenizer):
     """Serve a model over HTTP: an embedding model at TEI's POST /embed and OpenAI's POST

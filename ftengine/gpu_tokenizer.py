@@ -9,14 +9,15 @@ result is always `tokenizers`' own. Runs on the backend's ops: the CUDA kernels,
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
 
 from .errors import DeviceError, InputError, say_once
 from .textio import RawTexts
-from .tokenizer import PREFIX_CHARS_PER_TOKEN, TokenizedTexts, Tokenizer, check_texts
-from .wordpiece import ON_CPU, TRUNCATED, build_tables, unsupported
+from .tokenizer import PREFIX_CHARS_PER_TOKEN, TokenizedTexts, Tokenizer, check_pairs, check_texts
+from .wordpiece import ON_CPU, TRUNCATED, PairLayout, build_tables, pair_layout, unsupported
 
 TOKENIZER_CHOICES = ("auto", "gpu", "cpu")
 # a text of more bytes than max_length x this goes to the device cut (at a character): no kept piece
@@ -54,6 +55,7 @@ class GpuTokenizer:
         self._cpu = cpu
         self._ops = ops
         self._tables = None
+        self._pairs = None   # (PairLayout, the tables of a pair's texts), or why pairs stay on the CPU
         self._error = None
         self._ready = threading.Event()
         data = cpu.definition if definition is None else definition
@@ -62,6 +64,7 @@ class GpuTokenizer:
     def _build(self, data: dict):
         try:
             self._tables = build_tables(data, max_length=self._cpu.max_length)
+            self._pairs = _pair_tables(data, self._tables)
             self._ops.prepare_wordpiece()
         except Exception as e:  # the CPU tokenizer does the work instead
             self._error = e
@@ -107,6 +110,37 @@ class GpuTokenizer:
         if redo.size:
             again = texts.decoded(redo) if raw else [texts[i] for i in redo.tolist()]
             tokens = _splice(tokens, redo, self._cpu.encode(again, first=first))
+        return tokens
+
+    def encode_pairs(self, pairs: list, *, first: int = 1) -> TokenizedTexts:
+        """As Tokenizer.encode_pairs: the two texts of every pair tokenised on the device with no
+        special tokens, then cut longest-first and joined as the post-processor joins them. A pair
+        with a text the kernel hands back goes to the CPU tokenizer, as does every pair of a model
+        whose pairs the GPU tokenizer does not cover (said once)."""
+        check_pairs(pairs, first=first)
+        ready = self._ready.is_set() and self._error is None
+        if ready and isinstance(self._pairs, str):
+            say_once(f"ftengine: tokenising pairs on the CPU: the GPU tokenizer does not cover this model's pairs "
+                     f"({self._pairs})")
+        if not len(pairs) or not ready or isinstance(self._pairs, str):
+            return self._cpu.encode_pairs(pairs, first=first)
+        layout, tables = self._pairs
+        texts = [a for a, _ in pairs] + [b for _, b in pairs]
+        try:
+            data, starts, stops = self._bytes([t.lower() for t in texts] if self._cpu.lowercase_text else texts)
+        except UnicodeEncodeError:  # a lone surrogate: the CPU tokenizer names the pair
+            return self._cpu.encode_pairs(pairs, first=first)
+        starts, stops, cut = self._cut(data, starts, stops)
+        if cut.any():
+            data, starts, stops = _compact(data, starts, stops)
+        ids, lengths, flags = self._device_ids(tables, data, starts, stops, cut)
+        tokens = _joined(ids, lengths, flags, layout, tables.max_length)
+        n = len(pairs)
+        # both texts over the room, and it odd: which is longer (the one that keeps the odd piece) is not known
+        unknown = ((flags[:n] & flags[n:] & TRUNCATED) != 0) & (tables.max_length % 2 == 1)
+        redo = np.flatnonzero((((flags[:n] | flags[n:]) & ON_CPU) != 0) | unknown)
+        if redo.size:
+            tokens = _splice(tokens, redo, self._cpu.encode_pairs([pairs[i] for i in redo.tolist()], first=first))
         return tokens
 
     def _cut(self, data: np.ndarray, starts: np.ndarray, stops: np.ndarray):
@@ -166,6 +200,61 @@ class GpuTokenizer:
         return np.asarray(ops.to_host(packed))[:total], host_lengths, host_flags  # a new array: no second copy
 
 
+def _pair_tables(data: dict, tables):
+    """(the post-processor's PairLayout, the tables a pair's texts are tokenised with: no special
+    tokens, as many pieces as the layout leaves room for), or why pairs stay on the CPU."""
+    try:
+        layout = pair_layout(data.get("post_processor"))
+    except ValueError as e:
+        return str(e)
+    room = tables.max_length - layout.specials
+    if room < 1:
+        return f"max_length {tables.max_length} leaves no room for a pair's {layout.specials} special tokens"
+    none = np.zeros(0, np.int32)
+    return layout, dataclasses.replace(tables, prefix=none, suffix=none, max_length=room)
+
+
+def _longest_first(a: np.ndarray, b: np.ndarray, room: int):
+    """The pieces `tokenizers` keeps of each text of pairs of a and b pieces in `room` (its
+    longest_first truncation): both whole where they fit; else the shorter whole, if the longer
+    can keep as many; else half the room each, the longer text the odd piece (the second on a tie)."""
+    short = np.minimum(a, b)
+    keep_long = np.maximum(short, room - short)
+    halves = short + keep_long > room
+    keep_short = np.where(halves, room // 2, short)
+    keep_long = np.where(halves, room // 2 + room % 2, keep_long)
+    first_short = a <= b
+    return (np.minimum(a, np.where(first_short, keep_short, keep_long)),
+            np.minimum(b, np.where(first_short, keep_long, keep_short)))
+
+
+def _joined(ids: np.ndarray, lengths: np.ndarray, flags: np.ndarray, layout: PairLayout, room: int) -> TokenizedTexts:
+    """Pairs from the pieces of their texts (texts 0..n-1 each pair's first, n..2n-1 its second;
+    ids packed text after text; a text flagged TRUNCATED has more than its `room` pieces): each
+    pair cut longest-first to `room` pieces, between the layout's special tokens. Exact except
+    where both texts of a pair are over an odd room (the caller hands those to the CPU)."""
+    n = len(lengths) // 2
+    size = np.where((flags & TRUNCATED) != 0, room + 1, lengths).astype(np.int64)
+    keep_a, keep_b = _longest_first(size[:n], size[n:], room)
+    starts = np.cumsum(lengths, dtype=np.int64) - lengths
+    parts = [np.array(part, np.int64).reshape(-1, 2) for part in (layout.before, layout.between, layout.after)]
+    specials = np.concatenate(parts)
+    at = len(ids)  # the special tokens follow the pieces in the source arrays
+    source_ids = np.concatenate([ids, specials[:, 0]]).astype(np.int32)
+    source_types = np.concatenate([np.zeros(len(ids), np.int64), specials[:, 1]])
+    counts = [len(p) for p in parts]
+    ones = np.ones(n, np.int64)
+    segments = np.stack([counts[0] * ones, keep_a, counts[1] * ones, keep_b, counts[2] * ones], axis=1).reshape(-1)
+    bases = np.stack([at * ones, starts[:n], (at + counts[0]) * ones, starts[n:],
+                      (at + counts[0] + counts[1]) * ones], axis=1).reshape(-1)
+    kinds = np.tile([-1, layout.first_type, -1, layout.second_type, -1], n)  # a text's type; -1: the special's own
+    index = np.repeat(bases, segments) + _within(segments)
+    kind = np.repeat(kinds, segments)
+    type_ids = np.where(kind >= 0, kind, source_types[index]).astype(np.int32)
+    lengths_out = segments.reshape(n, 5).sum(axis=1).astype(np.int32)
+    return TokenizedTexts(source_ids[index], type_ids, lengths_out, size[:n] + size[n:] > room)
+
+
 def _splice(tokens: TokenizedTexts, redo: np.ndarray, cpu: TokenizedTexts) -> TokenizedTexts:
     """`tokens` with the texts `redo` replaced by `cpu`'s, in order."""
     lengths = tokens.lengths.copy()
@@ -180,8 +269,10 @@ def _splice(tokens: TokenizedTexts, redo: np.ndarray, cpu: TokenizedTexts) -> To
     rows = np.flatnonzero(kept)
     within = _within(tokens.lengths[rows])
     before = np.cumsum(tokens.lengths, dtype=np.int64) - tokens.lengths
-    ids[np.repeat(starts[rows], tokens.lengths[rows]) + within] = \
-        tokens.ids[np.repeat(before[rows], tokens.lengths[rows]) + within]
+    kept_at = np.repeat(starts[rows], tokens.lengths[rows]) + within
+    kept_from = np.repeat(before[rows], tokens.lengths[rows]) + within
+    ids[kept_at] = tokens.ids[kept_from]
+    type_ids[kept_at] = tokens.type_ids[kept_from]
     at = np.repeat(starts[redo], cpu.lengths) + _within(cpu.lengths)
     ids[at] = cpu.ids
     type_ids[at] = cpu.type_ids

@@ -227,6 +227,13 @@ def check_texts(texts, *, first: int = 1):
             raise InputError(f"text {first + i} is a {type(t).__name__}, not a str")
 
 
+def check_pairs(pairs, *, first: int = 1):
+    """Refuse anything but (text, text) pairs; `first` is the 1-based number of pairs[0]."""
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise InputError(f"pair {first + i} must be two strings, found {pair!r}"[:200])
+
+
 def _single_text_types_are_zero(processor) -> bool:
     """Whether a tokenizer.json post-processor gives type id 0 to every token of a single text
     (unknown kinds: no, and the type ids are read from each encoding)."""
@@ -430,9 +437,7 @@ class Tokenizer:
         """Tokenise (text, text) pairs as the model's tokenizer joins them (BERT: [CLS] a [SEP] b
         [SEP] with token types 0 and 1; RoBERTa: <s> a </s></s> b </s>); an over-long pair is
         cut longest-first to max_length, as transformers' truncation=True does."""
-        for i, pair in enumerate(pairs):
-            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
-                raise InputError(f"pair {first + i} must be two strings, found {pair!r}"[:200])
+        check_pairs(pairs, first=first)
         prepared = [(a.lower(), b.lower()) if self.lowercase_text else (a, b) for a, b in pairs]
         return self._arrays(self._encoded(prepared, first, what="pair"), zero_types=False)
 

@@ -131,6 +131,48 @@ def _specials(processor) -> tuple[list, list]:
     return before, after
 
 
+@dataclass(frozen=True)
+class PairLayout:
+    """How the post-processor joins a pair of texts: (id, type id) of its tokens before the first
+    text, between the two and after the second, and each text's type id."""
+    before: tuple
+    between: tuple
+    after: tuple
+    first_type: int
+    second_type: int
+
+    @property
+    def specials(self) -> int:
+        return len(self.before) + len(self.between) + len(self.after)
+
+
+def pair_layout(processor) -> PairLayout:
+    """The layout of a pair under a tokenizer.json post-processor (ValueError where it is not special
+    tokens, the first text, special tokens, the second text, special tokens)."""
+    kind = processor.get("type") if isinstance(processor, dict) else None
+    if kind == "BertProcessing":
+        cls, sep = int(processor["cls"][1]), int(processor["sep"][1])
+        return PairLayout(((cls, 0),), ((sep, 0),), ((sep, 1),), 0, 1)
+    if kind == "RobertaProcessing":  # tokenizers gives every token of the pair type id 0
+        cls, sep = int(processor["cls"][1]), int(processor["sep"][1])
+        return PairLayout(((cls, 0),), ((sep, 0), (sep, 0)), ((sep, 0),), 0, 0)
+    if kind != "TemplateProcessing":
+        raise ValueError(f"its post-processor is {kind!r}")
+    parts, types, texts = [[]], [], []
+    for piece in processor.get("pair", []):
+        (what, spec), = piece.items()
+        if what == "Sequence":
+            texts.append(spec.get("id"))
+            types.append(int(spec.get("type_id", 0)))
+            parts.append([])
+        else:
+            ids = processor["special_tokens"][spec["id"]]["ids"]
+            parts[-1].extend((int(i), int(spec.get("type_id", 0))) for i in ids)
+    if texts != ["A", "B"]:
+        raise ValueError("its pair template is not the first text, then the second, between special tokens")
+    return PairLayout(tuple(parts[0]), tuple(parts[1]), tuple(parts[2]), types[0], types[1])
+
+
 def build_tables(data: dict, *, max_length: int) -> WordPieceTables:
     """The tables of a parsed tokenizer.json that `unsupported` accepts."""
     cfg = data["normalizer"]

@@ -243,8 +243,14 @@ def test_the_gpu_tokenizer_gives_tokenizer_encode(tmp_path):
         gpu = GpuTokenizer(cpu, ops=numpy_ops)
         gpu.tables  # noqa: B018 - waits for them: calls before go to the CPU tokenizer
         _assert_same(gpu.encode(texts), cpu.encode(texts))
+        pairs = list(zip(texts, reversed(texts)))
+        _assert_same(gpu.encode_pairs(pairs), cpu.encode_pairs(pairs))
     with pytest.raises(InputError, match="text 3"):
         gpu.encode(["a", "b", "bad \ud800"])
+    with pytest.raises(InputError, match="pair 2"):
+        gpu.encode_pairs([("a", "b"), ("c", "bad \ud800")])
+    with pytest.raises(InputError, match="pair 1 must be two strings"):
+        gpu.encode_pairs([("a",)])
 
 
 def test_only_the_texts_it_hands_back_go_to_the_cpu_tokenizer():
@@ -256,6 +262,38 @@ def test_only_the_texts_it_hands_back_go_to_the_cpu_tokenizer():
     gpu.encode(["plain text", "more of it, with punctuation!"])
     gpu.encode(["a [MASK] b", "plain"])
     assert calls == [["a [MASK] b"]]
+
+
+def _pairs(data, seed: int, n: int) -> list:
+    """Pairs of random strings, realistic lines, empty texts and long ones (one text of a pair or
+    both over the room the special tokens leave, and ties), so that every case of the longest-first
+    cut occurs."""
+    rng = random.Random(seed)
+    texts = _random_texts(seed, n) + _realistic_lines(data, seed + 1, n)
+    texts += ["", " ", "[MASK]", *("word " * k for k in (9, 10, 11, 20, 21, 22, 40)), "日本 " * 30]
+    return [(rng.choice(texts), rng.choice(texts)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("max_length", [MAX_LENGTH, MAX_LENGTH + 1])
+def test_pairs_match_hf(case, max_length, tmp_path):
+    """encode_pairs: HF's ids, type ids and truncation for pairs joined by the post-processor and cut
+    longest-first, at an odd and an even room for the texts (both texts over an odd one go to the CPU)."""
+    data, _, _ = case
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    cpu = Tokenizer(tmp_path, max_length=max_length)
+    gpu = GpuTokenizer(cpu, ops=numpy_ops)
+    gpu.tables  # noqa: B018 - waits for them: calls before go to the CPU tokenizer
+    pairs = _pairs(data, max_length, 3000)
+    got = gpu.encode_pairs(pairs)
+    _assert_same(got, cpu.encode_pairs(pairs))
+    from tokenizers import Tokenizer as HFTokenizer
+    hf = HFTokenizer.from_str(json.dumps(data))
+    hf.no_padding()
+    hf.enable_truncation(max_length=max_length)
+    encodings = hf.encode_batch(pairs)
+    assert got.ids.tolist() == [i for e in encodings for i in e.ids]
+    assert got.type_ids.tolist() == [t for e in encodings for t in e.type_ids]
+    assert got.truncated.tolist() == [bool(e.overflowing) for e in encodings]
 
 
 def _file_lines(data) -> bytes:
@@ -307,10 +345,14 @@ def test_calls_from_several_threads_at_once():
     gpu = GpuTokenizer(cpu, ops=numpy_ops)
     gpu.tables  # noqa: B018
     groups = [_random_texts(10 + i, 300) + ["a [MASK] b"] for i in range(8)]
+    pairs = [_pairs(_base(), 20 + i, 300) for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(gpu.encode, groups))
+        pair_results = list(pool.map(gpu.encode_pairs, pairs))
     for texts, got in zip(groups, results):
         _assert_same(got, cpu.encode(texts))
+    for group, got in zip(pairs, pair_results):
+        _assert_same(got, cpu.encode_pairs(group))
 
 
 def test_what_the_gpu_tokenizer_covers(tmp_path):
@@ -402,6 +444,22 @@ def test_any_number_of_texts_a_warp_gives_the_same_results(case, lanes, monkeypa
     data, tables, hf = case
     monkeypatch.setattr(cuda_wordpiece, "text_lanes", lambda n: lanes)
     _assert_twins(tables, _random_texts(7, 1_001) + _realistic_lines(data, 8, 1_000))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_length", [256, 257])
+def test_pairs_on_the_gpu(max_length):
+    """encode_pairs on the device: Tokenizer.encode_pairs's ids, type ids and flags for realistic
+    pairs (a short query and a longer passage, and two long texts), at an odd and an even room."""
+    from ftengine.backends.cuda import ops as cuda_ops
+    data = _base()
+    cpu = Tokenizer(default_model_path(), max_length=max_length)
+    gpu = GpuTokenizer(cpu, ops=cuda_ops)
+    gpu.tables  # noqa: B018
+    queries, passages = _realistic_lines(data, 12, 20_000), _realistic_lines(data, 13, 20_000)
+    long = [" ".join(passages[i:i + 12]) for i in range(0, 20_000, 12)]
+    for pairs in (list(zip(queries, passages)), list(zip(long, long[1:])), _pairs(data, 14, 20_000)):
+        _assert_same(gpu.encode_pairs(pairs), cpu.encode_pairs(pairs))
 
 
 @pytest.mark.gpu
