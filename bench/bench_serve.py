@@ -12,11 +12,12 @@ engine with the same one.
 --task rerank / classify: the same model shape with a random ...ForSequenceClassification head
 (one label: a cross-encoder served at TEI's POST /rerank, a query and 32 texts a request; three
 labels: POST /predict, 32 texts a request), 64 clients, against Reranker.scores /
-Classifier.logits offline on the same inputs; results in serve_{task}.{json,md}.
+Classifier.logits offline on the same inputs, with each of --tokenizers; results in
+serve_{task}.{json,md} unless --name says otherwise.
 
 Needs the serve extra plus aiohttp. Usage:
 python bench/bench_serve.py --model-src PATH --out bench/results [--workers 1,4] [--task embed|rerank|classify]
-       [--tokenizers auto|gpu,cpu] [--clients 1,16,64,256] [--batches 1,32] [--name serve]
+       [--tokenizers auto|gpu,cpu] [--clients 1,16,64,256] [--batches 1,32] [--name NAME]
 (bench/results/serve_tokenizer.md: --workers 1,4 --tokenizers gpu,cpu --clients 64 --batches 1,32
 --name serve_tokenizer)
 """
@@ -155,18 +156,18 @@ def offline(model: Path, texts: list, tokenizer: str = "auto") -> float:
         return len(texts) / (time.perf_counter() - t0)
 
 
-def offline_head(model: Path, task: str, texts: list) -> float:
+def offline_head(model: Path, task: str, texts: list, tokenizer: str = "auto") -> float:
     """Inputs/s of Reranker.scores (pairs of a query and each text, 32 texts a query, as the
     clients send them) or Classifier.logits, one process, after a warm-up."""
     from ftengine import Classifier, Reranker
     if task == "rerank":
         inputs = [(texts[(i // 32 + 1) % len(texts)], t) for i, t in enumerate(texts)]
-        with Reranker.from_pretrained(model, device="cuda") as head:
+        with Reranker.from_pretrained(model, device="cuda", tokenizer=tokenizer) as head:
             head.scores(inputs[:2000])
             t0 = time.perf_counter()
             head.scores(inputs)
             return len(inputs) / (time.perf_counter() - t0)
-    with Classifier.from_pretrained(model, device="cuda") as head:
+    with Classifier.from_pretrained(model, device="cuda", tokenizer=tokenizer) as head:
         head.logits(texts[:2000])
         t0 = time.perf_counter()
         head.logits(texts)
@@ -180,12 +181,13 @@ def markdown_head(r: dict) -> str:
            f"`ftengine serve` ({what}) on 127.0.0.1, all-MiniLM-L6-v2 shape and tokenizer, random weights, fp16; "
            f"closed-loop aiohttp clients in {CLIENT_PROCESSES} processes, {SECONDS:.0f} s per case after {WARMUP} s of "
            f"warm-up. Offline ({'Reranker.scores' if r['task'] == 'rerank' else 'Classifier.logits'}, one process, "
-           f"same inputs): {r['offline_inputs_per_s']:,.0f} inputs/s.", "",
-           "| workers | clients | inputs per request | requests/s | inputs/s | vs offline | p50 ms | p99 ms |",
-           "|---|---|---|---|---|---|---|---|"]
+           "same inputs): " + ", ".join(f"{v:,.0f} inputs/s ({k} tokenizer)" for k, v in r["offline_inputs_per_s"].items())
+           + ".", "",
+           "| tokenizer | workers | clients | inputs per request | requests/s | inputs/s | vs offline | p50 ms | p99 ms |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for c in r["cases"]:
-        out.append(f"| {c['workers']} | {c['clients']} | {c['batch']} | {c['requests_per_s']:,} | "
-                   f"{c['embeddings_per_s']:,} | {c['embeddings_per_s'] / r['offline_inputs_per_s']:.2f} | "
+        out.append(f"| {c['tokenizer']} | {c['workers']} | {c['clients']} | {c['batch']} | {c['requests_per_s']:,} | "
+                   f"{c['embeddings_per_s']:,} | {c['embeddings_per_s'] / r['offline_inputs_per_s'][c['tokenizer']]:.2f} | "
                    f"{c['p50_ms']} | {c['p99_ms']} |")
     out += ["", f"Target (issue 54): with 4 workers at 64 clients, at least {TARGETS['ratio_64']:.0%} of the offline "
             "throughput.", ""]
@@ -218,10 +220,10 @@ def main():
                         help="server worker counts to measure (comma-separated)")
     parser.add_argument("--task", choices=list(ROUTES), default="embed")
     parser.add_argument("--tokenizers", type=lambda v: v.split(","), default=["auto"],
-                        help="`serve --tokenizer` values to measure (comma-separated; embed only)")
+                        help="`serve --tokenizer` values to measure (comma-separated)")
     parser.add_argument("--clients", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64, 256])
     parser.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 32])
-    parser.add_argument("--name", default="serve", help="the results' file name (embed), e.g. serve_tokenizer")
+    parser.add_argument("--name", help="the results' file name: serve (embed) or serve_TASK unless given")
     args = parser.parse_args()
     from bench.bench_pipeline import make_model
     import cupy
@@ -242,8 +244,9 @@ def main():
               "versions": {"python": platform.python_version(), "cupy": cupy.__version__},
               "offline_embeddings_per_s": {t: round(offline(model, texts, t)) for t in args.tokenizers}, "cases": cases}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{args.name}.md").write_text(markdown(result))
+    name = args.name or "serve"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
 
 
@@ -254,15 +257,18 @@ def head_task(args, model: Path, texts: list, tmp: Path, cupy):
         (model / name).unlink(missing_ok=True)  # a ...ForSequenceClassification folder, not an embedder
     add_classification_head(model, num_labels=1 if args.task == "rerank" else 3)
     cases = []
-    for workers in args.workers:
-        with start_server(model, tmp, workers) as url:
-            cases.append(dict(run_case(url, 64, 32, texts, args.task), workers=workers))
+    for tokenizer in args.tokenizers:
+        for workers in args.workers:
+            with start_server(model, tmp, workers, tokenizer) as url:
+                cases.append(dict(run_case(url, 64, 32, texts, args.task), workers=workers, tokenizer=tokenizer))
     props = cupy.cuda.runtime.getDeviceProperties(0)
     result = {"task": args.task, "device": props["name"].decode(), "date": date.today().isoformat(),
-              "offline_inputs_per_s": round(offline_head(model, args.task, texts)), "cases": cases}
+              "offline_inputs_per_s": {t: round(offline_head(model, args.task, texts, t)) for t in args.tokenizers},
+              "cases": cases}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"serve_{args.task}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"serve_{args.task}.md").write_text(markdown_head(result))
+    name = args.name or f"serve_{args.task}"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{name}.md").write_text(markdown_head(result))
     print(markdown_head(result))
 
 

@@ -76,7 +76,8 @@ def main():
               help="Replay each batch shape as a captured CUDA graph (off: direct launches, for debugging).")
 @click.option("--tokenizer", type=click.Choice(TOKENIZER_CHOICES), default="auto", show_default=True,
               help="gpu: WordPiece models tokenised on the GPU (the same ids as HF tokenizers); cpu: HF "
-                   "tokenizers; auto: gpu where it covers the model's tokenizer.")
+                   "tokenizers; auto: gpu where it covers the model's tokenizer, for calls of 128 texts or more "
+                   "(fewer are faster on the CPU).")
 @click.option("--prompt-name", default=None,
               help="Put the model's prompt of this name (config_sentence_transformers.json) before each line.")
 @click.option("--prompt", default=None, help="Put this text before each line (instead of a named prompt).")

@@ -146,7 +146,8 @@ class Encoder:
         layout: "packed" (padding-free, fused attention), "padded" (batched GEMM attention),
         or "auto": packed when the head size allows it (32, 64, 128).
         tokenizer: "gpu" (WordPiece models on the CUDA backend: ids computed on the device, exactly
-        `tokenizers`' own), "cpu" (HF `tokenizers`), or "auto": gpu where it covers the model."""
+        `tokenizers`' own), "cpu" (HF `tokenizers`), or "auto": gpu where it covers the model, for
+        calls of gpu_tokenizer.AUTO_MIN_TEXTS texts or more (fewer are faster on the CPU)."""
         return cls(default_model_path() if path is None else Path(path), device=device, dtype=dtype,
                    max_length=max_length, cuda_graphs=cuda_graphs, layout=layout, tokenizer=tokenizer)
 

@@ -20,12 +20,16 @@ from .tokenizer import PREFIX_CHARS_PER_TOKEN, TokenizedTexts, Tokenizer, check_
 from .wordpiece import ON_CPU, TRUNCATED, PairLayout, build_tables, pair_layout, unsupported
 
 TOKENIZER_CHOICES = ("auto", "gpu", "cpu")
+# tokenizer="auto" tokenises calls of fewer texts (or pairs) on the CPU: the device's fixed cost a call
+# outweighs its speed there, above all with several threads calling (bench/results/tokenizer_calls.md)
+AUTO_MIN_TEXTS = 128
 # a text of more bytes than max_length x this goes to the device cut (at a character): no kept piece
 # lies past the cut unless the text is mostly white space, and then the CPU tokenises it
 CUT_BYTES_PER_TOKEN = 4 * PREFIX_CHARS_PER_TOKEN
 def choose_tokenizer(cpu: Tokenizer, choice: str, *, ops, device: str):
     """The tokenizer an encoder runs: the GPU one (`choice` gpu, or auto where it covers the
-    model's tokenizer on the CUDA backend) or the CPU one; gpu where it cannot be: a clear error."""
+    model's tokenizer on the CUDA backend; auto's sends calls of fewer than AUTO_MIN_TEXTS texts to
+    the CPU one) or the CPU one; gpu where it cannot be: a clear error."""
     if choice not in TOKENIZER_CHOICES:
         raise InputError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, found {choice!r}")
     if choice == "cpu":
@@ -41,7 +45,7 @@ def choose_tokenizer(cpu: Tokenizer, choice: str, *, ops, device: str):
             raise InputError(f"the GPU tokenizer cannot run this model's tokenizer: {reason}")
         say_once(f"ftengine: tokenising on the CPU: the GPU tokenizer does not cover this model's tokenizer ({reason})")
         return cpu
-    return GpuTokenizer(cpu, ops=ops, definition=definition)
+    return GpuTokenizer(cpu, ops=ops, definition=definition, min_texts=AUTO_MIN_TEXTS if choice == "auto" else 0)
 
 
 class GpuTokenizer:
@@ -50,10 +54,12 @@ class GpuTokenizer:
     the kernels compiled in a background thread from construction on; calls made before they are
     ready go to the CPU tokenizer (the same result), so a cold start never waits for them."""
 
-    def __init__(self, cpu: Tokenizer, *, ops, definition: dict | None = None):
-        """definition: the tokenizer as tokenizer.json holds it, where the caller has it parsed."""
+    def __init__(self, cpu: Tokenizer, *, ops, definition: dict | None = None, min_texts: int = 0):
+        """definition: the tokenizer as tokenizer.json holds it, where the caller has it parsed;
+        min_texts: calls of fewer texts (or pairs) go to the CPU tokenizer."""
         self._cpu = cpu
         self._ops = ops
+        self._min_texts = min_texts
         self._tables = None
         self._pairs = None   # (PairLayout, the tables of a pair's texts), or why pairs stay on the CPU
         self._error = None
@@ -90,7 +96,7 @@ class GpuTokenizer:
         raw = isinstance(texts, RawTexts)
         if not raw:
             check_texts(texts, first=first)
-        if not len(texts) or not self._ready.is_set() or self._error is not None:
+        if len(texts) < max(self._min_texts, 1) or not self._ready.is_set() or self._error is not None:
             return self._cpu.encode(texts.decoded() if raw else texts, first=first)
         if raw:
             data, starts, stops = texts.span()
@@ -122,7 +128,7 @@ class GpuTokenizer:
         if ready and isinstance(self._pairs, str):
             say_once(f"ftengine: tokenising pairs on the CPU: the GPU tokenizer does not cover this model's pairs "
                      f"({self._pairs})")
-        if not len(pairs) or not ready or isinstance(self._pairs, str):
+        if len(pairs) < max(self._min_texts, 1) or not ready or isinstance(self._pairs, str):
             return self._cpu.encode_pairs(pairs, first=first)
         layout, tables = self._pairs
         texts = [a for a, _ in pairs] + [b for _, b in pairs]

@@ -14,7 +14,7 @@ from ftengine import Encoder
 from ftengine.backends import numpy_ops
 from ftengine.encoder import default_model_path
 from ftengine.errors import DeviceError, InputError
-from ftengine.gpu_tokenizer import GpuTokenizer, choose_tokenizer
+from ftengine.gpu_tokenizer import AUTO_MIN_TEXTS, GpuTokenizer, choose_tokenizer
 from ftengine.tokenizer import Tokenizer
 from ftengine.wordpiece import ON_CPU, TRUNCATED, _trie, build_tables, trie, unicode_tables, unsupported
 from tests.tolerances import BATCHING_INVARIANCE_FP32
@@ -262,6 +262,29 @@ def test_only_the_texts_it_hands_back_go_to_the_cpu_tokenizer():
     gpu.encode(["plain text", "more of it, with punctuation!"])
     gpu.encode(["a [MASK] b", "plain"])
     assert calls == [["a [MASK] b"]]
+
+
+def test_auto_tokenises_small_calls_on_the_cpu():
+    """tokenizer="auto" hands a call of fewer than AUTO_MIN_TEXTS texts or pairs to the CPU tokenizer
+    (faster there) and a larger one to the device; "gpu" puts every call on the device. (Lines the
+    kernel takes whole: none is handed back.)"""
+    cpu = Tokenizer(default_model_path(), max_length=256)
+    calls = []
+    for method in ("encode", "encode_pairs"):
+        original = getattr(cpu, method)
+        setattr(cpu, method, lambda inputs, first=1, _f=original, _m=method: calls.append((_m, len(inputs)))
+                or _f(inputs, first=first))
+    auto = choose_tokenizer(cpu, "auto", ops=numpy_ops, device="cuda")
+    gpu = choose_tokenizer(cpu, "gpu", ops=numpy_ops, device="cuda")
+    auto.tables, gpu.tables  # noqa: B018
+    texts = _realistic_lines(_base(), 40, AUTO_MIN_TEXTS)
+    pairs = list(zip(texts, reversed(texts)))
+    for tokenizer in (auto, gpu):
+        _assert_same(tokenizer.encode(texts[:-1]), Tokenizer.encode(cpu, texts[:-1]))
+        _assert_same(tokenizer.encode_pairs(pairs[:-1]), Tokenizer.encode_pairs(cpu, pairs[:-1]))
+        _assert_same(tokenizer.encode(texts), Tokenizer.encode(cpu, texts))
+        _assert_same(tokenizer.encode_pairs(pairs), Tokenizer.encode_pairs(cpu, pairs))
+    assert calls == [("encode", AUTO_MIN_TEXTS - 1), ("encode_pairs", AUTO_MIN_TEXTS - 1)]
 
 
 def _pairs(data, seed: int, n: int) -> list:
