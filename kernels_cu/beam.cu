@@ -293,8 +293,7 @@ __global__ void __launch_bounds__(256) beam_select(
             flag = m < nb ? fin_flag[r0 + m] : (c_hit[m - nb] && m - nb < nb);
             run_score = cont[run_src[lane]];
         }
-        float worst = fin_score;
-        for (int o = 16; o > 0; o >>= 1) worst = fminf(worst, __shfl_xor_sync(~0u, worst, o));
+        const float worst = warp_reduce(fin_score, MinOp());
         const bool new_all_finished = __all_sync(~0u, flag != 0);
         __syncwarp();
         if (lane < nb) {

@@ -64,6 +64,9 @@ struct MaxOp {  // floats: fmaxf (a NaN operand loses); integers: the larger
     __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
     template <typename V> __device__ __forceinline__ V operator()(V a, V b) const { return a > b ? a : b; }
 };
+struct MinOp {  // floats: fminf (a NaN operand loses)
+    __device__ __forceinline__ float operator()(float a, float b) const { return fminf(a, b); }
+};
 
 template <typename V, typename Op>
 __device__ __forceinline__ V warp_reduce(V v, Op op) {

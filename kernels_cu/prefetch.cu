@@ -36,8 +36,7 @@ __global__ void prefetch_kv(const char* k_cache, const char* v_cache, const int*
     auto before = [&](int r) { return min(max(positions[r], 0), L); };  // row r's positions cached before it
     long cached = 0;
     for (int r = threadIdx.x; r < rows; r += 32) cached += before(r);
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) cached += __shfl_xor_sync(0xffffffffu, cached, o);
+    cached = warp_reduce(cached, SumOp());
     if (cached * row_bytes * heads * 2 > max_bytes) return;
     const long bytes = (long)before(blockIdx.x) * row_bytes;
     for (int i = threadIdx.x; i < 2 * heads; i += 32) {
