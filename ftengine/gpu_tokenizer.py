@@ -28,8 +28,8 @@ AUTO_MIN_TEXTS = 128
 CUT_BYTES_PER_TOKEN = 4 * PREFIX_CHARS_PER_TOKEN
 def choose_tokenizer(cpu: Tokenizer, choice: str, *, ops, device: str):
     """The tokenizer an encoder runs: the GPU one (`choice` gpu, or auto where it covers the
-    model's tokenizer on the CUDA backend; auto's sends calls of fewer than AUTO_MIN_TEXTS texts to
-    the CPU one) or the CPU one; gpu where it cannot be: a clear error."""
+    model's tokenizer on the CUDA backend, handing calls of fewer than AUTO_MIN_TEXTS texts to the
+    CPU one) or the CPU one; gpu where it cannot be: a clear error."""
     if choice not in TOKENIZER_CHOICES:
         raise InputError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, found {choice!r}")
     if choice == "cpu":
