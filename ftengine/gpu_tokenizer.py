@@ -101,18 +101,14 @@ class GpuTokenizer:
         if raw:
             data, starts, stops = texts.span()
         else:
-            prepared = [t.lower() for t in texts] if self._cpu.lowercase_text else texts
-            try:
-                data, starts, stops = self._bytes(prepared)
-            except UnicodeEncodeError:  # a lone surrogate: the CPU tokenizer names the text
+            found = self._text_bytes(texts)
+            if found is None:  # a lone surrogate: the CPU tokenizer names the text
                 return self._cpu.encode(texts, first=first)
-        starts, stops, cut = self._cut(data, starts, stops)
-        redo = self._unchecked(texts, data, stops) if raw else []
-        if cut.any():  # only the kept bytes of a huge text go to the device
-            data, starts, stops = _compact(data, starts, stops)
-        ids, lengths, flags = self._device_ids(self.tables, data, starts, stops, cut)
+            data, starts, stops = found
+        ids, lengths, flags, kept = self._kernel_ids(self.tables, data, starts, stops)
         tokens = TokenizedTexts(ids, np.zeros(len(ids), np.int32), lengths, (flags & TRUNCATED) != 0)
-        redo = np.union1d(np.flatnonzero((flags & ON_CPU) != 0), np.array(redo, dtype=np.int64))
+        unchecked = self._unchecked(texts, data, kept) if raw else []
+        redo = np.union1d(np.flatnonzero((flags & ON_CPU) != 0), np.array(unchecked, dtype=np.int64))
         if redo.size:
             again = texts.decoded(redo) if raw else [texts[i] for i in redo.tolist()]
             tokens = _splice(tokens, redo, self._cpu.encode(again, first=first))
@@ -131,15 +127,10 @@ class GpuTokenizer:
         if len(pairs) < max(self._min_texts, 1) or not ready or isinstance(self._pairs, str):
             return self._cpu.encode_pairs(pairs, first=first)
         layout, tables = self._pairs
-        texts = [a for a, _ in pairs] + [b for _, b in pairs]
-        try:
-            data, starts, stops = self._bytes([t.lower() for t in texts] if self._cpu.lowercase_text else texts)
-        except UnicodeEncodeError:  # a lone surrogate: the CPU tokenizer names the pair
+        found = self._text_bytes([a for a, _ in pairs] + [b for _, b in pairs])
+        if found is None:  # a lone surrogate: the CPU tokenizer names the pair
             return self._cpu.encode_pairs(pairs, first=first)
-        starts, stops, cut = self._cut(data, starts, stops)
-        if cut.any():
-            data, starts, stops = _compact(data, starts, stops)
-        ids, lengths, flags = self._device_ids(tables, data, starts, stops, cut)
+        ids, lengths, flags, _ = self._kernel_ids(tables, *found)
         tokens = _joined(ids, lengths, flags, layout, tables.max_length)
         n = len(pairs)
         # both texts over the room, and it odd: which is longer (the one that keeps the odd piece) is not known
@@ -148,6 +139,21 @@ class GpuTokenizer:
         if redo.size:
             tokens = _splice(tokens, redo, self._cpu.encode_pairs([pairs[i] for i in redo.tolist()], first=first))
         return tokens
+
+    def _text_bytes(self, texts: list):
+        """(UTF-8 bytes, starts, stops) of str texts as the kernel reads them (lowercased where the
+        folder's do_lower_case says), or None where one holds a lone surrogate."""
+        try:
+            return self._bytes([t.lower() for t in texts] if self._cpu.lowercase_text else texts)
+        except UnicodeEncodeError:
+            return None
+
+    def _kernel_ids(self, tables, data: np.ndarray, starts: np.ndarray, stops: np.ndarray):
+        """The kernels' packed ids, lengths and flags of the texts data[starts[i]:stops[i]] (each cut
+        by _cut; only the kept bytes of a huge text go to the device), and each text's kept stop."""
+        starts, kept, cut = self._cut(data, starts, stops)
+        sent = _compact(data, starts, kept) if cut.any() else (data, starts, kept)
+        return (*self._device_ids(tables, *sent, cut), kept)
 
     def _cut(self, data: np.ndarray, starts: np.ndarray, stops: np.ndarray):
         """(starts, stops, cut) with each text of over max_length x CUT_BYTES_PER_TOKEN bytes cut
