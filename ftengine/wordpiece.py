@@ -106,6 +106,20 @@ def _kind(part) -> str:
     return repr(part.get("type")) if isinstance(part, dict) else "none"
 
 
+def _template(processor, key: str) -> tuple[list, list]:
+    """A TemplateProcessing template (key "single" or "pair") as (the runs of special tokens around
+    its texts, each a list of (id, type id): one run more than texts; its texts' (id, type id))."""
+    runs, texts = [[]], []
+    for piece in processor.get(key, []):
+        (what, spec), = piece.items()
+        if what == "Sequence":
+            texts.append((spec.get("id"), spec.get("type_id", 0)))
+            runs.append([])
+        else:
+            runs[-1].extend((int(i), spec.get("type_id", 0)) for i in processor["special_tokens"][spec["id"]]["ids"])
+    return runs, texts
+
+
 def _specials(processor) -> tuple[list, list]:
     """The ids the post-processor puts before and after a single text."""
     if processor is None:
@@ -115,20 +129,14 @@ def _specials(processor) -> tuple[list, list]:
         return [int(processor["cls"][1])], [int(processor["sep"][1])]
     if kind != "TemplateProcessing":
         raise ValueError(f"its post-processor is {kind!r}")
-    before, after, seen = [], [], False
-    for piece in processor.get("single", []):
-        (what, spec), = piece.items()
-        if spec.get("type_id", 0) != 0:
-            raise ValueError("its template gives a single text a type id other than 0")
-        if what == "Sequence":
-            if seen or spec.get("id") != "A":
-                raise ValueError("its template is not one text between special tokens")
-            seen = True
-        else:
-            (after if seen else before).extend(int(i) for i in processor["special_tokens"][spec["id"]]["ids"])
-    if not seen:
+    runs, texts = _template(processor, "single")
+    if any(t != 0 for _, t in texts + [p for run in runs for p in run]):
+        raise ValueError("its template gives a single text a type id other than 0")
+    if not texts:
         raise ValueError("its template has no text")
-    return before, after
+    if [name for name, _ in texts] != ["A"]:
+        raise ValueError("its template is not one text between special tokens")
+    return [i for i, _ in runs[0]], [i for i, _ in runs[1]]
 
 
 @dataclass(frozen=True)
@@ -158,19 +166,11 @@ def pair_layout(processor) -> PairLayout:
         return PairLayout(((cls, 0),), ((sep, 0), (sep, 0)), ((sep, 0),), 0, 0)
     if kind != "TemplateProcessing":
         raise ValueError(f"its post-processor is {kind!r}")
-    parts, types, texts = [[]], [], []
-    for piece in processor.get("pair", []):
-        (what, spec), = piece.items()
-        if what == "Sequence":
-            texts.append(spec.get("id"))
-            types.append(int(spec.get("type_id", 0)))
-            parts.append([])
-        else:
-            ids = processor["special_tokens"][spec["id"]]["ids"]
-            parts[-1].extend((int(i), int(spec.get("type_id", 0))) for i in ids)
-    if texts != ["A", "B"]:
+    runs, texts = _template(processor, "pair")
+    if [name for name, _ in texts] != ["A", "B"]:
         raise ValueError("its pair template is not the first text, then the second, between special tokens")
-    return PairLayout(tuple(parts[0]), tuple(parts[1]), tuple(parts[2]), types[0], types[1])
+    runs = [tuple((i, int(t)) for i, t in run) for run in runs]
+    return PairLayout(*runs, int(texts[0][1]), int(texts[1][1]))
 
 
 def build_tables(data: dict, *, max_length: int) -> WordPieceTables:
