@@ -91,10 +91,15 @@ struct WpText {
         if (wlen >= max_word) { wlen = max_word + 1; return; }
         word[wlen++] = c;
         if (bad) return;
+        step(trie, c, wlen);
+        if (node < 0) settle(trie, wlen);
+    }
+
+    // The walk takes c, the character before `end`: a token it spells is the longest from `start` yet.
+    __device__ __forceinline__ void step(const WpTrie& trie, unsigned c, int end) {
         int token;
         node = trie.child(node, c, token);
-        if (node < 0) settle(trie, wlen);
-        else if (token >= 0) { best_end = wlen; best_id = token; }
+        if (node >= 0 && token >= 0) { best_end = end; best_id = token; }
     }
 
     // The walk from `start` ended before `end`: its longest token is a piece, and the walk goes again
@@ -106,11 +111,7 @@ struct WpText {
             start = best_end;
             best_end = -1;
             node = 1;
-            for (int k = start; k < end && node >= 0; ++k) {
-                int token;
-                node = trie.child(node, word[k], token);
-                if (node >= 0 && token >= 0) { best_end = k + 1; best_id = token; }
-            }
+            for (int k = start; k < end && node >= 0; ++k) step(trie, word[k], k + 1);
         }
     }
 
