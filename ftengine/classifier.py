@@ -6,12 +6,14 @@ CamemBERT, DistilBERT, MPNet, ModernBERT); SequenceHead holds what the Reranker 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
 
 from .config import check_head_architecture, read_json
 from .hub import model_folder
 from .encoder import Encoder, _as_list
-from .errors import InputError, TooLongError
+from .errors import InputError
 
 
 class SequenceHead:
@@ -36,25 +38,21 @@ class SequenceHead:
         return cls(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs, layout=layout,
                    tokenizer=tokenizer)
 
-    def _submit(self, inputs: list, *, pairs: bool, batch_tokens, truncate: bool, what: str) -> tuple:
-        """(the engine's future of an EncodeResult whose embeddings are the head's logits, the tokens
-        the inputs took) of texts or (text, text) pairs, tokenised in the calling thread;
-        truncate=False refuses an input longer than max_length (TooLongError naming the `what` at
-        its 0-based place) instead of cutting it. Cancelling the future drops work not yet run."""
-        encoder = self._encoder
-        tokens = encoder.tokenizer.encode_pairs(inputs) if pairs else encoder.tokenizer.encode(inputs)
-        if not truncate and tokens.truncated.any():
-            i = int(np.flatnonzero(tokens.truncated)[0])
-            raise TooLongError(f"{what} {i} is longer than max_length {encoder.max_length} tokens", index=i,
-                               max_length=encoder.max_length)
-        if pairs and encoder.config.type_vocab_size == 1:  # RoBERTa, DistilBERT: no token types to give
-            tokens.type_ids[:] = 0
-        return encoder.submit_tokens(tokens, batch_tokens=batch_tokens), int(tokens.tokens)
+    def _submit(self, inputs: list, *, pairs: bool, batch_tokens, truncate: bool) -> Future:
+        """The engine's future of an EncodeResult whose embeddings are the head's logits, of texts
+        or (text, text) pairs; truncate=False fails it with TooLongError for an input longer than
+        max_length instead of cutting it. Cancelling the future drops work not yet run."""
+        return self._encoder.submit_inputs(inputs, pairs=pairs, batch_tokens=batch_tokens, truncate=truncate)
 
     @staticmethod
     def head_logits(result) -> np.ndarray:
         """(N, labels) float32 logits of a finished _submit future's EncodeResult."""
         return result.embeddings.astype(np.float32)
+
+    @staticmethod
+    def head_tokens(future) -> int:
+        """The tokens a _submit future's inputs took (waiting for it if need be); 0 for None."""
+        return 0 if future is None else future.result().tokens
 
     def close(self, *, cancel: bool = False):
         self._encoder.close(cancel=cancel)
@@ -83,19 +81,19 @@ class Classifier(SequenceHead):
         """((N, num_labels) float32 logits, the tokens the inputs took) of texts, or of (text, text)
         pairs (tokenised as the model's tokenizer pairs them). truncate=False refuses an input
         longer than max_length (TooLongError) instead of cutting it."""
-        future, tokens = self.submit_logits(inputs, batch_tokens=batch_tokens, truncate=truncate)
+        future = self.submit_logits(inputs, batch_tokens=batch_tokens, truncate=truncate)
         return (np.zeros((0, self.num_labels), np.float32) if future is None else
-                self.head_logits(future.result())), tokens
+                self.head_logits(future.result())), self.head_tokens(future)
 
-    def submit_logits(self, inputs, *, batch_tokens: int | None = None, truncate: bool = True) -> tuple:
-        """logits' work without waiting: (the engine's future, or None for no inputs; the tokens).
-        head_logits(future.result()) gives the logits; a service awaits the future and cancels it
-        when its client goes away."""
+    def submit_logits(self, inputs, *, batch_tokens: int | None = None, truncate: bool = True):
+        """logits' work without waiting: the engine's future, or None for no inputs.
+        head_logits(future.result()) gives the logits (head_tokens the tokens); a service awaits
+        the future and cancels it when its client goes away."""
         inputs = _as_list(inputs)
         if not inputs:
-            return None, 0
+            return None
         pairs = all(isinstance(x, (tuple, list)) for x in inputs)
-        return self._submit(inputs, pairs=pairs, batch_tokens=batch_tokens, truncate=truncate, what="input")
+        return self._submit(inputs, pairs=pairs, batch_tokens=batch_tokens, truncate=truncate)
 
     def scores(self, logits: np.ndarray) -> np.ndarray:
         """The pipeline's function_to_apply on logits (N, num_labels)."""

@@ -377,16 +377,12 @@ class Encoder:
         tokens = TokenizedTexts(ids, np.zeros(len(ids), np.int32), lengths, np.zeros(len(lengths), bool))
         return self._engine.submit([None] * len(token_ids), options, tokens=tokens)
 
-    def submit_tokens(self, tokens: TokenizedTexts, *, batch_tokens: int | None = None, truncate: bool = True,
-                      first: int = 1) -> Future:
-        """The engine's future for texts already tokenised (ids, token types, lengths), e.g.
-        text pairs; checked like tokenised texts before any kernel reads them."""
-        options = self._options(batch_tokens, None, None)
-        if not truncate and tokens.truncated.any():
-            i = int(np.flatnonzero(tokens.truncated)[0])
-            raise TooLongError(f"input {first + i} is longer than max_length {self.max_length} tokens", index=i,
-                               max_length=self.max_length)
-        return self._engine.submit([None] * len(tokens.lengths), options, tokens=tokens, first=first)
+    def submit_inputs(self, inputs: list, *, pairs: bool = False, batch_tokens: int | None = None,
+                      truncate: bool = True) -> Future:
+        """The engine's future for texts, or (text, text) pairs, with no prompt (a classifier's or a
+        reranker's inputs): tokenised by the engine together with the requests waiting beside them.
+        truncate=False fails the future with TooLongError for one longer than max_length."""
+        return self._engine.submit(inputs, self._options(batch_tokens, None, None), truncate=truncate, pairs=pairs)
 
     def close(self, *, cancel: bool = False):
         """Finish the work already queued (cancel=True: fail it instead), then stop the engine's

@@ -2,7 +2,8 @@
 
     callers (threads, asyncio, a stream) --submit--> requests queue
         -> tokenizer thread: several waiting requests tokenised in one call (HF `tokenizers`
-           runs in Rust threads without the GIL), checked per request
+           runs in Rust threads without the GIL; texts and text pairs each in their own call),
+           checked per request
         -> worker thread: requests packed into token-budget batches (sequences sorted by
            length within each request; one batch holds requests with the same options),
            two batches in flight on the device while the host lays out the next,
@@ -35,7 +36,7 @@ from .errors import DeviceError, FtengineError, InputError, TooLongError
 from .models.bert import Batch
 from .models.shapes import fits, run_shape
 from .textio import RawTexts
-from .tokenizer import TokenizedTexts, check_texts
+from .tokenizer import TokenizedTexts, check_pairs, check_texts
 
 IN_FLIGHT_BATCHES = 2         # batches queued on the device at once (the runner's staging slots)
 TOKENIZE_GROUP_TEXTS = 4096   # the tokenizer thread joins waiting requests up to this many texts
@@ -62,8 +63,11 @@ class EncodeResult:
 class _Request:
     """A caller's texts, their options and the future that carries the reply."""
 
-    def __init__(self, texts, options: EncodeOptions, *, truncate: bool, first: int, progress, future: Future):
+    def __init__(self, texts, options: EncodeOptions, *, truncate: bool, first: int, progress, future: Future,
+                 pairs: bool = False):
         self.texts = texts
+        self.pairs = pairs            # texts are (text, text) pairs
+        self.noun = "pair" if pairs else "text"   # one of the texts, in error messages
         self.options = options
         self.truncate = truncate
         self.first = first            # 1-based number of texts[0], for error messages
@@ -113,15 +117,19 @@ class EncodeEngine:
     # ------------------------------------------------------------ callers
 
     def submit(self, texts: list, options: EncodeOptions, *, truncate: bool = True, first: int = 1,
-               progress=None, tokens: TokenizedTexts | None = None) -> Future:
+               progress=None, tokens: TokenizedTexts | None = None, pairs: bool = False) -> Future:
         """Queue `texts` (a list of str, or RawTexts for a tokenizer that takes them); the future's
         result is an EncodeResult. `first` is the
         1-based number of texts[0] in the caller's input, for error messages. `tokens`: texts
-        already tokenised (then `texts` is only their count's worth of placeholders)."""
-        if tokens is None and not isinstance(texts, RawTexts):
+        already tokenised (then `texts` is only their count's worth of placeholders). pairs: texts
+        are (text, text) pairs, tokenised as the model's tokenizer joins them."""
+        if pairs:
+            check_pairs(texts, first=first)
+        elif tokens is None and not isinstance(texts, RawTexts):
             check_texts(texts, first=first)
         future = Future()
-        request = _Request(texts, options, truncate=truncate, first=first, progress=progress, future=future)
+        request = _Request(texts, options, truncate=truncate, first=first, progress=progress, future=future,
+                           pairs=pairs)
         request.given = tokens
         future.add_done_callback(lambda _f, r=request: self._forget(r))
         with self._lock:
@@ -218,11 +226,16 @@ class EncodeEngine:
         group = [r for r in group if r.given is None and not isinstance(r.texts, RawTexts)]
         for r in raw:  # undecoded lines: a call each
             self._accept(r, self._tokenize_one(r))
+        for pairs in (False, True):
+            self._tokenize_together([r for r in group if r.pairs == pairs], pairs)
+
+    def _tokenize_together(self, group: list, pairs: bool):
+        """One tokenizer call for the group's texts (or pairs), each request's share to it."""
         if not group:
             return
         texts = group[0].texts if len(group) == 1 else [t for r in group for t in r.texts]
         try:
-            tokens = self.tokenizer.encode(texts)
+            tokens = self._encoded(texts, pairs)
         except Exception:  # one request's texts upset the tokenizer: find it, keep the others
             for r in group:
                 self._accept(r, self._tokenize_one(r))
@@ -233,12 +246,20 @@ class EncodeEngine:
             self._accept(r, tokens if len(group) == 1 else tokens.slice(at, at + n))
             at += n
 
+    def _encoded(self, texts: list, pairs: bool, first: int = 1) -> TokenizedTexts:
+        if not pairs:
+            return self.tokenizer.encode(texts, first=first)
+        tokens = self.tokenizer.encode_pairs(texts, first=first)
+        if self.type_vocab_size == 1:  # RoBERTa, DistilBERT: no token types to give
+            tokens.type_ids[:] = 0
+        return tokens
+
     def _tokenize_one(self, r: _Request):
         try:
-            return self.tokenizer.encode(r.texts, first=r.first)
+            return self._encoded(r.texts, r.pairs, r.first)
         except Exception as e:
             r.fail(e if isinstance(e, InputError) else
-                   InputError(f"texts {r.first}..{r.first + len(r.texts) - 1} cannot be tokenised: {e}"))
+                   InputError(f"{r.noun}s {r.first}..{r.first + len(r.texts) - 1} cannot be tokenised: {e}"))
             return None
 
     def _accept(self, r: _Request, tokens: TokenizedTexts | None):
@@ -263,8 +284,8 @@ class EncodeEngine:
         """Per-request checks on the host, before any kernel indexes memory with these ids."""
         if not r.truncate and tokens.truncated.any():
             i = int(np.flatnonzero(tokens.truncated)[0])
-            raise TooLongError(f"text {r.first + i} is longer than max_length {self.max_length} tokens",
-                               index=i, max_length=self.max_length)
+            raise TooLongError(f"{r.noun} {r.first + i} is longer than max_length "
+                               f"{self.max_length} tokens", index=i, max_length=self.max_length)
         if (tokens.lengths > self.max_length).any():  # a tokenizer that cannot cut its special tokens
             i = int(np.flatnonzero(tokens.lengths > self.max_length)[0])
             raise InputError(f"input {r.first + i} has {int(tokens.lengths[i])} tokens after truncation, more than "
@@ -274,7 +295,7 @@ class EncodeEngine:
             bad = np.flatnonzero((values < 0) | (values >= limit))
             if bad.size:
                 text = int(np.searchsorted(np.cumsum(tokens.lengths), bad[0], side="right"))
-                raise InputError(f"text {r.first + text}: {what} {int(values[bad[0]])} is outside 0..{limit - 1} "
+                raise InputError(f"{r.noun} {r.first + text}: {what} {int(values[bad[0]])} is outside 0..{limit - 1} "
                                  "(the tokenizer and the model's config.json disagree)")
 
     # ------------------------------------------------------------ worker thread

@@ -36,18 +36,17 @@ class Reranker(SequenceHead):
     def scores(self, pairs, *, batch_tokens: int | None = None, activation: bool = True,
                truncate: bool = True) -> tuple[np.ndarray, int]:
         """(predict's scores, the tokens the pairs took). truncate=False refuses a pair longer than
-        max_length (TooLongError, naming its 0-based place) instead of cutting it longest-first."""
-        future, tokens = self.submit_scores(pairs, batch_tokens=batch_tokens, truncate=truncate)
-        return self.finish_scores(future, activation=activation), tokens
+        max_length (TooLongError, its index the pair's 0-based place) instead of cutting it
+        longest-first."""
+        future = self.submit_scores(pairs, batch_tokens=batch_tokens, truncate=truncate)
+        return self.finish_scores(future, activation=activation), self.head_tokens(future)
 
-    def submit_scores(self, pairs, *, batch_tokens: int | None = None, truncate: bool = True) -> tuple:
-        """scores' work without waiting: (the engine's future, or None for no pairs; the tokens).
-        finish_scores(future) gives the scores once it is done; a service awaits the future and
-        cancels it when its client goes away."""
+    def submit_scores(self, pairs, *, batch_tokens: int | None = None, truncate: bool = True):
+        """scores' work without waiting: the engine's future, or None for no pairs.
+        finish_scores(future) gives the scores once it is done (head_tokens the tokens); a service
+        awaits the future and cancels it when its client goes away."""
         pairs = _as_list(pairs)
-        if not pairs:
-            return None, 0
-        return self._submit(pairs, pairs=True, batch_tokens=batch_tokens, truncate=truncate, what="pair")
+        return self._submit(pairs, pairs=True, batch_tokens=batch_tokens, truncate=truncate) if pairs else None
 
     def finish_scores(self, future, *, activation: bool = True) -> np.ndarray:
         """The scores of a submit_scores future (waiting for it if need be)."""

@@ -295,14 +295,14 @@ class Service:
 
     async def _head(self, request, submit, too_long: str) -> tuple:
         """(the finished engine future or None, tokens) of a classifier head's work: submit()
-        tokenises off the event loop and returns (future, tokens); the future is awaited as
-        /embed's is, cancelled if the client goes away. too_long: the 413 message's subject."""
-        loop = asyncio.get_running_loop()
+        queues it (the engine tokenises it with the requests waiting beside it) and returns the
+        future, awaited as /embed's is, cancelled if the client goes away. too_long: the 413
+        message's subject."""
         try:
-            future, tokens = await loop.run_in_executor(None, submit)
-            if future is not None:
-                await self._answer(request, future)
-            return future, tokens
+            future = submit()
+            if future is None:
+                return None, 0
+            return future, (await self._answer(request, future)).tokens
         except TooLongError as e:
             raise HTTPFailure(413, f"{too_long.format(index=e.index)} longer than the maximum input length "
                                    f"{e.max_length} tokens; send truncate: true to cut it", "Validation") from None

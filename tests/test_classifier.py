@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from ftengine import Classifier, InputError
 from ftengine.cli import main
 from tests.test_serve import Server
-from tests.tolerances import HF_FP32_MAX_ABS
+from tests.tolerances import BATCHING_INVARIANCE_FP32, HF_FP32_MAX_ABS
 from weights.fixtures import add_classification_head, write_bert_checkpoint, write_encoder_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -164,3 +164,28 @@ def test_threads_share_one_classifier(classifier_model):
             ref = expected[TEXTS.index(text)]
             assert [x["label"] for x in labels] == [x["label"] for x in ref]
             assert np.abs(np.array([x["score"] for x in labels]) - [x["score"] for x in ref]).max() <= HF_FP32_MAX_ABS
+
+
+def test_texts_and_pairs_waiting_together(classifier_model):
+    """Requests of texts and of pairs queued together are tokenised in a call of each kind, and
+    each gets the logits it gets alone."""
+    import threading
+    with Classifier.from_pretrained(classifier_model, device="cpu") as classifier:
+        calls = [TEXTS, PAIRS, TEXTS[1:], PAIRS[::-1]]
+        expected = [classifier.logits(c)[0] for c in calls]
+        engine, held = classifier._encoder._engine, threading.Event()
+        encode, taken = engine.tokenizer.encode, threading.Event()
+
+        def held_encode(texts, **kwargs):
+            taken.set()
+            held.wait(30)
+            return encode(texts, **kwargs)
+        engine.tokenizer.encode = held_encode
+        first = classifier.submit_logits(["a text the tokenizer thread holds"])
+        assert taken.wait(30)
+        futures = [classifier.submit_logits(c) for c in calls]
+        held.set()
+        classifier.head_logits(first.result())
+        for future, want in zip(futures, expected):
+            got = classifier.head_logits(future.result())
+            assert got.shape == want.shape and np.abs(got - want).max() <= BATCHING_INVARIANCE_FP32

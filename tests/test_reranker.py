@@ -160,3 +160,34 @@ def test_predict_from_threads_equals_sequential(tmp_path):
             got = list(pool.map(r.predict, calls))
     for g, e in zip(got, expected):
         assert g.shape == e.shape and np.abs(g - e).max() <= BATCHING_INVARIANCE_FP32
+
+
+def test_waiting_requests_share_one_tokenizer_call(tmp_path):
+    """Pair requests queued while the engine's tokenizer thread is busy are tokenised in one call
+    (a service's requests share it), each still getting its own scores; a bad request among them
+    fails alone."""
+    import threading
+    path = cross_encoder(tmp_path, "xlm-roberta")  # one token type: the pairs' type ids are zeroed
+    calls = [[(f"{QUERY} {i}", d) for d in DOCS[i % len(DOCS):]] for i in range(6)]
+    with Reranker.from_pretrained(path, device="cpu") as r:
+        expected = [r.predict(c) for c in calls]
+        tokenizer = r._encoder.tokenizer
+        encode_pairs, sizes, held = tokenizer.encode_pairs, [], threading.Event()
+
+        def counted(pairs, **kwargs):
+            sizes.append(len(pairs))
+            held.wait(30)
+            return encode_pairs(pairs, **kwargs)
+        tokenizer.encode_pairs = counted
+        first = r.submit_scores(calls[0])
+        while not sizes:  # the tokenizer thread holds the first request
+            threading.Event().wait(0.01)
+        futures = [r.submit_scores(c) for c in calls[1:3]] + [r.submit_scores([("\ud800", "x")])]
+        futures += [r.submit_scores(c) for c in calls[3:]]
+        held.set()
+        got = [r.finish_scores(f) for f in [first] + futures[:2] + futures[3:]]
+        with pytest.raises(InputError, match="pair 1"):
+            futures[2].result()
+    assert sizes[:2] == [len(calls[0]), sum(map(len, calls[1:])) + 1]
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and np.abs(g - e).max() <= BATCHING_INVARIANCE_FP32
