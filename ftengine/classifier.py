@@ -110,9 +110,14 @@ class Classifier(SequenceHead):
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise InputError(f"top_k must be an integer >= 1 or None, found {top_k!r}")
         logits, _ = self.logits(inputs, batch_tokens=batch_tokens)
-        return [self.ranked(row, top_k) for row in self.scores(logits)]
+        return self.ranked(self.scores(logits), top_k)
 
-    def ranked(self, row: np.ndarray, top_k: int | None):
-        order = np.argsort(-row, kind="stable")[:top_k]
-        best = [{"label": self.labels[i], "score": float(row[i])} for i in order]
-        return best[0] if top_k == 1 else best
+    def ranked(self, scores: np.ndarray, top_k: int | None) -> list:
+        """Per row of scores (N, num_labels), its labels best first as predict gives them: one
+        argsort and one conversion for all the rows (a service's reply to each request)."""
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :top_k]
+        values = np.take_along_axis(scores, order, axis=1).tolist()
+        labels = self.labels
+        rows = [[{"label": labels[i], "score": v} for i, v in zip(picks, row)]
+                for picks, row in zip(order.tolist(), values)]
+        return [row[0] for row in rows] if top_k == 1 else rows

@@ -406,7 +406,7 @@ class Service:
             inputs, batch_tokens=self.limits.max_batch_tokens, truncate=truncate), "input {index} is")
         logits = self.classifier.head_logits(future.result())
         rows = logits if raw else self.classifier.scores(logits)
-        reply = [self.classifier.ranked(row, None) for row in rows]
+        reply = self.classifier.ranked(rows, None)
         return Response(dumps(reply[0] if single else reply), media_type="application/json"), len(inputs), tokens
 
     async def ner(self, request):
