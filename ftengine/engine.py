@@ -240,11 +240,9 @@ class EncodeEngine:
             for r in group:
                 self._accept(r, self._tokenize_one(r))
             return
-        at = 0
-        for r in group:
-            n = len(r.texts)
-            self._accept(r, tokens if len(group) == 1 else tokens.slice(at, at + n))
-            at += n
+        parts = [tokens] if len(group) == 1 else tokens.split([len(r.texts) for r in group])
+        for r, part in zip(group, parts):
+            self._accept(r, part)
 
     def _encoded(self, texts: list, pairs: bool, first: int = 1) -> TokenizedTexts:
         if not pairs:

@@ -209,13 +209,15 @@ class TokenizedTexts:
     def tokens(self) -> int:
         return len(self.ids)
 
-    def slice(self, first: int, stop: int) -> "TokenizedTexts":
-        """Texts first..stop-1 (a copy: the slice owns its arrays)."""
-        starts = self.starts
-        a = int(starts[first]) if first < len(starts) else len(self.ids)
-        b = int(starts[stop]) if stop < len(starts) else len(self.ids)
-        return TokenizedTexts(self.ids[a:b].copy(), self.type_ids[a:b].copy(),
-                              self.lengths[first:stop].copy(), self.truncated[first:stop].copy())
+    def split(self, counts) -> list["TokenizedTexts"]:
+        """Consecutive runs of counts[0], counts[1], ... texts, copies that own their arrays (the
+        token offsets summed once, not once a part: a group can hold thousands of requests)."""
+        texts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        tokens = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])[texts].tolist()
+        texts = texts.tolist()
+        return [TokenizedTexts(self.ids[a:b].copy(), self.type_ids[a:b].copy(), self.lengths[f:t].copy(),
+                               self.truncated[f:t].copy())
+                for f, t, a, b in zip(texts, texts[1:], tokens, tokens[1:])]
 
 
 def check_texts(texts, *, first: int = 1):
