@@ -88,6 +88,15 @@ class GpuTokenizer:
     def __getattr__(self, name):
         return getattr(self._cpu, name)
 
+    def _built(self) -> bool:
+        """Whether the tables are built and the kernels ready (until then, or if that failed, every
+        call goes to the CPU tokenizer)."""
+        return self._ready.is_set() and self._error is None
+
+    def _on_device(self, n: int) -> bool:
+        """Whether a call of n texts (or pairs) runs on the device: min_texts or more, once built."""
+        return n >= max(self._min_texts, 1) and self._built()
+
     def encode(self, texts, *, first: int = 1) -> TokenizedTexts:
         """As Tokenizer.encode: ids, type ids (0), lengths and truncation flags of each text.
         texts: a list of str, or RawTexts (a text file's undecoded lines; the folder's
@@ -96,7 +105,7 @@ class GpuTokenizer:
         raw = isinstance(texts, RawTexts)
         if not raw:
             check_texts(texts, first=first)
-        if len(texts) < max(self._min_texts, 1) or not self._ready.is_set() or self._error is not None:
+        if not self._on_device(len(texts)):
             return self._cpu.encode(texts.decoded() if raw else texts, first=first)
         if raw:
             data, starts, stops = texts.span()
@@ -120,11 +129,10 @@ class GpuTokenizer:
         with a text the kernel hands back goes to the CPU tokenizer, as does every pair of a model
         whose pairs the GPU tokenizer does not cover (said once)."""
         check_pairs(pairs, first=first)
-        ready = self._ready.is_set() and self._error is None
-        if ready and isinstance(self._pairs, str):
+        if self._built() and isinstance(self._pairs, str):
             say_once(f"ftengine: tokenising pairs on the CPU: the GPU tokenizer does not cover this model's pairs "
                      f"({self._pairs})")
-        if len(pairs) < max(self._min_texts, 1) or not ready or isinstance(self._pairs, str):
+        if not self._on_device(len(pairs)) or isinstance(self._pairs, str):
             return self._cpu.encode_pairs(pairs, first=first)
         layout, tables = self._pairs
         found = self._text_bytes([a for a, _ in pairs] + [b for _, b in pairs])
