@@ -21,7 +21,7 @@ from .cli_support import Commands, close_engine, closes_on_failure, exits_when_s
 from .cli_text import classify, generate, ner, translate
 from .encoder import DTYPES, ENCODER_DTYPES, EncodeStats
 from .errors import DeviceError, InputError
-from .gpu_tokenizer import TOKENIZER_CHOICES
+from .gpu_tokenizer import AUTO_MIN_TEXTS, TOKENIZER_CHOICES
 from .hub import model_folder
 from .output import PRECISIONS, calibration_ranges, needs_ranges, output_dtype
 from .records import INPUT_FORMATS, embed_records, input_format, open_records
@@ -76,8 +76,8 @@ def main():
               help="Replay each batch shape as a captured CUDA graph (off: direct launches, for debugging).")
 @click.option("--tokenizer", type=click.Choice(TOKENIZER_CHOICES), default="auto", show_default=True,
               help="gpu: WordPiece models tokenised on the GPU (the same ids as HF tokenizers); cpu: HF "
-                   "tokenizers; auto: gpu where it covers the model's tokenizer, for calls of 128 texts or more "
-                   "(fewer are faster on the CPU).")
+                   f"tokenizers; auto: gpu where it covers the model's tokenizer, for calls of {AUTO_MIN_TEXTS} texts "
+                   "or more (fewer are faster on the CPU).")
 @click.option("--prompt-name", default=None,
               help="Put the model's prompt of this name (config_sentence_transformers.json) before each line.")
 @click.option("--prompt", default=None, help="Put this text before each line (instead of a named prompt).")

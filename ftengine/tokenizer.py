@@ -213,7 +213,7 @@ class TokenizedTexts:
         """Consecutive runs of counts[0], counts[1], ... texts, copies that own their arrays (the
         token offsets summed once, not once a part: a group can hold thousands of requests)."""
         texts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-        tokens = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])[texts].tolist()
+        tokens = np.append(self.starts, self.tokens)[texts].tolist()
         texts = texts.tolist()
         return [TokenizedTexts(self.ids[a:b].copy(), self.type_ids[a:b].copy(), self.lengths[f:t].copy(),
                                self.truncated[f:t].copy())
