@@ -155,15 +155,11 @@ def offline(model: Path, texts: list, tokenizer: str = "auto") -> float:
         return len(texts) / median_seconds(lambda: enc.encode(texts))
 
 
-def median_seconds(fn, repeat: int = OFFLINE_REPEATS) -> float:
-    """The median wall time of `repeat` calls of fn (one call of 20,000 inputs lasts a fraction of a
-    second: a single timing varied by 20% from run to run)."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+def median_seconds(fn) -> float:
+    """bench_decoder.timed's median of OFFLINE_REPEATS calls of fn, in seconds (one call of 20,000
+    inputs lasts a fraction of a second: a single timing varied by 20% from run to run)."""
+    from bench.bench_decoder import timed
+    return timed(fn, repeat=OFFLINE_REPEATS) / 1e3
 
 
 def offline_head(model: Path, task: str, texts: list, tokenizer: str = "auto") -> float:
