@@ -73,6 +73,7 @@ class Classifier(SequenceHead):
         config = read_json(self._encoder.config_path, "model config")
         names = config.get("id2label") or {}
         self.labels = [str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(self.num_labels)]
+        self._label_array = np.array(self.labels, dtype=object)  # labels picked by an index array
         problem = config.get("problem_type")
         self.function = ("sigmoid" if problem == "multi_label_classification" or self.num_labels == 1 else
                          "none" if problem == "regression" else "softmax")
@@ -114,10 +115,11 @@ class Classifier(SequenceHead):
 
     def ranked(self, scores: np.ndarray, top_k: int | None) -> list:
         """Per row of scores (N, num_labels), its labels best first as predict gives them: one
-        argsort and one conversion for all the rows (a service's reply to each request)."""
+        argsort, one gather and one list of items for all the rows (a service's reply to each
+        request)."""
         order = np.argsort(-scores, axis=1, kind="stable")[:, :top_k]
-        values = np.take_along_axis(scores, order, axis=1).tolist()
-        labels = self.labels
-        rows = [[{"label": labels[i], "score": v} for i, v in zip(picks, row)]
-                for picks, row in zip(order.tolist(), values)]
-        return [row[0] for row in rows] if top_k == 1 else rows
+        picked = (order + np.arange(0, scores.size, scores.shape[1])[:, None]).ravel()
+        items = [{"label": label, "score": value} for label, value in
+                 zip(self._label_array[order.ravel()].tolist(), scores.ravel()[picked].tolist())]
+        k = order.shape[1]
+        return items if top_k == 1 else [items[i:i + k] for i in range(0, len(items), k)]

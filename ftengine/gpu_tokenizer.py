@@ -116,8 +116,9 @@ class GpuTokenizer:
             data, starts, stops = found
         ids, lengths, flags, kept = self._kernel_ids(self.tables, data, starts, stops)
         tokens = TokenizedTexts(ids, np.zeros(len(ids), np.int32), lengths, (flags & TRUNCATED) != 0)
-        unchecked = self._unchecked(texts, data, kept) if raw else []
-        redo = np.union1d(np.flatnonzero((flags & ON_CPU) != 0), np.array(unchecked, dtype=np.int64))
+        redo = np.flatnonzero((flags & ON_CPU) != 0)
+        if raw:
+            redo = np.union1d(redo, np.array(self._unchecked(texts, data, kept), dtype=np.int64))
         if redo.size:
             again = texts.decoded(redo) if raw else [texts[i] for i in redo.tolist()]
             tokens = _splice(tokens, redo, self._cpu.encode(again, first=first))
