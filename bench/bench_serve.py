@@ -148,6 +148,15 @@ def start_server(model: Path, tmp: Path, workers: int, tokenizer: str = "auto"):
         server.wait(timeout=120)
 
 
+def fill_tables(model: Path):
+    """Build the GPU tokenizer's tables once before any timing: on a fresh machine every process
+    (each server worker too) would measure the Unicode tables, seconds of CPU in the first case,
+    tokenising on the CPU meanwhile; after this they load from the disk cache."""
+    from ftengine import Encoder
+    with Encoder.from_pretrained(model, device="cuda", tokenizer="gpu") as enc:
+        enc.tokenizer.tables  # waits for the build
+
+
 def offline(model: Path, texts: list, tokenizer: str = "auto") -> float:
     from ftengine import Encoder
     with Encoder.from_pretrained(model, device="cuda", tokenizer=tokenizer) as enc:
@@ -232,6 +241,7 @@ def main():
     import cupy
     tmp = Path(tempfile.mkdtemp(prefix="ftengine-serve-"))
     model = make_model(args.model_src, tmp / "model")
+    fill_tables(model)
     texts = sentences(model / "vocab.txt", 20_000)
     if args.task != "embed":
         head_task(args, model, texts, tmp, cupy)
