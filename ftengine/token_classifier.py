@@ -195,8 +195,8 @@ class TokenClassifier(OwnsWorker):
                          "word": t["word"], "start": t["start"], "end": t["end"]} for t in tokens]
         else:
             entities = [self._word(group, strategy) for group in _words(tokens)]
-        if strategy != "none":
-            entities = [self._group(g) for g in _groups(entities)]
+        if strategy != "none":  # a group the filter below would drop is not built (most are "O")
+            entities = [self._group(g) for g in _groups(entities) if _group_label(g) not in ignore]
         return [e for e in entities if e.get("entity") not in ignore and e.get("entity_group") not in ignore]
 
     def _word(self, tokens: list, strategy: str) -> dict:
@@ -213,12 +213,17 @@ class TokenClassifier(OwnsWorker):
                 "start": tokens[0]["start"], "end": tokens[-1]["end"]}
 
     def _group(self, entities: list) -> dict:
-        return {"entity_group": entities[0]["entity"].split("-", 1)[-1],
+        return {"entity_group": _group_label(entities),
                 "score": _nanmean([e["score"] for e in entities]), "word": self._join(entities),
                 "start": entities[0]["start"], "end": entities[-1]["end"]}
 
     def _join(self, pieces: list) -> str:
         return self.tokenizer.join_tokens([p["word"] for p in pieces])
+
+
+def _group_label(entities: list) -> str:
+    """A group's entity_group, as the pipeline names it: its first label past the first "-"."""
+    return entities[0]["entity"].split("-", 1)[-1]
 
 
 def _nanmean(values: list) -> float:

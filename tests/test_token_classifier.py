@@ -9,6 +9,7 @@ ner` writes one record a line."""
 import json
 import threading
 import warnings
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -39,12 +40,12 @@ def ner_model(request, tmp_path_factory):
     return add_token_classification_head(folder, seed=1)
 
 
-def hf_entities(folder, texts, strategy):
+def hf_entities(folder, texts, strategy, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = transformers.pipeline("token-classification", model=str(folder), aggregation_strategy=strategy,
                                      device="cpu")
-        return [pipe(t) for t in texts]
+        return [pipe(t, **options) for t in texts]
 
 
 def assert_same_entities(got, expected):
@@ -61,6 +62,21 @@ def test_entities_match_the_hf_pipeline(ner_model, strategy):
     expected = hf_entities(ner_model, TEXTS, strategy)
     assert sum(map(len, expected)) > 10  # the random head finds entities
     assert_same_entities(got, expected)
+
+
+def test_ignored_labels_are_dropped_as_the_pipeline_drops_them(ner_model):
+    """Ignored: B-LOC and the head's most common label by full name (tokens) and by group name
+    (a group is named by its label past the first "-")."""
+    with TokenClassifier.from_pretrained(ner_model, device="cpu") as model:
+        every = model.predict(TEXTS, ignore_labels=())
+        common = Counter(e["entity"] for text in every for e in text).most_common(1)[0][0]
+        for strategy in ("none", "simple", "first"):
+            counts = []
+            for ignore in ((), ("B-LOC", common, common.split("-", 1)[-1])):
+                got = model.predict(TEXTS, aggregation_strategy=strategy, ignore_labels=ignore)
+                assert_same_entities(got, hf_entities(ner_model, TEXTS, strategy, ignore_labels=list(ignore)))
+                counts.append(sum(map(len, got)))
+            assert counts[0] > counts[1]  # the labels were there to drop
 
 
 LONG = [" ".join(["the quick brown fox jumps over the lazy dog, microsoft company!"] * 9),
