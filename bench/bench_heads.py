@@ -6,9 +6,9 @@ The model: the --model-src folder's config and WordPiece tokenizer (all-MiniLM-L
 BERT-base size (hidden 768, 12 layers, 12 heads, FFN 3072), random HF-style weights, with a random
 three-label sequence classification head, then a random BIO token classification head over
 weights/fixtures.NER_LABELS; fp16 on the GPU (--device cpu: fp32, a smoke run). Texts: 6 to 20
-vocabulary words each (bench_serve.sentences). ftengine with its defaults (the engine's token
-budget, the auto tokenizer); HF's pipeline with sdpa attention at each of --hf-batches, its best
-reported. Both sides' answers are compared in the run: the share of texts with the same top
+vocabulary words each (bench_serve.sentences). ftengine with its defaults (the classifier's
+auto tokenizer; the token classifier tokenises on the CPU, for the offsets); HF's pipeline with
+sdpa attention at each of --hf-batches, its best reported. Both sides' answers are compared in the run: the share of texts with the same top
 label, and of texts with the same entities (group, word, start, end) under "simple"
 aggregation.
 
