@@ -176,7 +176,7 @@ class TokenClassifier(OwnsWorker):
 
     def _entities(self, text: str, enc, scores: np.ndarray, strategy: str, ignore: set) -> list:
         tokens, words = [], enc.tokens  # an Encoding's properties build a new list at each read
-        best, top = scores.argmax(axis=1).tolist(), scores.max(axis=1).tolist()
+        top = scores.max(axis=1).tolist()
         for idx, (token_id, (start, end), special) in enumerate(zip(enc.ids, enc.offsets, enc.special_tokens_mask)):
             if special:
                 continue
@@ -190,7 +190,7 @@ class TokenClassifier(OwnsWorker):
             tokens.append({"word": word, "scores": scores[idx], "top": top[idx], "start": start, "end": end,
                            "index": idx, "is_subword": subword})
         if strategy in ("none", "simple"):
-            labels = self.labels
+            labels, best = self.labels, scores.argmax(axis=1).tolist()
             entities = [{"entity": labels[best[t["index"]]], "score": t["top"], "index": t["index"],
                          "word": t["word"], "start": t["start"], "end": t["end"]} for t in tokens]
         else:
