@@ -204,21 +204,22 @@ class GpuTokenizer:
         return np.frombuffer(data, np.uint8), stops - sizes, stops
 
     def _device_ids(self, tables, raw, starts, stops, cut):
-        """The kernels' packed ids (T,), lengths (N,) and flags (N,) on the host."""
+        """The kernels' packed ids (T,), lengths (N,) and flags (N,) on the host. Two waits for the
+        device and no other call that gives up the GIL (ops.upload / fetch): in a service this
+        thread runs beside a busy event loop, and each hand-over of the GIL cost it up to 5 ms."""
         ops = self._ops
         n = len(starts)
         ids = ops.empty((n, tables.max_length), np.int32)
         lengths = ops.empty((n,), np.int32)
         flags = ops.empty((n,), np.uint8)
-        ops.wordpiece_tokenize(tables, ops.to_device(raw if raw.size else np.zeros(1, np.uint8)),
-                               ops.to_device(starts), ops.to_device(stops), ops.to_device(cut), ids, lengths, flags)
-        host_lengths = np.array(ops.to_host(lengths), dtype=np.int32)
-        host_flags = np.array(ops.to_host(flags), dtype=np.uint8)
+        ops.wordpiece_tokenize(tables, *ops.upload(raw if raw.size else np.zeros(1, np.uint8), starts, stops, cut),
+                               ids, lengths, flags)
+        host_lengths, host_flags = ops.fetch(lengths, flags)
         offsets = np.cumsum(host_lengths, dtype=np.int64) - host_lengths
         total = int(host_lengths.sum())
         packed = ops.empty((max(total, 1),), np.int32)
-        ops.pack_rows(ids, lengths, ops.to_device(offsets), packed)
-        return np.asarray(ops.to_host(packed))[:total], host_lengths, host_flags  # a new array: no second copy
+        ops.pack_rows(ids, lengths, *ops.upload(offsets), packed)
+        return ops.fetch(packed)[0][:total], host_lengths, host_flags
 
 
 def _pair_tables(data: dict, tables):

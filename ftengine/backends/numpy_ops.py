@@ -23,16 +23,16 @@ from .reference.norms import (add_bias_residual, add_bias_residual_layernorm, em
                               gather_rows, layernorm, residual_layernorm)
 from .reference.pooling import l2_normalize, pool, pool_packed
 from .reference.runtime import (STORAGE, DeviceTimer, GraphCache, HostSlot, copy_from_host, copy_to_host_async, empty,
-                                join_beside, pinned_empty, prefetch_kv, prefetch_l2, prepare_kernels, storage_dtype,
-                                synchronize, to_device, to_host, zero)
+                                fetch, join_beside, pinned_empty, prefetch_kv, prefetch_l2, prepare_kernels,
+                                storage_dtype, synchronize, to_device, to_host, upload, zero)
 from .reference.sampling import CHOICE_STATE_WORDS, append_tokens, beam_select, choose_tokens, mark_seen
 from .reference.wordpiece import pack_rows, prepare_wordpiece, wordpiece_tokenize
 
 name = "numpy"
 
 __all__ = [
-    "name", "STORAGE", "storage_dtype", "empty", "pinned_empty", "to_device", "copy_from_host", "to_host",
-    "synchronize", "prepare_kernels", "DeviceTimer", "GraphCache", "prefetch_l2", "prefetch_kv", "join_beside", "zero",
+    "name", "STORAGE", "storage_dtype", "empty", "pinned_empty", "to_device", "copy_from_host", "to_host", "upload",
+    "fetch", "synchronize", "prepare_kernels", "DeviceTimer", "GraphCache", "prefetch_l2", "prefetch_kv", "join_beside", "zero",
     "HostSlot", "copy_to_host_async", "gated_gelu", "add_bias_act", "add_bias_gelu", "embed_layernorm", "add_bias_residual_layernorm",
     "embed_positions", "layernorm", "add_bias_residual", "residual_layernorm", "gather_rows", "matmul",
     "matmul_bias_act", "matmul_bias_gelu", "batched_matmul", "dense", "partials_size", "matmul_residual_layernorm",

@@ -65,7 +65,7 @@ class TensorMap:
 
 @lru_cache(maxsize=None)
 def _launch_kernel_ex():
-    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    fn = ctypes.PyDLL("libcuda.so.1").cuLaunchKernelEx  # keeps the GIL: the launch returns at once (driver.py)
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn

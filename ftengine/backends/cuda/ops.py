@@ -15,6 +15,7 @@ file -> launcher module -> NumPy function). Model code calls ops through this mo
 | sampling.py | token choice, its bookkeeping, beam selection |
 | wordpiece.py | the GPU tokenizer: WordPiece ids of UTF-8 texts, packed |
 | families.py / kernels.py / launch.py | instantiation tables / compilation / cuLaunchKernelEx |
+| driver.py | the asynchronous driver calls that keep the GIL (copies, events, graph launches) |
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from .norms import (add_bias_residual, add_bias_residual_layernorm, embed_layern
                     layernorm, residual_layernorm)
 from .pooling import POOL_CODES, l2_normalize, pool, pool_packed
 from .runtime import (STORAGE, DeviceTimer, GraphCache, HostSlot, context, copy_from_host, copy_to_host_async, empty,
-                      join_beside, join_branches, pinned_empty, planning, prefetch_kv, prefetch_l2, storage_dtype,
-                      synchronize, to_device, to_host, zero)
+                      fetch, join_beside, join_branches, pinned_empty, planning, prefetch_kv, prefetch_l2,
+                      storage_dtype, synchronize, to_device, to_host, upload, zero)
 from .sampling import CHOICE_STATE_WORDS, append_tokens, beam_select, choice_slices, choose_tokens, mark_seen, \
     sample_clusters
 from .wordpiece import pack_rows, prepare_wordpiece, wordpiece_tokenize
@@ -48,6 +49,6 @@ __all__ = [
     "gather_rows", "layernorm", "residual_layernorm", "POOL_CODES", "l2_normalize", "pool", "pool_packed", "STORAGE",
     "DeviceTimer", "GraphCache", "HostSlot", "context", "copy_from_host", "copy_to_host_async", "empty",
     "join_beside", "join_branches", "pinned_empty", "planning", "prefetch_kv", "prefetch_l2", "storage_dtype",
-    "synchronize", "to_device", "to_host", "zero", "CHOICE_STATE_WORDS", "append_tokens", "beam_select",
+    "synchronize", "to_device", "to_host", "upload", "fetch", "zero", "CHOICE_STATE_WORDS", "append_tokens", "beam_select",
     "choice_slices", "choose_tokens", "mark_seen", "sample_clusters", "pack_rows", "prepare_wordpiece", "wordpiece_tokenize",
 ]

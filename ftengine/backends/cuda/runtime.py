@@ -19,6 +19,7 @@ import numpy as np
 
 from ...errors import DeviceError
 from . import cublas as cb
+from . import driver
 from .kernels import ARCH_SPECIFIC, CUDA_TYPES, kernel
 from .launch import launch_ex
 
@@ -55,6 +56,7 @@ class _Context:
         self.branch_stream = cupy.cuda.Stream(non_blocking=True)
         self.branch_ends = []
         self.beside_ends = []
+        self.transfers = None  # upload's and fetch's page-locked buffers (_Transfers), made on first use
 
 
 def runs_wgmma() -> bool:
@@ -171,14 +173,93 @@ def _grid(n: int) -> tuple:
 
 def copy_from_host(dst, src):
     """dst (device) = src (host), queued on the stream: a page-locked src must stay unchanged until
-    the copy has run; a pageable one is staged before this returns. One cudaMemcpyAsync where src
-    already matches dst (CuPy's set() costs a small batch's host 10-20 us more)."""
+    the copy has run (queued keeping the GIL: driver.py); a pageable one is staged before this
+    returns. One copy where src already matches dst (CuPy's set() costs a small batch's host 10-20
+    us more)."""
     src = np.ascontiguousarray(src, dtype=dst.dtype)
     if src.shape != dst.shape or not dst.flags.c_contiguous:
         dst.set(src, stream=context().stream)  # refuses a shape mismatch
         return
+    if src.nbytes and driver.page_locked(src.ctypes.data):
+        driver.copy_to_device(dst.data.ptr, src.ctypes.data, src.nbytes, context().stream.ptr)
+        return
     runtime = context().cupy.cuda.runtime
     runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, runtime.memcpyHostToDevice, context().stream.ptr)
+
+
+class _Transfers:
+    """A thread's page-locked buffers for upload and fetch, grown as needed, and the events that
+    say when the last copy out of (or into) each has run."""
+
+    ALIGN = 16
+
+    def __init__(self, cupy):
+        self.buffers = {"up": None, "down": None}
+        self.events = {name: cupy.cuda.Event(block=False, disable_timing=True) for name in self.buffers}
+        self.used = {name: False for name in self.buffers}
+
+    def place(self, name: str, arrays) -> tuple:
+        """(the buffer, each array's byte offset in it), the buffer at least their aligned size,
+        free (its last copy waited for)."""
+        offsets, size = [], 0
+        for a in arrays:
+            offsets.append(size)
+            size += -(-a.nbytes // self.ALIGN) * self.ALIGN
+        if self.used[name]:
+            wait(self.events[name])
+        buffer = self.buffers[name]
+        if buffer is None or buffer.size < size:
+            buffer = self.buffers[name] = pinned_empty(max(size, 2 * (0 if buffer is None else buffer.size), 4096),
+                                                       np.uint8)
+        return buffer, offsets
+
+    def recorded(self, name: str):
+        driver.record(self.events[name].ptr, context().stream.ptr)
+        self.used[name] = True
+
+
+def _transfers() -> _Transfers:
+    ctx = context()
+    if ctx.transfers is None:
+        ctx.transfers = _Transfers(ctx.cupy)
+    return ctx.transfers
+
+
+def upload(*arrays) -> list:
+    """Host arrays -> new device arrays, through this thread's page-locked buffer in one copy,
+    queued keeping the GIL (driver.py): the calls a thread beside a busy event loop makes."""
+    hosts = [np.ascontiguousarray(a) for a in arrays]
+    transfers = _transfers()
+    buffer, offsets = transfers.place("up", hosts)
+    size = offsets[-1] + hosts[-1].nbytes if hosts else 0
+    for h, at in zip(hosts, offsets):
+        buffer[at:at + h.nbytes] = h.reshape(-1).view(np.uint8)
+    device = empty((max(size, 1),), np.uint8)
+    if size:
+        driver.copy_to_device(device.data.ptr, buffer.ctypes.data, size, context().stream.ptr)
+    transfers.recorded("up")
+    return [device[at:at + h.nbytes].view(h.dtype).reshape(h.shape) for h, at in zip(hosts, offsets)]
+
+
+def fetch(*arrays) -> list:
+    """Contiguous device arrays -> new host arrays, after the stream's work, through this thread's
+    page-locked buffer: the copies queued keeping the GIL (driver.py), one wait."""
+    transfers = _transfers()
+    buffer, offsets = transfers.place("down", arrays)
+    stream = context().stream.ptr
+    for a, at in zip(arrays, offsets):
+        if a.nbytes:
+            driver.copy_to_host(buffer.ctypes.data + at, a.data.ptr, a.nbytes, stream)
+    transfers.recorded("down")
+    wait(transfers.events["down"])
+    return [buffer[at:at + a.nbytes].view(a.dtype).reshape(a.shape).copy() for a, at in zip(arrays, offsets)]
+
+
+def wait(event):
+    """Until the work before the event's last record has run: a query first, which keeps the GIL,
+    so that work already done costs no hand-over of it (driver.py)."""
+    if not driver.done(event.ptr):
+        event.synchronize()
 
 
 def to_host(array):
@@ -210,13 +291,13 @@ class DeviceTimer:
     def __init__(self, events=None):
         cupy = context().cupy
         self._start, self._end = events or (cupy.cuda.Event(), cupy.cuda.Event())
-        self._start.record(context().stream)
+        driver.record(self._start.ptr, context().stream.ptr)
 
     def stop(self):
-        self._end.record(context().stream)
+        driver.record(self._end.ptr, context().stream.ptr)
 
     def seconds(self) -> float:
-        self._end.synchronize()
+        wait(self._end)
         return context().cupy.cuda.get_elapsed_time(self._start, self._end) / 1e3
 
 
@@ -249,7 +330,7 @@ class GraphCache:
                 self.graphs.popitem(last=False)
         else:
             self.graphs.move_to_end(key)
-        graph.launch(stream=ctx.stream)
+        driver.launch_graph(graph.graphExec, ctx.stream.ptr)
 
 
 def _ctype(a) -> str:
@@ -275,6 +356,12 @@ def _launch(file, kname, grid, block, args, shared_mem=0, cluster=None):
         return
     with ctx.stream:
         k(grid, block, args, shared_mem=shared_mem)
+
+
+def launch_held(file, kname, grid, block, args):
+    """Launch a kernel on this thread's stream, not inside a capture, keeping the GIL
+    (driver.py): the launches of a thread beside a busy event loop (the GPU tokenizer's)."""
+    launch_ex(kernel(file, kname), grid, block, args, 0, context().stream.ptr, dependent=False)
 
 
 # passes of PREFETCH_ROWS rows (decode steps, short prefills and encoder batches): the runners ask the L2 for the next
@@ -414,26 +501,26 @@ class HostSlot:
     def record(self):
         """Mark the work queued on the stream so far (a copy from the slot's buffer) as what wait()
         waits for."""
-        self.done.record(context().stream)
+        driver.record(self.done.ptr, context().stream.ptr)
 
     def wait(self):
         """Until the work record() last marked has run (at once where none was)."""
-        self.done.synchronize()
+        wait(self.done)
 
 
 class _Pending:
     """A device-to-host copy in flight on the stream; wait() returns the host array."""
 
     def __init__(self, array, slot=None):
-        cupy = context().cupy
+        cupy, stream = context().cupy, context().stream.ptr
         self.host = pinned_empty(array.shape, array.dtype) if slot is None else slot.array(array.shape, array.dtype)
-        cupy.cuda.runtime.memcpyAsync(self.host.ctypes.data, array.data.ptr, array.nbytes,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, context().stream.ptr)
+        if array.nbytes:
+            driver.copy_to_host(self.host.ctypes.data, array.data.ptr, array.nbytes, stream)
         self.event = cupy.cuda.Event(block=False, disable_timing=True) if slot is None else slot.done
-        self.event.record(context().stream)
+        driver.record(self.event.ptr, stream)
 
     def wait(self):
-        self.event.synchronize()
+        wait(self.event)
         return np.array(self.host)
 
 

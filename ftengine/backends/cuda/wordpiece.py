@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 
 from .kernels import prepare
-from .runtime import _launch, context, to_device
+from .runtime import context, launch_held, to_device
 
 TEXT_WARPS = 2       # warps a block
 WARP_SLOTS = 32      # warps a multiprocessor is given before a warp takes more than one text
@@ -63,13 +63,13 @@ def wordpiece_tokenize(tables, text, starts, stops, cut, ids, lengths, flags):
         return
     d = _on_device(tables)
     lanes = text_lanes(n)
-    _launch("wordpiece.cu", "wordpiece_tokenize", (-(-n // (lanes * TEXT_WARPS)),), (32 * TEXT_WARPS,),
-            (text, starts, stops, cut, np.int32(n), d["char_map"], d["expansions"], d["trie_slots"],
-             np.uint64(len(tables.trie_keys) - 1), d["patterns"],
-             d["pattern_offsets"], np.int32(len(tables.pattern_offsets) - 1), d["last_chars"],
-             d["prefix"], np.int32(len(tables.prefix)),
-             d["suffix"], np.int32(len(tables.suffix)), np.int32(tables.unk), np.int32(tables.max_word),
-             np.int32(tables.max_length), np.int32(tables.tail), np.int32(lanes), ids, lengths, flags))
+    launch_held("wordpiece.cu", "wordpiece_tokenize", (-(-n // (lanes * TEXT_WARPS)),), (32 * TEXT_WARPS,),
+                (text, starts, stops, cut, np.int32(n), d["char_map"], d["expansions"], d["trie_slots"],
+                 np.uint64(len(tables.trie_keys) - 1), d["patterns"],
+                 d["pattern_offsets"], np.int32(len(tables.pattern_offsets) - 1), d["last_chars"],
+                 d["prefix"], np.int32(len(tables.prefix)),
+                 d["suffix"], np.int32(len(tables.suffix)), np.int32(tables.unk), np.int32(tables.max_word),
+                 np.int32(tables.max_length), np.int32(tables.tail), np.int32(lanes), ids, lengths, flags))
 
 
 def pack_rows(ids, lengths, offsets, out):
@@ -77,5 +77,5 @@ def pack_rows(ids, lengths, offsets, out):
     n = len(lengths)
     if n == 0:
         return
-    _launch("wordpiece.cu", "pack_rows", (n,), (PACK_THREADS,),
-            (ids, np.int32(ids.shape[1]), lengths, offsets, np.int32(n), out))
+    launch_held("wordpiece.cu", "pack_rows", (n,), (PACK_THREADS,),
+                (ids, np.int32(ids.shape[1]), lengths, offsets, np.int32(n), out))

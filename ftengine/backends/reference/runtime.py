@@ -38,6 +38,16 @@ def to_host(array):
     return np.asarray(array)
 
 
+def upload(*arrays) -> list:
+    """Host arrays -> device arrays (here copies)."""
+    return [np.array(a) for a in arrays]
+
+
+def fetch(*arrays) -> list:
+    """Device arrays -> new host arrays."""
+    return [np.array(a) for a in arrays]
+
+
 def synchronize():
     pass
 
