@@ -13,11 +13,13 @@ engine with the same one.
 (one label: a cross-encoder served at TEI's POST /rerank, a query and 32 texts a request; three
 labels: POST /predict, 32 texts a request), 64 clients, against Reranker.scores /
 Classifier.logits offline on the same inputs, with each of --tokenizers; results in
-serve_{task}.{json,md} unless --name says otherwise.
+serve_{task}.{json,md} unless --name says otherwise. With --bare, the same load also goes to a bare
+ASGI app under the same uvicorn with each worker count (serve_bare.py: it parses each body and
+sends a canned reply): what the HTTP stack itself serves, the ceiling of any Python service here.
 
 Needs the serve extra plus aiohttp. Usage:
 python bench/bench_serve.py --model-src PATH --out bench/results [--workers 1,4] [--task embed|rerank|classify]
-       [--tokenizers auto|gpu,cpu] [--clients 1,16,64,256] [--batches 1,32] [--name NAME]
+       [--tokenizers auto|gpu,cpu] [--clients 1,16,64,256] [--batches 1,32] [--name NAME] [--bare]
 (bench/results/serve_tokenizer.md: --workers 1,4 --tokenizers gpu,cpu --clients 64 --batches 1,32
 --name serve_tokenizer)
 """
@@ -148,6 +150,35 @@ def start_server(model: Path, tmp: Path, workers: int, tokenizer: str = "auto"):
         server.wait(timeout=120)
 
 
+@contextmanager
+def start_bare(workers: int, task: str):
+    """serve_bare.py's app under uvicorn with `workers` processes on a free port; yields its URL
+    once it accepts connections."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "bench.serve_bare:app", "--port", str(port), "--workers", str(workers),
+         "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"], cwd=ROOT,
+        env={**os.environ, "BARE_TASK": task, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise SystemExit("the bare app did not start") from None
+            time.sleep(0.1)
+    time.sleep(2.0)  # every worker listening, not only the first
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
 def fill_tables(model: Path):
     """Build the GPU tokenizer's tables once before any timing: on a fresh machine every process
     (each server worker too) would measure the Unicode tables, seconds of CPU in the first case,
@@ -197,11 +228,16 @@ def markdown_head(r: dict) -> str:
            "| tokenizer | workers | clients | inputs per request | requests/s | inputs/s | vs offline | p50 ms | p99 ms |",
            "|---|---|---|---|---|---|---|---|---|"]
     for c in r["cases"]:
+        offline_rate = r["offline_inputs_per_s"].get(c["tokenizer"])
+        ratio = f"{c['embeddings_per_s'] / offline_rate:.2f}" if offline_rate else "-"
         out.append(f"| {c['tokenizer']} | {c['workers']} | {c['clients']} | {c['batch']} | {c['requests_per_s']:,} | "
-                   f"{c['embeddings_per_s']:,} | {c['embeddings_per_s'] / r['offline_inputs_per_s'][c['tokenizer']]:.2f} | "
-                   f"{c['p50_ms']} | {c['p99_ms']} |")
+                   f"{c['embeddings_per_s']:,} | {ratio} | {c['p50_ms']} | {c['p99_ms']} |")
     out += ["", f"Target (issue 54): with 4 workers at 64 clients, at least {TARGETS['ratio_64']:.0%} of the offline "
-            "throughput.", ""]
+            "throughput."]
+    if any(c["tokenizer"] == "bare" for c in r["cases"]):
+        out.append("Rows \"bare\": no model, a bare ASGI app under the same uvicorn that parses each body and sends a "
+                   "canned reply of the same shape (bench/serve_bare.py): the HTTP stack's own ceiling.")
+    out.append("")
     return "\n".join(out)
 
 
@@ -236,6 +272,8 @@ def main():
     parser.add_argument("--clients", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64, 256])
     parser.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 32])
     parser.add_argument("--name", help="the results' file name: serve (embed) or serve_TASK unless given")
+    parser.add_argument("--bare", action="store_true",
+                        help="rerank / classify: also time a bare ASGI app (serve_bare.py) under the same load")
     args = parser.parse_args()
     from bench.bench_pipeline import make_model
     import cupy
@@ -274,6 +312,9 @@ def head_task(args, model: Path, texts: list, tmp: Path, cupy):
         for workers in args.workers:
             with start_server(model, tmp, workers, tokenizer) as url:
                 cases.append(dict(run_case(url, 64, 32, texts, args.task), workers=workers, tokenizer=tokenizer))
+    for workers in args.workers if args.bare else ():
+        with start_bare(workers, args.task) as url:
+            cases.append(dict(run_case(url, 64, 32, texts, args.task), workers=workers, tokenizer="bare"))
     props = cupy.cuda.runtime.getDeviceProperties(0)
     result = {"task": args.task, "device": props["name"].decode(), "date": date.today().isoformat(),
               "offline_inputs_per_s": {t: round(offline_head(model, args.task, texts, t)) for t in args.tokenizers},
