@@ -189,14 +189,13 @@ def copy_from_host(dst, src):
 
 class _Transfers:
     """A thread's page-locked buffers for upload and fetch, grown as needed, and the events that
-    say when the last copy out of (or into) each has run."""
+    say when the last copy out of (or into) each has run (a query of one never recorded: at once)."""
 
     ALIGN = 16
 
     def __init__(self, cupy):
         self.buffers = {"up": None, "down": None}
         self.events = {name: cupy.cuda.Event(block=False, disable_timing=True) for name in self.buffers}
-        self.used = {name: False for name in self.buffers}
 
     def place(self, name: str, arrays) -> tuple:
         """(the buffer, each array's byte offset in it), the buffer at least their aligned size,
@@ -205,8 +204,7 @@ class _Transfers:
         for a in arrays:
             offsets.append(size)
             size += -(-a.nbytes // self.ALIGN) * self.ALIGN
-        if self.used[name]:
-            wait(self.events[name])
+        wait(self.events[name])
         buffer = self.buffers[name]
         if buffer is None or buffer.size < size:
             buffer = self.buffers[name] = pinned_empty(max(size, 2 * (0 if buffer is None else buffer.size), 4096),
@@ -215,7 +213,6 @@ class _Transfers:
 
     def recorded(self, name: str):
         driver.record(self.events[name].ptr, context().stream.ptr)
-        self.used[name] = True
 
 
 def _transfers() -> _Transfers:
