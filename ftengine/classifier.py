@@ -38,11 +38,12 @@ class SequenceHead:
         return cls(path, device=device, dtype=dtype, max_length=max_length, cuda_graphs=cuda_graphs, layout=layout,
                    tokenizer=tokenizer)
 
-    def _submit(self, inputs: list, *, pairs: bool, batch_tokens, truncate: bool) -> Future:
+    def _submit(self, inputs: list, *, pairs: bool, batch_tokens, truncate: bool, requests: int = 1) -> Future:
         """The engine's future of an EncodeResult whose embeddings are the head's logits, of texts
         or (text, text) pairs; truncate=False fails it with TooLongError for an input longer than
         max_length instead of cutting it. Cancelling the future drops work not yet run."""
-        return self._encoder.submit_inputs(inputs, pairs=pairs, batch_tokens=batch_tokens, truncate=truncate)
+        return self._encoder.submit_inputs(inputs, pairs=pairs, batch_tokens=batch_tokens, truncate=truncate,
+                                           requests=requests)
 
     @staticmethod
     def head_logits(result) -> np.ndarray:
@@ -86,15 +87,16 @@ class Classifier(SequenceHead):
         return (np.zeros((0, self.num_labels), np.float32) if future is None else
                 self.head_logits(future.result())), self.head_tokens(future)
 
-    def submit_logits(self, inputs, *, batch_tokens: int | None = None, truncate: bool = True):
+    def submit_logits(self, inputs, *, batch_tokens: int | None = None, truncate: bool = True, requests: int = 1):
         """logits' work without waiting: the engine's future, or None for no inputs.
         head_logits(future.result()) gives the logits (head_tokens the tokens); a service awaits
-        the future and cancels it when its client goes away."""
+        the future and cancels it when its client goes away. requests: how many callers'
+        requests the inputs join (EncodeEngine.submit)."""
         inputs = _as_list(inputs)
         if not inputs:
             return None
         pairs = all(isinstance(x, (tuple, list)) for x in inputs)
-        return self._submit(inputs, pairs=pairs, batch_tokens=batch_tokens, truncate=truncate)
+        return self._submit(inputs, pairs=pairs, batch_tokens=batch_tokens, truncate=truncate, requests=requests)
 
     def scores(self, logits: np.ndarray) -> np.ndarray:
         """The pipeline's function_to_apply on logits (N, num_labels)."""

@@ -357,14 +357,16 @@ class Encoder:
 
     def submit_request(self, texts: list, *, batch_tokens: int | None = None, pooling=None,
                        normalize: bool | None = None, truncate: bool = True, token_ids=None,
-                       prompt_name: str | None = None, prompt: str | None = None) -> Future:
+                       prompt_name: str | None = None, prompt: str | None = None, requests: int = 1) -> Future:
         """The engine's own future: an EncodeResult (embeddings, tokens, truncated, device time).
         token_ids: sequences already tokenised (lists of ids, special tokens included) instead
-        of texts; they are checked against the vocabulary like tokenised texts (no prompt)."""
+        of texts; they are checked against the vocabulary like tokenised texts (no prompt).
+        requests: how many callers' requests the texts join (EncodeEngine.submit)."""
         if token_ids is None:
             prompt = self.prompt_text(prompt_name, prompt)
             return self._engine.submit(_with_prompt(texts, prompt),
-                                       self._options(batch_tokens, pooling, normalize, prompt), truncate=truncate)
+                                       self._options(batch_tokens, pooling, normalize, prompt), truncate=truncate,
+                                       requests=requests)
         options = self._options(batch_tokens, pooling, normalize)
         lengths = np.fromiter((len(x) for x in token_ids), np.int32, len(token_ids))
         if (lengths == 0).any():
@@ -375,14 +377,16 @@ class Encoder:
                                f"{self.max_length}", index=i, max_length=self.max_length)
         ids = np.fromiter((t for seq in token_ids for t in seq), np.int64, int(lengths.sum()))
         tokens = TokenizedTexts(ids, np.zeros(len(ids), np.int32), lengths, np.zeros(len(lengths), bool))
-        return self._engine.submit([None] * len(token_ids), options, tokens=tokens)
+        return self._engine.submit([None] * len(token_ids), options, tokens=tokens, requests=requests)
 
     def submit_inputs(self, inputs: list, *, pairs: bool = False, batch_tokens: int | None = None,
-                      truncate: bool = True) -> Future:
+                      truncate: bool = True, requests: int = 1) -> Future:
         """The engine's future for texts, or (text, text) pairs, with no prompt (a classifier's or a
         reranker's inputs): tokenised by the engine together with the requests waiting beside them.
-        truncate=False fails the future with TooLongError for one longer than max_length."""
-        return self._engine.submit(inputs, self._options(batch_tokens, None, None), truncate=truncate, pairs=pairs)
+        truncate=False fails the future with TooLongError for one longer than max_length.
+        requests: how many callers' requests the inputs join (EncodeEngine.submit)."""
+        return self._engine.submit(inputs, self._options(batch_tokens, None, None), truncate=truncate, pairs=pairs,
+                                   requests=requests)
 
     def close(self, *, cancel: bool = False):
         """Finish the work already queued (cancel=True: fail it instead), then stop the engine's

@@ -58,6 +58,8 @@ class EncodeResult:
     tokens: int               # real tokens, special tokens included
     truncated: int            # texts cut to max_length
     device_seconds: float     # device time of the batches, shared out by rows
+    lengths: np.ndarray | None = None   # (N,) tokens of each text
+    cut: np.ndarray | None = None       # (N,) bool: each text cut to max_length
 
 
 class _Request:
@@ -78,12 +80,14 @@ class _Request:
         self.order = None             # (N,) texts, longest first
         self.sorted_lengths = None    # list: lengths in that order
         self.token_count = 0
+        self.lengths = self.cut = None  # (N,) each text's tokens, and whether it was cut
         self.truncated = 0
         self.device_seconds = 0.0
         self.cursor = 0               # texts of `order` already sent to the device
         self.remaining = len(texts)   # rows not yet delivered
         self.out = None               # (N, dim) float32
         self.given = None             # TokenizedTexts the caller tokenised itself
+        self.callers = 1              # callers' requests these texts join
 
     def fail(self, error: BaseException):
         if not self.future.done():
@@ -117,12 +121,14 @@ class EncodeEngine:
     # ------------------------------------------------------------ callers
 
     def submit(self, texts: list, options: EncodeOptions, *, truncate: bool = True, first: int = 1,
-               progress=None, tokens: TokenizedTexts | None = None, pairs: bool = False) -> Future:
+               progress=None, tokens: TokenizedTexts | None = None, pairs: bool = False,
+               requests: int = 1) -> Future:
         """Queue `texts` (a list of str, or RawTexts for a tokenizer that takes them); the future's
         result is an EncodeResult. `first` is the
         1-based number of texts[0] in the caller's input, for error messages. `tokens`: texts
         already tokenised (then `texts` is only their count's worth of placeholders). pairs: texts
-        are (text, text) pairs, tokenised as the model's tokenizer joins them."""
+        are (text, text) pairs, tokenised as the model's tokenizer joins them. requests: how many
+        callers' requests the texts join (a service's; on_batch counts them)."""
         if pairs:
             check_pairs(texts, first=first)
         elif tokens is None and not isinstance(texts, RawTexts):
@@ -131,6 +137,7 @@ class EncodeEngine:
         request = _Request(texts, options, truncate=truncate, first=first, progress=progress, future=future,
                            pairs=pairs)
         request.given = tokens
+        request.callers = requests
         future.add_done_callback(lambda _f, r=request: self._forget(r))
         with self._lock:
             if self._broken is not None:
@@ -142,7 +149,8 @@ class EncodeEngine:
                 self._start()
         if not texts:  # answered here (outside the lock: the done callback takes it)
             future.set_running_or_notify_cancel()
-            future.set_result(EncodeResult(np.zeros((0, self._dim(options.pooling)), np.float32), 0, 0, 0.0))
+            future.set_result(EncodeResult(np.zeros((0, self._dim(options.pooling)), np.float32), 0, 0, 0.0,
+                                           np.zeros(0, np.int32), np.zeros(0, bool)))
             return future
         self._inbox.put(request)
         return future
@@ -272,6 +280,7 @@ class EncodeEngine:
             return
         r.tokens = tokens
         r.token_count = tokens.tokens
+        r.lengths, r.cut = tokens.lengths, tokens.truncated
         r.truncated = int(tokens.truncated.sum())
         r.starts = tokens.starts
         r.order = np.argsort(-tokens.lengths, kind="stable")
@@ -366,7 +375,7 @@ class EncodeEngine:
             lengths.append(part.lengths)
         batch = Batch(np.concatenate(ids), np.concatenate(types), np.concatenate(lengths))
         if self.on_batch is not None:
-            self.on_batch(len(batch.lengths), len(parts), len(batch.ids))
+            self.on_batch(len(batch.lengths), sum(r.callers for r, _ in parts), len(batch.ids))
         return batch, parts, options
 
     def _runner_for(self, runner, batch: Batch, options: EncodeOptions):
@@ -408,7 +417,8 @@ class EncodeEngine:
                     continue
             if r.remaining == 0:
                 r.tokens = None
-                r.future.set_result(EncodeResult(r.out, r.token_count, r.truncated, r.device_seconds))
+                r.future.set_result(EncodeResult(r.out, r.token_count, r.truncated, r.device_seconds, r.lengths,
+                                                 r.cut))
 
     def _break(self, error: BaseException):
         """The worker or tokenizer failed outside any one request: fail everything, refuse more."""

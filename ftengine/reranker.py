@@ -41,12 +41,14 @@ class Reranker(SequenceHead):
         future = self.submit_scores(pairs, batch_tokens=batch_tokens, truncate=truncate)
         return self.finish_scores(future, activation=activation), self.head_tokens(future)
 
-    def submit_scores(self, pairs, *, batch_tokens: int | None = None, truncate: bool = True):
+    def submit_scores(self, pairs, *, batch_tokens: int | None = None, truncate: bool = True, requests: int = 1):
         """scores' work without waiting: the engine's future, or None for no pairs.
         finish_scores(future) gives the scores once it is done (head_tokens the tokens); a service
-        awaits the future and cancels it when its client goes away."""
+        awaits the future and cancels it when its client goes away. requests: how many callers'
+        requests the pairs join (EncodeEngine.submit)."""
         pairs = _as_list(pairs)
-        return self._submit(pairs, pairs=True, batch_tokens=batch_tokens, truncate=truncate) if pairs else None
+        return self._submit(pairs, pairs=True, batch_tokens=batch_tokens, truncate=truncate,
+                            requests=requests) if pairs else None
 
     def finish_scores(self, future, *, activation: bool = True) -> np.ndarray:
         """The scores of a submit_scores future (waiting for it if need be)."""

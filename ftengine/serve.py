@@ -12,7 +12,8 @@ a reranker (a cross-encoder) two others:
                         -> {"results": [{"index", "relevance_score"}], ...}
 every model TEI's POST /tokenize and POST /decode, and GET /health (200 once the model is loaded and
 warmed, 503 before), GET /info, GET /metrics
-(Prometheus). Concurrent requests go to the one engine, which packs them into shared batches.
+(Prometheus). Concurrent requests go to the one engine, which packs them into shared batches
+(the requests of one turn of the event loop as one submission: serve_join.py).
 Every expected problem is a JSON error {"error", "error_type"} with its status; nothing
 accepted is dropped on SIGTERM/SIGINT (uvicorn stops accepting and lets requests finish).
 
@@ -33,6 +34,7 @@ import numpy as np
 from . import __version__
 from .errors import FtengineError, InputError, TooLongError
 from .serve_metrics import Metrics
+from .serve_join import Joiner
 from .serve_request import HTTPFailure, bool_field, dumps, texts_field, token_ids_field, validation
 from .tokenizer import PREFIX_CHARS_PER_TOKEN
 
@@ -68,6 +70,10 @@ class Service:
         self.model, self.model_name, self.limits = model, model_name, limits
         self.ready = False
         self.in_flight = 0
+        self._join = Joiner()  # requests of one turn of the event loop: one engine submission
+        self._waiting = {}     # asyncio future a request awaits -> (request, joined, the future it came from)
+        self._gone = set()     # those futures cancelled because their client went away
+        self._watcher = None   # the task of _watch_clients
         self.metrics = metrics or Metrics()
         self.registry = self.metrics.registry
         if self.tokens is None:  # a TokenClassifier runs its own batches
@@ -156,26 +162,51 @@ class Service:
             raise HTTPFailure(413, f"{field} holds {n} inputs, more than --max-client-batch-size "
                                    f"{self.limits.max_client_batch_size}", "Validation")
 
-    @staticmethod
-    async def _answer(request, future):
-        """The result of an engine future; the work is cancelled if the client goes away first
-        (the engine drops a cancelled request from its queue)."""
-        waiting = asyncio.wrap_future(future)
-        while True:
-            done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_SECONDS)
-            if done:
-                return waiting.result()
-            if await request.is_disconnected():
-                future.cancel()
-                raise HTTPFailure(499, "the client went away", "Disconnected")
+    async def _answer(self, request, future):
+        """The result of an engine future (or of the Joiner's asyncio future); the work is
+        cancelled if the client goes away first (the engine drops a cancelled request from its
+        queue; _watch_clients looks)."""
+        joined = asyncio.isfuture(future)
+        waiting = future if joined else asyncio.wrap_future(future)
+        self._waiting[waiting] = (request, joined, future)
+        loop = asyncio.get_running_loop()
+        if self._watcher is None or self._watcher.done() or self._watcher.get_loop() is not loop:
+            self._watcher = loop.create_task(self._watch_clients())
+        try:
+            return await waiting
+        except asyncio.CancelledError:
+            if waiting not in self._gone:
+                raise
+            raise HTTPFailure(499, "the client went away", "Disconnected") from None
+        finally:
+            self._waiting.pop(waiting, None)
+            self._gone.discard(waiting)
+
+    async def _watch_clients(self):
+        """While requests wait for the engine, every DISCONNECT_POLL_SECONDS: cancel the work of
+        those whose client has gone (one timer for them all, not one per request)."""
+        while self._waiting:
+            await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+            for waiting, (request, joined, future) in list(self._waiting.items()):
+                if not waiting.done() and await request.is_disconnected():
+                    self._gone.add(waiting)
+                    if joined:
+                        self._join.cancel(future)
+                    else:
+                        waiting.cancel()  # and with it the engine's future
 
     async def _encode(self, request, texts=None, *, token_ids=None, normalize=None, truncate=True,
                       prompt_name=None, route: str = "embed"):
         """EncodeResult of one request through the engine, errors as HTTP failures."""
+        def submit(inputs, requests=1):
+            return self.encoder.submit_request(inputs, batch_tokens=self.limits.max_batch_tokens, normalize=normalize,
+                                               truncate=truncate, token_ids=token_ids, prompt_name=prompt_name,
+                                               requests=requests)
         try:
-            future = self.encoder.submit_request(texts, batch_tokens=self.limits.max_batch_tokens,
-                                                 normalize=normalize, truncate=truncate, token_ids=token_ids,
-                                                 prompt_name=prompt_name)
+            if token_ids is None:
+                future = self._join.submit(texts, ("embed", normalize, truncate, prompt_name), submit)
+            else:
+                future = submit(texts)
             return await self._answer(request, future)
         except TooLongError as e:
             if token_ids is not None:
@@ -230,7 +261,7 @@ class Service:
         self._metric("latency", route).observe(ms / 1000)
         self._metric("inputs").inc(inputs)
         self._metric("tokens").inc(tokens)
-        log.info("%s %s %d inputs=%d tokens=%d %.1fms", request.method, request.url.path, response.status_code,
+        log.info("%s %s %d inputs=%d tokens=%d %.1fms", request.method, request.scope["path"], response.status_code,
                  inputs, tokens, ms)
         return response
 
@@ -293,15 +324,13 @@ class Service:
                    "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}}
         return Response(dumps(payload), media_type="application/json"), count, result.tokens
 
-    async def _head(self, request, submit, too_long: str) -> tuple:
-        """(the finished engine future or None, tokens) of a classifier head's work: submit()
-        queues it (the engine tokenises it with the requests waiting beside it) and returns the
-        future, awaited as /embed's is, cancelled if the client goes away. too_long: the 413
-        message's subject."""
+    async def _head(self, request, inputs: list, key, submit, too_long: str) -> tuple:
+        """(the finished future, tokens) of a classifier head's work on `inputs` (non-empty):
+        submit(inputs, requests) queues a list on the engine and returns its future; requests of this
+        turn of the event loop with the same key go as one list (serve_join.py). Awaited as
+        /embed's is, cancelled if the client goes away. too_long: the 413 message's subject."""
         try:
-            future = submit()
-            if future is None:
-                return None, 0
+            future = self._join.submit(inputs, key, submit)
             return future, (await self._answer(request, future)).tokens
         except TooLongError as e:
             raise HTTPFailure(413, f"{too_long.format(index=e.index)} longer than the maximum input length "
@@ -312,8 +341,10 @@ class Service:
     async def _scores(self, request, query: str, documents: list, *, raw: bool, truncate: bool) -> tuple:
         """(scores, tokens) of (query, document) pairs through the engine; errors as HTTP failures."""
         pairs = [(query, d) for d in documents]
-        future, tokens = await self._head(request, lambda: self.reranker.submit_scores(
-            pairs, batch_tokens=self.limits.max_batch_tokens, truncate=truncate), "text {index} with the query is")
+        future, tokens = await self._head(request, pairs, ("rerank", truncate), lambda joined, requests: (
+            self.reranker.submit_scores(joined, batch_tokens=self.limits.max_batch_tokens, truncate=truncate,
+                                        requests=requests)),
+            "text {index} with the query is")
         return self.reranker.finish_scores(future, activation=not raw), tokens
 
     def _query(self, body: dict) -> str:
@@ -402,8 +433,11 @@ class Service:
             raise validation("inputs must be all texts or all pairs")
         self._check_count(len(inputs), "inputs")
         raw, truncate = bool_field(body, "raw_scores", False), bool_field(body, "truncate", False)
-        future, tokens = await self._head(request, lambda: self.classifier.submit_logits(
-            inputs, batch_tokens=self.limits.max_batch_tokens, truncate=truncate), "input {index} is")
+        pairs = isinstance(inputs[0], tuple)
+        future, tokens = await self._head(request, inputs, ("classify", pairs, truncate), lambda joined, requests: (
+            self.classifier.submit_logits(joined, batch_tokens=self.limits.max_batch_tokens, truncate=truncate,
+                                          requests=requests)),
+            "input {index} is")
         logits = self.classifier.head_logits(future.result())
         rows = logits if raw else self.classifier.scores(logits)
         reply = self.classifier.ranked(rows, None)

@@ -20,6 +20,13 @@ WORKER_ENV = "FTENGINE_SERVE_WORKER"  # a worker process's settings (JSON), set 
 SHUTDOWN_GRACE_SECONDS = 60  # after SIGTERM / SIGINT, requests still open after this are cut off
 
 
+def _log_to_stderr():
+    """The service's log lines, LOG_FORMAT to stderr. Its records skip looking up their thread and
+    process, which the format does not print (the per-request line's cost, under the GIL)."""
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+
+
 def _uvicorn_config(app, **options):
     import uvicorn
     from .serve_http import KEEP_ALIVE_SECONDS
@@ -30,14 +37,17 @@ def _uvicorn_config(app, **options):
 
 def build_app(loaded: list, limits: ServeLimits):
     """The application of the (name, model) pairs: one model's Service, or a Gateway over several
-    (each its own engine, batches and limits; metrics labelled by model)."""
+    (each its own engine, batches and limits; metrics labelled by model), its POST routes
+    dispatched ahead of Starlette's stack."""
+    from .serve_dispatch import PostDispatch
     if len(loaded) == 1:
         name, model = loaded[0]
-        return Service(model, model_name=name, limits=limits).app()
+        return PostDispatch(Service(model, model_name=name, limits=limits).app())
     from .serve_metrics import Metrics
     from .serve_gateway import Gateway
     metrics = Metrics(per_model=True)
-    return Gateway([Service(model, model_name=name, limits=limits, metrics=metrics) for name, model in loaded]).app()
+    return PostDispatch(Gateway([Service(model, model_name=name, limits=limits, metrics=metrics)
+                                 for name, model in loaded]).app())
 
 
 def serve(loaded: list, *, host: str, port: int, limits: ServeLimits):
@@ -53,7 +63,7 @@ def serve(loaded: list, *, host: str, port: int, limits: ServeLimits):
             # the process "killed by SIGTERM"; the shutdown was orderly, so exit normally
             getattr(self, "_captured_signals", []).clear()
 
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    _log_to_stderr()
     Server(_uvicorn_config(build_app(loaded, limits), host=host, port=port)).run()
 
 
@@ -77,7 +87,7 @@ def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: in
     # rounded up: the kernel spreads connections unevenly, and a worker at 1 would refuse what another could take
     per_worker = -(-settings.limits.max_concurrent_requests // workers)
     limits = asdict(settings.limits) | {"max_concurrent_requests": per_worker, "api_key": None}
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    _log_to_stderr()
     with tempfile.TemporaryDirectory(prefix="ftengine-metrics-") as metrics:
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics)
         key_file = None
@@ -96,7 +106,7 @@ def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: in
 def worker_app():
     """The application of one worker process of serve_workers (uvicorn calls it as a factory)."""
     from uvicorn.config import STARTUP_FAILURE
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    _log_to_stderr()
     settings = json.loads(os.environ[WORKER_ENV])
     limits = ServeLimits(**settings["limits"])
     if settings.get("key_file"):
