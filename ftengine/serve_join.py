@@ -21,12 +21,12 @@ from .errors import InputError
 
 
 class _Submission:
-    """Members (inputs, submit, asyncio future) sent to the engine as one list."""
+    """Members (inputs, submit, asyncio future) sent to the engine as one list, and the engine's
+    future."""
     __slots__ = ("members", "engine")
 
-    def __init__(self, members: list):
-        self.members = members
-        self.engine = None  # the engine's future, once sent
+    def __init__(self, members: list, engine):
+        self.members, self.engine = members, engine
 
 
 class Joiner:
@@ -55,7 +55,7 @@ class Joiner:
         none of its members is waiting."""
         future.cancel()
         sent = self._sent.pop(future, None)
-        if sent is not None and sent.engine is not None and all(m[2].done() for m in sent.members):
+        if sent is not None and all(m[2].done() for m in sent.members):
             sent.engine.cancel()
 
     def _flush(self, loop):
@@ -75,8 +75,7 @@ class Joiner:
             else:
                 self._fail(members, e)
             return
-        sent = _Submission(members)
-        sent.engine = engine
+        sent = _Submission(members, engine)
         for m in members:
             self._sent[m[2]] = sent
         engine.add_done_callback(lambda f: loop.call_soon_threadsafe(self._split, loop, sent))
