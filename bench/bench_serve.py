@@ -16,10 +16,13 @@ Classifier.logits offline on the same inputs, with each of --tokenizers; results
 serve_{task}.{json,md} unless --name says otherwise. With --bare, the same load also goes to a bare
 ASGI app under the same uvicorn with each worker count (serve_bare.py: it parses each body and
 sends a canned reply): what the HTTP stack itself serves, the ceiling of any Python service here.
+--engines per-worker,shared times each worker count with one engine per worker (the default) and
+with `serve --shared-engine` (one engine process for all the workers).
 
 Needs the serve extra plus aiohttp. Usage:
 python bench/bench_serve.py --model-src PATH --out bench/results [--workers 1,4] [--task embed|rerank|classify]
        [--tokenizers auto|gpu,cpu] [--clients 1,16,64,256] [--batches 1,32] [--name NAME] [--bare]
+       [--engines per-worker,shared]
 (bench/results/serve_tokenizer.md: --workers 1,4 --tokenizers gpu,cpu --clients 64 --batches 1,32
 --name serve_tokenizer)
 """
@@ -123,9 +126,9 @@ def run_case(url: str, clients: int, batch: int, texts: list, task: str = "embed
 
 
 @contextmanager
-def start_server(model: Path, tmp: Path, workers: int, tokenizer: str = "auto"):
-    """`ftengine serve --workers N --tokenizer T` on a free port; yields its URL once every worker
-    has warmed up."""
+def start_server(model: Path, tmp: Path, workers: int, tokenizer: str = "auto", engine: str = "per-worker"):
+    """`ftengine serve --workers N --tokenizer T` (engine "shared": with --shared-engine) on a free
+    port; yields its URL once every worker has warmed up."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -133,7 +136,8 @@ def start_server(model: Path, tmp: Path, workers: int, tokenizer: str = "auto"):
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "ftengine.cli", "serve", "--model", str(model), "--device", "cuda", "--port", str(port),
-             "--max-client-batch-size", "64", "--workers", str(workers), "--tokenizer", tokenizer], stdout=log,
+             "--max-client-batch-size", "64", "--workers", str(workers), "--tokenizer", tokenizer,
+             *(["--shared-engine"] if engine == "shared" else [])], stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     deadline = time.monotonic() + 180
@@ -225,12 +229,15 @@ def markdown_head(r: dict) -> str:
            f"warm-up. Offline ({'Reranker.scores' if r['task'] == 'rerank' else 'Classifier.logits'}, one process, "
            f"same inputs, the median of {OFFLINE_REPEATS} calls): "
            + ", ".join(f"{v:,.0f} inputs/s ({k} tokenizer)" for k, v in r["offline_inputs_per_s"].items()) + ".", "",
-           "| tokenizer | workers | clients | inputs per request | requests/s | inputs/s | vs offline | p50 ms | p99 ms |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| tokenizer | engine | workers | clients | inputs per request | requests/s | inputs/s | vs offline | p50 ms "
+           "| p99 ms |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for c in r["cases"]:
         offline_rate = r["offline_inputs_per_s"].get(c["tokenizer"])
         ratio = f"{c['embeddings_per_s'] / offline_rate:.2f}" if offline_rate else "-"
-        out.append(f"| {c['tokenizer']} | {c['workers']} | {c['clients']} | {c['batch']} | {c['requests_per_s']:,} | "
+        engine = c.get("engine", "-" if c["tokenizer"] == "bare" else "per-worker")
+        out.append(f"| {c['tokenizer']} | {engine} | {c['workers']} | {c['clients']} | "
+                   f"{c['batch']} | {c['requests_per_s']:,} | "
                    f"{c['embeddings_per_s']:,} | {ratio} | {c['p50_ms']} | {c['p99_ms']} |")
     out += ["", f"Target (issue 54): with 4 workers at 64 clients, at least {TARGETS['ratio_64']:.0%} of the offline "
             "throughput."]
@@ -272,6 +279,8 @@ def main():
     parser.add_argument("--clients", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64, 256])
     parser.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 32])
     parser.add_argument("--name", help="the results' file name: serve (embed) or serve_TASK unless given")
+    parser.add_argument("--engines", type=lambda v: v.split(","), default=["per-worker"],
+                        help="rerank / classify: per-worker and/or shared (serve --shared-engine), comma-separated")
     parser.add_argument("--bare", action="store_true",
                         help="rerank / classify: also time a bare ASGI app (serve_bare.py) under the same load")
     args = parser.parse_args()
@@ -309,12 +318,16 @@ def head_task(args, model: Path, texts: list, tmp: Path, cupy):
     add_classification_head(model, num_labels=1 if args.task == "rerank" else 3)
     cases = []
     for tokenizer in args.tokenizers:
-        for workers in args.workers:
-            with start_server(model, tmp, workers, tokenizer) as url:
-                cases.append(dict(run_case(url, 64, 32, texts, args.task), workers=workers, tokenizer=tokenizer))
+        for engine in args.engines:
+            for workers in args.workers:
+                if engine == "shared" and workers < 2:
+                    continue
+                with start_server(model, tmp, workers, tokenizer, engine) as url:
+                    cases.append(dict(run_case(url, 64, 32, texts, args.task), workers=workers, tokenizer=tokenizer,
+                                      engine=engine))
     for workers in args.workers if args.bare else ():
         with start_bare(workers, args.task) as url:
-            cases.append(dict(run_case(url, 64, 32, texts, args.task), workers=workers, tokenizer="bare"))
+            cases.append(dict(run_case(url, 64, 32, texts, args.task), workers=workers, tokenizer="bare", engine="-"))
     props = cupy.cuda.runtime.getDeviceProperties(0)
     result = {"task": args.task, "device": props["name"].decode(), "date": date.today().isoformat(),
               "offline_inputs_per_s": {t: round(offline_head(model, args.task, texts, t)) for t in args.tokenizers},

@@ -312,8 +312,11 @@ def _ranges(precision: str, ranges_path, calibration_path):
                    "in parallel, batches packed per process.")
 @click.option("--tokenizer", type=click.Choice(TOKENIZER_CHOICES), default="auto", show_default=True,
               help="Where WordPiece models are tokenised, as for encode (NER models: the CPU).")
+@click.option("--shared-engine", is_flag=True,
+              help="With --workers N: one engine process runs the models for all the workers (one copy on the "
+                   "device; the workers only speak HTTP).")
 def serve(model_paths, host, port, device, dtype, max_batch_tokens, max_client_batch_size, max_input_length,
-          max_concurrent_requests, api_key, api_key_file, workers, tokenizer):
+          max_concurrent_requests, api_key, api_key_file, workers, tokenizer, shared_engine):
     """Serve a model over HTTP: an embedding model at TEI's POST /embed and OpenAI's POST
     /v1/embeddings, a reranker (a cross-encoder) at TEI's POST /rerank and Cohere's / Jina's POST
     /v1/rerank, a classifier at TEI's POST /predict, a token classifier (NER) at POST /ner (needs
@@ -347,10 +350,16 @@ def serve(model_paths, host, port, device, dtype, max_batch_tokens, max_client_b
             specs.append([name, path, model_task(path)])
     except FtengineError as e:
         fail(str(e))
+    if shared_engine and workers < 2:
+        fail("--shared-engine shares one engine among the workers: it needs --workers 2 or more")
     if workers > 1:  # each worker loads the models and reports its own errors
         settings = WorkerSettings(models=specs, device=device, dtype=dtype, max_length=max_input_length,
-                                  limits=limits, tokenizer=tokenizer)
-        if not serve_workers(settings, host=host, port=port, workers=workers):
+                                  limits=limits, tokenizer=tokenizer, shared_engine=shared_engine)
+        try:
+            started = serve_workers(settings, host=host, port=port, workers=workers)
+        except FtengineError as e:
+            fail(f"the shared engine process could not start: {e}")
+        if not started:
             fail("a service worker could not start (its error is above)")
         return
     try:

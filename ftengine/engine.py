@@ -179,6 +179,11 @@ class EncodeEngine:
     def closed(self) -> bool:
         return self._closing
 
+    @property
+    def failed(self) -> FtengineError | None:
+        """The error that broke the engine (every request fails with it), or None."""
+        return self._broken
+
     def _start(self):
         """Start the threads on first use (called with the lock held)."""
         if self._threads:

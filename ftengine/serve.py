@@ -45,6 +45,22 @@ DISCONNECT_POLL_SECONDS = 0.2  # how often a request waiting on the engine check
 LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
 
 
+def warm_up_model(model, batch_tokens):
+    """One real batch of a model a service runs (an Encoder, Reranker, Classifier or
+    TokenClassifier): its kernels compiled and runner built."""
+    from .classifier import Classifier
+    from .reranker import Reranker
+    from .token_classifier import TokenClassifier
+    if isinstance(model, TokenClassifier):
+        model.predict(["warm up"])
+    elif isinstance(model, Reranker):
+        model.predict([("warm", "up")], batch_tokens=batch_tokens)
+    elif isinstance(model, Classifier):
+        model.predict(["warm up"], batch_tokens=batch_tokens)
+    else:
+        model.encode(["warm up"], batch_tokens=batch_tokens)
+
+
 @dataclass(frozen=True)
 class ServeLimits:
     max_client_batch_size: int = 32        # inputs per request
@@ -92,14 +108,7 @@ class Service:
 
     def warm_up(self):
         """One real batch before /health says 200: kernels compiled, runner built."""
-        if self.tokens is not None:
-            self.tokens.predict(["warm up"])
-        elif self.reranker is not None:
-            self.reranker.predict([("warm", "up")], batch_tokens=self.limits.max_batch_tokens)
-        elif self.classifier is not None:
-            self.classifier.predict(["warm up"], batch_tokens=self.limits.max_batch_tokens)
-        else:
-            self.encoder.encode(["warm up"], batch_tokens=self.limits.max_batch_tokens)
+        warm_up_model(self.model, self.limits.max_batch_tokens)
         self.ready = True
         log.info("ready: %s on %s (%s), process %d", self.model_name, self.encoder.device, self.encoder.dtype,
                  os.getpid())
@@ -521,9 +530,17 @@ class Service:
 
     async def health(self, request):
         from starlette.responses import JSONResponse
-        if not self.ready:
-            raise HTTPFailure(503, "the model is loading", "Unhealthy")
+        problem = self.problem()
+        if problem is not None:
+            raise HTTPFailure(503, problem, "Unhealthy")
         return JSONResponse({"status": "ok"}), 0, 0
+
+    def problem(self) -> str | None:
+        """Why /health is not 200: the model is loading, or its engine has failed; None if well."""
+        if not self.ready:
+            return "the model is loading"
+        failed = None if self.tokens is not None else self.encoder._engine.failed
+        return None if failed is None else f"the model cannot answer: {failed}"
 
     async def info(self, request):
         from starlette.responses import JSONResponse

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 from .errors import FtengineError
 from .serve import LOG_FORMAT, Service, ServeLimits
+from .serve_engine_host import EngineHost, connect, hosted
 
 WORKER_ENV = "FTENGINE_SERVE_WORKER"  # a worker process's settings (JSON), set by serve_workers
 SHUTDOWN_GRACE_SECONDS = 60  # after SIGTERM / SIGINT, requests still open after this are cut off
@@ -76,12 +77,15 @@ class WorkerSettings:
     max_length: int | None
     limits: ServeLimits
     tokenizer: str = "auto"
+    shared_engine: bool = False  # one engine process runs the models for every worker (serve_engine_host.py)
 
 
 def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: int) -> bool:
     """Run `workers` service processes on one socket (uvicorn's supervisor) until SIGTERM/SIGINT,
-    which each worker answers as `serve` does. False if a worker could not start (its error is
-    in the log). max_concurrent_requests is shared out among the workers."""
+    which each worker answers as `serve` does. False if a worker could not start (its error is in
+    the log). max_concurrent_requests is shared out among the workers. With
+    settings.shared_engine, the engine process starts first (its FtengineError raised if it
+    cannot) and stops once the workers have drained."""
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import Multiprocess
     # rounded up: the kernel spreads connections unevenly, and a worker at 1 would refuse what another could take
@@ -95,11 +99,23 @@ def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: in
             key_file = os.path.join(metrics, "api-key")
             with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 f.write(settings.limits.api_key)
-        os.environ[WORKER_ENV] = json.dumps(asdict(settings) | {"limits": limits, "key_file": key_file})
-        config = _uvicorn_config("ftengine.serve_process:worker_app", factory=True, host=host, port=port,
-                                 workers=workers)
-        supervisor = Multiprocess(config, sockets=[config.bind_socket()])
-        supervisor.run()
+        engine = None
+        if settings.shared_engine and hosted(settings.models):
+            engine = EngineHost(settings.models, dict(device=settings.device, dtype=settings.dtype,
+                                                      max_length=settings.max_length,
+                                                      batch_tokens=settings.limits.max_batch_tokens,
+                                                      tokenizer=settings.tokenizer), metrics)
+            engine.start()
+        os.environ[WORKER_ENV] = json.dumps(asdict(settings) | {
+            "limits": limits, "key_file": key_file, "engine": engine.link_settings() if engine else None})
+        try:
+            config = _uvicorn_config("ftengine.serve_process:worker_app", factory=True, host=host, port=port,
+                                     workers=workers)
+            supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+            supervisor.run()
+        finally:
+            if engine is not None:
+                engine.stop()
     return not any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes)
 
 
@@ -119,6 +135,8 @@ def worker_app():
     except FtengineError as e:
         print(f"ftengine: {e}", file=sys.stderr, flush=True)
         sys.exit(STARTUP_FAILURE)
+    if settings.get("engine"):  # their batches run in the shared engine process
+        connect(loaded, settings["engine"])
     return build_app(loaded, limits)
 
 

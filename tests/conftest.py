@@ -3,7 +3,7 @@ import os
 import numpy as np
 import pytest
 
-from weights.fixtures import write_bert_checkpoint
+from weights.fixtures import add_classification_head, write_bert_checkpoint
 
 # The HF oracle must never try the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,3 +57,12 @@ def cuda_translator():
         pytest.skip("needs a CUDA GPU and CuPy")
     from ftengine import Translator
     return lambda folder, **kw: Translator.from_pretrained(folder, device="cuda", **kw)
+
+
+@pytest.fixture(scope="session")
+def small_classifier(tmp_path_factory):
+    """A small random BERT ...ForSequenceClassification folder: three labels, max 32 tokens."""
+    folder = tmp_path_factory.mktemp("small-classifier")
+    write_bert_checkpoint(folder, seed=11, max_positions=32)
+    add_classification_head(folder, num_labels=3, seed=12)
+    return folder

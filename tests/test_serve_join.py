@@ -15,22 +15,13 @@ from ftengine.errors import TooLongError
 from ftengine.serve_join import Joiner
 from tests.test_serve import Server
 from tests.tolerances import BATCHING_INVARIANCE_FP32
-from weights.fixtures import add_classification_head, write_bert_checkpoint
 
 WORDS = "the quick brown fox jumps over a lazy dog while some birds sing in tall green trees".split()
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("join-cls")
-    write_bert_checkpoint(folder, seed=11, max_positions=32)
-    add_classification_head(folder, num_labels=3, seed=12)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def classifier(model):
-    with Classifier.from_pretrained(model, device="cpu") as c:
+def classifier(small_classifier):
+    with Classifier.from_pretrained(small_classifier, device="cpu") as c:
         yield c
 
 
@@ -114,11 +105,11 @@ def test_the_engine_work_is_cancelled_once_every_member_has_left():
     asyncio.run(main())
 
 
-def test_concurrent_clients_each_get_their_own_answer(model, classifier):
+def test_concurrent_clients_each_get_their_own_answer(small_classifier, classifier):
     requests = [texts(100 + i, (1, 3, 4, 5, 6)[i % 5]) for i in range(24)]  # two strings would be one pair
     expected = [classifier.predict(r, top_k=None) for r in requests]
     long = " ".join(WORDS * 4)
-    s = Server(model)
+    s = Server(small_classifier)
     try:
         async def main():
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:

@@ -1,0 +1,126 @@
+"""`ftengine serve --workers N --shared-engine`: one engine process runs the model for every worker.
+A real server on loopback: concurrent clients each get their own answer (classifier and embedding
+models, against the model in this process), the batches are counted in /metrics, SIGTERM drains
+and ends the engine process too; an engine process that dies turns requests and /health into a
+503 naming it; the option alone, or a model that cannot load, is one clear error."""
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from ftengine import Classifier
+from ftengine.cli import main
+from tests.test_serve import Server, close
+from tests.test_serve_join import WORDS, texts
+from tests.tolerances import BATCHING_INVARIANCE_FP32
+
+def engine_pid(server) -> int:
+    found = re.search(r"engine process (\d+) ready", server.output())
+    assert found, server.output()
+    return int(found.group(1))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_workers_share_one_engine_process(small_classifier):
+    requests = [texts(200 + i, (1, 3, 4, 5, 6)[i % 5]) for i in range(32)]  # two strings would be one pair
+    with Classifier.from_pretrained(small_classifier, device="cpu") as classifier:
+        expected = [classifier.predict(r, top_k=None) for r in requests]
+    s = Server(small_classifier, "--workers", 2, "--shared-engine")
+    try:
+        pid = engine_pid(s)
+
+        async def main_():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
+                return await asyncio.gather(*(http.post("/predict", json={"inputs": r}) for r in requests))
+        for reply, ref in zip(asyncio.run(main_()), expected):
+            assert reply.status_code == 200, reply.text
+            got = reply.json()
+            assert [[x["label"] for x in row] for row in got] == [[x["label"] for x in row] for row in ref]
+            assert max(abs(a["score"] - b["score"]) for row, r in zip(got, ref) for a, b in zip(row, r)) \
+                <= BATCHING_INVARIANCE_FP32
+        too_long = httpx.post(s.url + "/predict", json={"inputs": ["fine", " ".join(WORDS * 4), "fine"]})
+        assert too_long.status_code == 413 and "input 1 " in too_long.json()["error"]
+        metrics = httpx.get(s.url + "/metrics").text
+        batched = float(next(line.split()[-1] for line in metrics.splitlines()
+                             if line.startswith("ftengine_batch_requests_sum")))
+        assert batched >= len(requests)  # the engine process's batches, with every request counted
+    finally:
+        code, output = s.stop()
+    assert code == 0, output
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid), "the engine process outlived the service"
+
+
+def test_an_engine_process_that_dies_is_a_503(small_classifier):
+    s = Server(small_classifier, "--workers", 2, "--shared-engine")
+    try:
+        os.kill(engine_pid(s), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            reply = httpx.post(s.url + "/predict", json={"inputs": ["hello there"]})
+            if reply.status_code == 503:
+                break
+            time.sleep(0.1)
+        assert reply.status_code == 503 and "engine process has ended" in reply.json()["error"], reply.text
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 503 and "engine process has ended" in health.json()["error"]
+    finally:
+        code, output = s.stop()
+    assert code == 0, output
+
+
+def test_shared_engine_needs_workers(small_classifier):
+    r = CliRunner().invoke(main, ["serve", "--model", str(small_classifier), "--device", "cpu", "--shared-engine"])
+    assert r.exit_code != 0 and "--workers 2 or more" in r.output
+
+
+def test_a_model_the_engine_process_cannot_load_is_one_error(small_classifier, tmp_path):
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(small_classifier, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    s = None
+    try:
+        s = Server(broken, "--workers", 2, "--shared-engine")
+    except AssertionError as e:
+        message = str(e)
+    else:
+        s.stop()
+        pytest.fail("the server started on a broken checkpoint")
+    assert "model.safetensors" in message and "Traceback" not in message
+
+
+def test_embeddings_through_the_shared_engine(st_model):
+    from ftengine import Encoder
+    calls = [texts(300 + i, (1, 2, 5)[i % 3]) for i in range(12)]
+    with Encoder.from_pretrained(st_model, device="cpu") as encoder:
+        expected = [encoder.encode(c) for c in calls]
+    s = Server(st_model, "--workers", 2, "--shared-engine")
+    try:
+        async def main_():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
+                tei = [http.post("/embed", json={"inputs": c}) for c in calls]
+                openai = [http.post("/v1/embeddings", json={"input": c}) for c in calls]
+                return await asyncio.gather(*tei, *openai)
+        replies = asyncio.run(main_())
+        for reply, ref in zip(replies[:len(calls)], expected):
+            assert reply.status_code == 200 and close(reply.json(), ref)
+        for reply, ref in zip(replies[len(calls):], expected):
+            assert reply.status_code == 200 and close([d["embedding"] for d in reply.json()["data"]], ref)
+    finally:
+        assert s.stop()[0] == 0
