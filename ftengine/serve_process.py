@@ -2,7 +2,8 @@
 many processes on one listening socket, each with its own engine and copy of the model: HTTP
 parsing and JSON encoding (most of the host time per request, all under one GIL in a single
 process) then run in parallel, and the Prometheus metrics are summed over the processes
-(prometheus_client's multiprocess mode). Loading the model a service runs."""
+(prometheus_client's multiprocess mode); with shared_engine, one engine process runs the models
+for all of them (serve_engine_host.py). Loading the model a service runs."""
 
 from __future__ import annotations
 
