@@ -5,11 +5,11 @@ worker's one GIL in turns with the event loop that parses HTTP, and the model is
 once per worker. With it, one process (started by the service's supervisor before the workers)
 loads the models and runs their engines; each worker keeps its own copy of the models' host side
 (tokenizer, config, labels: what /tokenize, /info and the replies read) and sends its requests'
-inputs to that process over a local socket (multiprocessing.connection, with a random key),
-joined per event-loop turn as before (serve_join.py). A worker's submission is one message; its
-answer (rows, tokens) or error (TooLongError with its index, InputError, DeviceError) comes back
-as another, and a cancelled submission is dropped there too. A token classifier (/ner) runs its
-own batches and stays in each worker.
+inputs, joined per event-loop turn as before (serve_join.py), to that process over a local socket
+(multiprocessing.connection, with a random key from a private file). A worker's submission is one
+message; its answer (rows, tokens) or error (TooLongError with its index, InputError, DeviceError)
+comes back as another, and a cancelled submission is dropped there too. A token classifier (/ner)
+runs its own batches and stays in each worker.
 
 The engine process ignores SIGINT and SIGTERM: the supervisor stops it once every worker has
 drained (and it ends when the supervisor goes). If it dies, every waiting and later request of
@@ -24,6 +24,7 @@ import queue
 import secrets
 import signal
 import threading
+import time
 from concurrent.futures import Future
 from functools import partial
 
@@ -31,6 +32,7 @@ from .errors import DeviceError, FtengineError, InputError, TooLongError
 
 log = logging.getLogger("ftengine.serve")
 START_SECONDS = 600  # loading and warming the models: NVRTC on a cold cache takes a while
+STOP_SECONDS = 60    # finishing the work queued when the workers have drained (there is none, normally)
 
 
 def hosted(specs: list) -> list:
@@ -72,6 +74,10 @@ class EngineHost:
         import multiprocessing
         self.address = os.path.join(folder, "engine.sock")
         self.authkey = secrets.token_bytes(32)
+        # to the workers through a private file, not their environment (as the API key goes)
+        self.key_file = os.path.join(folder, "engine-key")
+        with open(os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(self.authkey)
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_host_main, args=(hosted(specs), options, self.address,
@@ -95,15 +101,20 @@ class EngineHost:
         log.info("engine process %d ready: %s", self._process.pid, self.address)
 
     def stop(self):
+        """Finish the work queued (for up to STOP_SECONDS), then end the process."""
         try:
             self._conn.send("stop")
         except OSError:
             pass
-        self._process.join()
+        self._process.join(STOP_SECONDS)
+        if self._process.is_alive():
+            log.warning("the engine process did not stop within %d s: killed", STOP_SECONDS)
+            self._process.kill()
+            self._process.join()
 
     def link_settings(self) -> dict:
         """What each worker needs to reach the engine process (JSON)."""
-        return {"address": self.address, "authkey": self.authkey.hex()}
+        return {"address": self.address, "key_file": self.key_file}
 
 
 def _host_main(specs: list, options: dict, address: str, authkey: bytes, parent):
@@ -150,8 +161,9 @@ def _accept(listener, engines: list):
     while True:
         try:
             conn = listener.accept()
-        except (OSError, EOFError):
-            continue  # a client that failed the key exchange, or went away during it
+        except Exception:  # noqa: BLE001 - a client without the key, or gone during the exchange: not a worker
+            time.sleep(0.01)
+            continue
         threading.Thread(target=_serve_worker, args=(conn, engines), name="ftengine-engine-link",
                          daemon=True).start()
 
@@ -305,7 +317,8 @@ class RemoteEngine:
 def connect(loaded: list, settings: dict) -> _Link:
     """Point the engines of a worker's models at the engine process (settings: link_settings());
     the link, to close when the worker ends."""
-    link = _Link(settings["address"], bytes.fromhex(settings["authkey"]))
+    with open(settings["key_file"], "rb") as f:
+        link = _Link(settings["address"], f.read())
     index = 0
     for _, model in loaded:
         encoder = engine_of(model)
