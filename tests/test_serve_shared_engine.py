@@ -9,6 +9,8 @@ import os
 import re
 import signal
 import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
 
 import httpx
 import pytest
@@ -41,6 +43,9 @@ def test_workers_share_one_engine_process(small_classifier):
     s = Server(small_classifier, "--workers", 2, "--shared-engine")
     try:
         pid = engine_pid(s)
+        address = re.search(r"engine process \d+ ready: (\S+)", s.output()).group(1)
+        with pytest.raises((AuthenticationError, ConnectionError, EOFError)):
+            Client(address, family="AF_UNIX", authkey=b"not the key")  # refused; the service goes on
 
         async def main_():
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
