@@ -536,11 +536,11 @@ class Service:
         return JSONResponse({"status": "ok"}), 0, 0
 
     def problem(self) -> str | None:
-        """Why /health is not 200: the model is loading, or its engine has failed; None if well."""
-        if not self.ready:
-            return "the model is loading"
+        """Why /health is not 200: the model's engine has failed, or it is loading; None if well."""
         failed = None if self.tokens is not None else self.encoder._engine.failed
-        return None if failed is None else f"the model cannot answer: {failed}"
+        if failed is not None:
+            return f"the model cannot answer: {failed}"
+        return None if self.ready else "the model is loading"
 
     async def info(self, request):
         from starlette.responses import JSONResponse

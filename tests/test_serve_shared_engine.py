@@ -74,6 +74,9 @@ def test_workers_share_one_engine_process(small_classifier):
 def test_an_engine_process_that_dies_is_a_503(small_classifier):
     s = Server(small_classifier, "--workers", 2, "--shared-engine")
     try:
+        deadline = time.monotonic() + 60
+        while s.output().count("ftengine.serve ready:") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # both workers warmed up (/health answered from one of them)
         os.kill(engine_pid(s), signal.SIGKILL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
