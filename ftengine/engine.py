@@ -79,9 +79,7 @@ class _Request:
         self.starts = None            # (N,) int64 token offsets
         self.order = None             # (N,) texts, longest first
         self.sorted_lengths = None    # list: lengths in that order
-        self.token_count = 0
         self.lengths = self.cut = None  # (N,) each text's tokens, and whether it was cut
-        self.truncated = 0
         self.device_seconds = 0.0
         self.cursor = 0               # texts of `order` already sent to the device
         self.remaining = len(texts)   # rows not yet delivered
@@ -284,9 +282,7 @@ class EncodeEngine:
             r.fail(e)
             return
         r.tokens = tokens
-        r.token_count = tokens.tokens
         r.lengths, r.cut = tokens.lengths, tokens.truncated
-        r.truncated = int(tokens.truncated.sum())
         r.starts = tokens.starts
         r.order = np.argsort(-tokens.lengths, kind="stable")
         r.sorted_lengths = tokens.lengths[r.order].tolist()
@@ -422,8 +418,8 @@ class EncodeEngine:
                     continue
             if r.remaining == 0:
                 r.tokens = None
-                r.future.set_result(EncodeResult(r.out, r.token_count, r.truncated, r.device_seconds, r.lengths,
-                                                 r.cut))
+                r.future.set_result(EncodeResult(r.out, int(r.lengths.sum()), int(np.count_nonzero(r.cut)),
+                                                 r.device_seconds, r.lengths, r.cut))
 
     def _break(self, error: BaseException):
         """The worker or tokenizer failed outside any one request: fail everything, refuse more."""
