@@ -28,6 +28,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -93,18 +94,11 @@ class Service:
         self.metrics = metrics or Metrics()
         self.registry = self.metrics.registry
         if self.tokens is None:  # a TokenClassifier runs its own batches
-            self.encoder._engine.on_batch = self._observe_batch
+            self.encoder._engine.on_batch = partial(self.metrics.observe_batch, model_name)
 
     def _metric(self, family: str, *labels):
         """A metric of this service: its family, labelled with the model where several share it."""
-        metric = getattr(self.metrics, family)
-        names = ((self.model_name,) if self.metrics.per_model else ()) + labels
-        return metric.labels(*names) if names else metric
-
-    def _observe_batch(self, texts: int, requests: int, tokens: int):
-        self._metric("batch_texts").observe(texts)
-        self._metric("batch_requests").observe(requests)
-        self._metric("batch_tokens").observe(tokens)
+        return self.metrics.of(family, self.model_name, *labels)
 
     def warm_up(self):
         """One real batch before /health says 200: kernels compiled, runner built."""

@@ -80,8 +80,10 @@ class EngineHost:
             f.write(self.authkey)
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_host_main, args=(hosted(specs), options, self.address,
-                                                                 self.authkey, child), name="ftengine-engine")
+        # the batch metrics labelled by model as the workers label theirs: where the service has several
+        self._process = context.Process(target=_host_main, args=(hosted(specs), len(specs) > 1, options,
+                                                                 self.address, self.authkey, child),
+                                        name="ftengine-engine")
         self._child = child
 
     def start(self):
@@ -117,7 +119,7 @@ class EngineHost:
         return {"address": self.address, "key_file": self.key_file}
 
 
-def _host_main(specs: list, options: dict, address: str, authkey: bytes, parent):
+def _host_main(specs: list, per_model: bool, options: dict, address: str, authkey: bytes, parent):
     from multiprocessing.connection import Listener
     from .serve import LOG_FORMAT, warm_up_model
     from .serve_metrics import Metrics
@@ -132,12 +134,12 @@ def _host_main(specs: list, options: dict, address: str, authkey: bytes, parent)
     except FtengineError as e:
         parent.send(("failed", str(e)))
         return
-    metrics = Metrics(per_model=len(specs) > 1) if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
+    metrics = Metrics(per_model=per_model) if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
     engines = []
     for name, model in loaded:
         engine = engine_of(model)._engine
         if metrics is not None:
-            engine.on_batch = partial(_observe_batch, metrics, name)
+            engine.on_batch = partial(metrics.observe_batch, name)
         engines.append(engine)
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
     threading.Thread(target=_accept, args=(listener, engines), name="ftengine-engine-accept", daemon=True).start()
@@ -148,13 +150,6 @@ def _host_main(specs: list, options: dict, address: str, authkey: bytes, parent)
         pass
     for _, model in loaded:
         model.close()  # the work already queued is finished first
-
-
-def _observe_batch(metrics, name: str, texts: int, requests: int, tokens: int):
-    labels = (name,) if metrics.per_model else ()
-    for family, value in (("batch_texts", texts), ("batch_requests", requests), ("batch_tokens", tokens)):
-        metric = getattr(metrics, family)
-        (metric.labels(*labels) if labels else metric).observe(value)
 
 
 def _accept(listener, engines: list):

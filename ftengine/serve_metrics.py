@@ -26,3 +26,14 @@ class Metrics:
                                       buckets=(64, 256, 1024, 4096, 16384, 65536))
         self.queue_depth = Gauge("ftengine_queue_depth", "Requests accepted and not yet answered", m, registry=r,
                                  multiprocess_mode="livesum")
+
+    def of(self, family: str, model: str, *labels):
+        """A model's metric of a family, labelled with the model where several share these metrics."""
+        metric = getattr(self, family)
+        names = ((model,) if self.per_model else ()) + labels
+        return metric.labels(*names) if names else metric
+
+    def observe_batch(self, model: str, texts: int, requests: int, tokens: int):
+        """One device batch of a model's engine (its on_batch observer)."""
+        for family, value in (("batch_texts", texts), ("batch_requests", requests), ("batch_tokens", tokens)):
+            self.of(family, model).observe(value)

@@ -132,3 +132,20 @@ def test_embeddings_through_the_shared_engine(st_model):
             assert reply.status_code == 200 and close([d["embedding"] for d in reply.json()["data"]], ref)
     finally:
         assert s.stop()[0] == 0
+
+
+def test_batch_metrics_carry_the_model_beside_a_token_classifier(small_classifier, tmp_path):
+    """The engine process runs the classifier, the workers the token classifier: the service has
+    two models, so the engine process's batch series are labelled by model as the workers' are."""
+    from weights.fixtures import add_token_classification_head, write_bert_checkpoint
+    ner = add_token_classification_head(write_bert_checkpoint(tmp_path / "ner", seed=3, max_positions=32), seed=4)
+    s = Server(f"cls={small_classifier}", "--model", f"ner={ner}", "--workers", 2, "--shared-engine")
+    try:
+        assert httpx.post(s.url + "/predict", json={"inputs": ["hello there"]}).status_code == 200
+        assert httpx.post(s.url + "/ner", json={"inputs": "hello there"}).status_code == 200
+        batches = [line for line in httpx.get(s.url + "/metrics").text.splitlines()
+                   if line.startswith("ftengine_batch_requests_count")]
+        assert batches and all('model="' in line for line in batches), batches
+        assert any('model="cls"' in line for line in batches), batches
+    finally:
+        assert s.stop()[0] == 0
