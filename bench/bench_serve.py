@@ -17,12 +17,14 @@ serve_{task}.{json,md} unless --name says otherwise. With --bare, the same load 
 ASGI app under the same uvicorn with each worker count (serve_bare.py: it parses each body and
 sends a canned reply): what the HTTP stack itself serves, the ceiling of any Python service here.
 --engines per-worker,shared times each worker count with one engine per worker (the default) and
-with `serve --shared-engine` (one engine process for all the workers).
+with `serve --shared-engine` (one engine process for all the workers). --shape bert-base: the
+model's layers widened to BERT-base's (12 x 768, the size of the sentiment / NLI / moderation
+classifiers people deploy) over the same tokenizer; the default is all-MiniLM-L6-v2's own.
 
 Needs the serve extra plus aiohttp. Usage:
 python bench/bench_serve.py --model-src PATH --out bench/results [--workers 1,4] [--task embed|rerank|classify]
        [--tokenizers auto|gpu,cpu] [--clients 1,16,64,256] [--batches 1,32] [--name NAME] [--bare]
-       [--engines per-worker,shared]
+       [--engines per-worker,shared] [--shape minilm|bert-base]
 (bench/results/serve_tokenizer.md: --workers 1,4 --tokenizers gpu,cpu --clients 64 --batches 1,32
 --name serve_tokenizer)
 """
@@ -54,6 +56,10 @@ SECONDS = 6.0
 WARMUP = 1.5
 TARGETS = {"ratio_64": 0.70, "p50_1_ms": 3.0}
 OFFLINE_REPEATS = 5
+# --shape: config entries over the model source's (make_model), and the results' words for them
+SHAPES = {"minilm": ({}, "all-MiniLM-L6-v2 shape and tokenizer"),
+          "bert-base": (dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+                        "BERT-base shape (12 layers x 768) with all-MiniLM-L6-v2's tokenizer")}
 
 
 def sentences(vocab: Path, n: int, seed: int = 0) -> list[str]:
@@ -224,7 +230,7 @@ def markdown_head(r: dict) -> str:
     what = ("TEI `POST /rerank`, a query and 32 texts a request, one-label cross-encoder head"
             if r["task"] == "rerank" else "TEI `POST /predict`, 32 texts a request, three-label classification head")
     out = [f"# HTTP service benchmark, {r['task']} — {r['device']}, {r['date']}", "",
-           f"`ftengine serve` ({what}) on 127.0.0.1, all-MiniLM-L6-v2 shape and tokenizer, random weights, fp16; "
+           f"`ftengine serve` ({what}) on 127.0.0.1, {SHAPES[r.get('shape', 'minilm')][1]}, random weights, fp16; "
            f"closed-loop aiohttp clients in {CLIENT_PROCESSES} processes, {SECONDS:.0f} s per case after {WARMUP} s of "
            f"warm-up. Offline ({'Reranker.scores' if r['task'] == 'rerank' else 'Classifier.logits'}, one process, "
            f"same inputs, the median of {OFFLINE_REPEATS} calls): "
@@ -250,7 +256,7 @@ def markdown_head(r: dict) -> str:
 
 def markdown(r: dict) -> str:
     out = [f"# HTTP service benchmark — {r['device']}, {r['date']}", "",
-           "`ftengine serve` (TEI `POST /embed`) on 127.0.0.1, all-MiniLM-L6-v2 shape and tokenizer, random "
+           f"`ftengine serve` (TEI `POST /embed`) on 127.0.0.1, {SHAPES[r.get('shape', 'minilm')][1]}, random "
            f"weights, fp16; closed-loop aiohttp clients in {CLIENT_PROCESSES} processes, {SECONDS:.0f} s per case "
            f"after {WARMUP} s of warm-up. Offline engine (`Encoder.encode`, one process, same texts, the median of "
            f"{OFFLINE_REPEATS} calls), embeddings/s: "
@@ -281,13 +287,15 @@ def main():
     parser.add_argument("--name", help="the results' file name: serve (embed) or serve_TASK unless given")
     parser.add_argument("--engines", type=lambda v: v.split(","), default=["per-worker"],
                         help="rerank / classify: per-worker and/or shared (serve --shared-engine), comma-separated")
+    parser.add_argument("--shape", choices=list(SHAPES), default="minilm",
+                        help="the model's layers: the model source's own, or BERT-base's")
     parser.add_argument("--bare", action="store_true",
                         help="rerank / classify: also time a bare ASGI app (serve_bare.py) under the same load")
     args = parser.parse_args()
     from bench.bench_pipeline import make_model
     import cupy
     tmp = Path(tempfile.mkdtemp(prefix="ftengine-serve-"))
-    model = make_model(args.model_src, tmp / "model")
+    model = make_model(args.model_src, tmp / "model", SHAPES[args.shape][0])
     fill_tables(model)
     texts = sentences(model / "vocab.txt", 20_000)
     if args.task != "embed":
@@ -300,7 +308,7 @@ def main():
                 cases += [dict(run_case(url, c, b, texts), workers=workers, tokenizer=tokenizer)
                           for b in args.batches for c in args.clients]
     props = cupy.cuda.runtime.getDeviceProperties(0)
-    result = {"device": props["name"].decode(), "date": date.today().isoformat(),
+    result = {"shape": args.shape, "device": props["name"].decode(), "date": date.today().isoformat(),
               "versions": {"python": platform.python_version(), "cupy": cupy.__version__},
               "offline_embeddings_per_s": {t: round(offline(model, texts, t)) for t in args.tokenizers}, "cases": cases}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -329,7 +337,7 @@ def head_task(args, model: Path, texts: list, tmp: Path, cupy):
         with start_bare(workers, args.task) as url:
             cases.append(dict(run_case(url, 64, 32, texts, args.task), workers=workers, tokenizer="bare", engine="-"))
     props = cupy.cuda.runtime.getDeviceProperties(0)
-    result = {"task": args.task, "device": props["name"].decode(), "date": date.today().isoformat(),
+    result = {"task": args.task, "shape": args.shape, "device": props["name"].decode(), "date": date.today().isoformat(),
               "offline_inputs_per_s": {t: round(offline_head(model, args.task, texts, t)) for t in args.tokenizers},
               "cases": cases}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ inputs, joined per event-loop turn as before (serve_join.py), to that process ov
 (multiprocessing.connection, with a random key from a private file). A worker's submission is one
 message; its answer (rows, tokens) or error (TooLongError with its index, InputError, DeviceError)
 comes back as another, and a cancelled submission is dropped there too. A token classifier (/ner)
-runs its own batches and stays in each worker.
+runs its own batches and stays in each worker. The model is on the device once; the requests/s
+are about half an engine per worker's, this process's one GIL being the limit (docs/service.md).
 
 The engine process ignores SIGINT and SIGTERM: the supervisor stops it once every worker has
 drained (and it ends when the supervisor goes). If it dies, every waiting and later request of
