@@ -75,7 +75,7 @@ class Seq2SeqWeights:
     encoder_positions: np.ndarray  # (P, E): row i is source position i's
     decoder_positions: np.ndarray  # (P, E)
     encoder: list                  # per layer: {slot: array} (qkv_weight (3E, E), ...)
-    decoder: list                  # per layer, with cross_q_weight (3E, E: Q then zeros), cross_kv_weight (3E, E)
+    decoder: list                  # per layer, with cross_q_weight (E, E), cross_kv_weight (3E, E: zeros, K, V)
     norms: dict                    # {encoder,decoder}_{embedding,final}_{gamma,beta} as the config has them
     source_embed: np.ndarray | None = None  # (V_source, E) as embed: separate vocabularies; None: embed
 
@@ -224,15 +224,15 @@ def load_seq2seq_weights(model_dir: Path, config: Seq2SeqConfig) -> Seq2SeqWeigh
 
 
 def _fuse(p: dict) -> dict:
-    """A layer's slots as the runner reads them: Q, K, V fused; the cross-attention's query padded to
-    the (3E, E) layout cached_attention reads (K, V rows zero), its keys and values likewise (Q rows zero)."""
+    """A layer's slots as the runner reads them: Q, K, V fused; the cross-attention's query as it is
+    (cached_attention reads queries alone), its keys and values padded to the (3E, E) layout
+    write_kv_cache reads (Q rows zero)."""
     out = {"qkv_weight": np.concatenate([p.pop(f"self_{x}_weight") for x in "qkv"]),
            "qkv_bias": np.concatenate([p.pop(f"self_{x}_bias") for x in "qkv"]),
            "attn_out_weight": p.pop("self_out_weight"), "attn_out_bias": p.pop("self_out_bias")}
     if "cross_q_weight" in p:
         zeros_w, zeros_b = np.zeros_like(p["cross_q_weight"]), np.zeros_like(p["cross_q_bias"])
-        out["cross_q_weight"] = np.concatenate([p.pop("cross_q_weight"), zeros_w, zeros_w])
-        out["cross_q_bias"] = np.concatenate([p.pop("cross_q_bias"), zeros_b, zeros_b])
+        out["cross_q_weight"], out["cross_q_bias"] = p.pop("cross_q_weight"), p.pop("cross_q_bias")
         out["cross_kv_weight"] = np.concatenate([zeros_w, p.pop("cross_k_weight"), p.pop("cross_v_weight")])
         out["cross_kv_bias"] = np.concatenate([zeros_b, p.pop("cross_k_bias"), p.pop("cross_v_bias")])
         out["cross_out_weight"], out["cross_out_bias"] = p.pop("cross_out_weight"), p.pop("cross_out_bias")

@@ -114,13 +114,16 @@ __global__ void write_kv_cache(T* __restrict__ k_cache, T* __restrict__ v_cache,
 // sequence b lives in cache row indir[b * L + p]: beams share their parents' cache rows),
 // ATTN_WRITE_KV (a decode step: token t's own key and value, + bias, are stored at positions[t],
 // and used from registers here, rounded as stored; no other token reads a position being written
-// in the same step: beams read their parents' rows at earlier positions).
+// in the same step: beams read their parents' rows at earlier positions), ATTN_QUERIES_ONLY (qkv
+// rows hold the E query columns alone, not Q, K, V: a cross-attention's queries; not with
+// ATTN_WRITE_KV).
 // rel_max_len > 0: each score gets rel_table[rel_buckets[key - position + rel_max_len - 1] * heads +
 // head] added (T5's relative position bias; no other model passes one).
 // Block ATTN_THREADS; dynamic shared memory: (blockDim / 32) * (D + 2) floats.
 #define ATTN_ROWS_ARE_TOKENS 1
 #define ATTN_INDIRECT 2
 #define ATTN_WRITE_KV 4
+#define ATTN_QUERIES_ONLY 8
 #define ATTN_THREADS 256
 #define ATTN_UNROLL 4
 
@@ -137,7 +140,7 @@ __device__ __forceinline__ void attend_cached(
     const int pos = positions[t], n = pos + 1;
     const bool own = flags & ATTN_WRITE_KV;
     const long head_stride = (long)L * D;
-    const T* row = qkv + t * 3 * E;
+    const T* row = qkv + t * ((flags & ATTN_QUERIES_ONLY) ? 1 : 3) * E;
     const int slot = threadIdx.x % TPK, group = threadIdx.x / TPK, groups = blockDim.x / TPK;
     const int col = slot * VEC;
     const bool active = col < D;

@@ -114,31 +114,33 @@ def test_matmul_residual_layernorm(cu, rng, dtype, m, k, n, skinny, blas):
 
 
 def test_prefetch_l2_runs_on_a_joined_branch_of_the_graph(cu, rng):
-    """prefetch_l2 inside a GraphCache capture forks a branch (sm_90+) that the capture joins (the
-    graph is built and replays, results unchanged), for passes of PREFETCH_ROWS rows only (1 row:
-    none); outside a capture it launches nothing; more than four arrays, or one not 16-byte
-    aligned, are refused."""
+    """prefetch_l2 inside a GraphCache capture forks branches (sm_90+: one launch per four arrays)
+    that the capture joins (the graph is built and replays, results unchanged), for passes of
+    PREFETCH_ROWS rows only (1 row: none) and arrays that come to PREFETCH_L2_SHARE of the L2 at
+    most (more: none of them); outside a capture it launches nothing; an array not 16-byte aligned
+    is refused."""
     x, xh = quantize(cu, rng.standard_normal((4, 256)), "fp16")
     w, wh = quantize(cu, rng.standard_normal((300, 256)) / 16, "fp16")
+    big = cu.empty((int(runtime.PREFETCH_L2_SHARE * cu.context().l2_bytes) + 16,), np.uint8)
     out = poisoned(cu, (4, 300), "fp16")
     graphs = cu.GraphCache()
+    calls = [([w, x], 1), ([w, x], 4), ([w] * 5, 4), ([big, w], 4), ([w, x, big, w], 4)]
     forked = []  # branches each prefetch_l2 call added, per call
 
     def launches():
-        for rows in (1, 4):
+        for arrays, rows in calls:
             before = len(cu.context().branch_ends)
-            cu.prefetch_l2([w, x], rows=rows)
+            cu.prefetch_l2(arrays, rows=rows)
             forked.append(len(cu.context().branch_ends) - before)
         cu.matmul(out, x, w)
     for _ in range(2):
         graphs.run("product", launches)
         assert_close(cu, out, xh @ wh.T, "fp16")
-    assert forked[-2:] == [0, int(cu.context().dependent_launch)]  # the captured call's
+    d = int(cu.context().dependent_launch)
+    assert cu.context().l2_bytes > 0 and forked[-5:] == [0, d, 2 * d, 0, 0]  # the captured calls'
     assert cu.context().branch_ends == []
     cu.prefetch_l2([w, x], rows=4)
     assert cu.context().branch_ends == []
-    with pytest.raises(DeviceError, match="at most 4 arrays, got 5"):
-        cu.prefetch_l2([w] * 5, rows=4)
     with pytest.raises(DeviceError, match="array 1 does not start on a 16-byte boundary"):
         cu.prefetch_l2([w, x.ravel()[1:]], rows=4)
 
@@ -240,6 +242,31 @@ def test_kv_cache_and_attention_every_cache_length(cu, rng, dtype, heads, d):
         cu.cached_attention(out, qkv, bias, k, v, ints(cu, seq), ints(cu, pos), heads=heads)
         ref.cached_attention(expected, qkvh, biash, k_ref, v_ref, seq, pos, heads=heads)
         assert_close(cu, out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, d", [(16, 64), (3, 80)])
+def test_cross_attention_reads_queries_alone(cu, rng, dtype, heads, d):
+    """A cross-attention's queries alone ((T, E), not Q, K, V) over a memory of 4 sources: each row
+    attends as the reference does with those queries as the Q columns of a (T, 3E) input; a width
+    that is neither is refused, and so are queries alone where the step writes its keys."""
+    e, length, sources = heads * d, 40, 4
+    shape = (sources, heads, length, d)
+    (k, k_ref), (v, v_ref) = (quantize(cu, rng.standard_normal(shape), dtype) for _ in range(2))
+    seq, last = np.array([0, 0, 1, 3, 3, 2, 1]), np.array([31, 31, 0, 39, 39, 17, 0])
+    qkv, qkvh = quantize(cu, rng.standard_normal((len(seq), 3 * e)), dtype)
+    bias, biash = quantize(cu, 0.3 * rng.standard_normal(e), dtype)
+    queries, _ = quantize(cu, qkvh[:, :e], dtype)
+    out, expected = poisoned(cu, (len(seq), e), dtype), np.empty((len(seq), e), np.float32)
+    cu.cached_attention(out, queries, bias, k, v, ints(cu, seq), ints(cu, last), heads=heads)
+    ref.cached_attention(expected, qkvh, np.concatenate([biash, np.zeros(2 * e, np.float32)]), k_ref, v_ref, seq,
+                         last, heads=heads)
+    assert_close(cu, out, expected, dtype)
+    with pytest.raises(DeviceError, match=rf"attention input of {2 * e} columns: expected {3 * e} .* or {e} "):
+        cu.cached_attention(out, qkv[:, :2 * e], bias, k, v, ints(cu, seq), ints(cu, last), heads=heads)
+    with pytest.raises(DeviceError, match=rf"attention input of {e} columns: expected {3 * e} \(Q, K, V of "
+                                          rf"{heads} heads of {d}\)$"):
+        cu.decode_attention(out, queries, bias, k, v, ints(cu, last[:sources]), heads=heads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -33,6 +33,8 @@ from .generation import GenerationRunner, generation_table
 KERNEL_FILES = ("embedding.cu", "layernorm.cu", "decoder.cu", "sampling.cu", "beam.cu", "gemv.cu", "attention_varlen.cu",
                 "activation.cu")
 VOCAB_ALIGN = 64  # the logits' row width: a multiple of this
+# a layer's weights in the order its launches read them, which the layer before asks the L2 for
+PREFETCHED = ("qkv_weight", "attn_out_weight", "cross_q_weight", "cross_out_weight", "fc1_weight", "fc2_weight")
 
 
 class Seq2SeqRunner(GenerationRunner):
@@ -283,14 +285,17 @@ class Seq2SeqRunner(GenerationRunner):
         x, qkv, ctx = ws.view(self.out, (t, e)), ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e))
         chain = iter(self.norms[side][1:] if c.pre_norm else self.norms[side])
         ffn = c.decoder_ffn if side == "decoder" else c.encoder_ffn
-        inter = ws.view("inter", (t, ffn))
-        for i, w in enumerate(self.decoder if side == "decoder" else self.encoder):
+        inter, queries = ws.view("inter", (t, ffn)), ws.view("qkv", (t, e))
+        layers = self.decoder if side == "decoder" else self.encoder
+        for i, w in enumerate(layers):
+            if i + 1 < len(layers):  # the next layer's weights, while this one runs (where prefetch_l2 says)
+                ops.prefetch_l2([layers[i + 1][k] for k in PREFETCHED if k in layers[i + 1]], rows=t)
             ops.matmul(qkv, x, w["qkv_weight"])
             attend_self(i, qkv, ctx)
             self._residual(t, ctx, w["attn_out_weight"], w["attn_out_bias"], next(chain))
             if attend_cross is not None:
-                ops.matmul(qkv, x, w["cross_q_weight"])
-                attend_cross(i, qkv, ctx)
+                ops.matmul(queries, x, w["cross_q_weight"])
+                attend_cross(i, queries, ctx)
                 self._residual(t, ctx, w["cross_out_weight"], w["cross_out_bias"], next(chain))
             if c.gated:
                 gate = ws.view("gate", (t, 2 * ffn))

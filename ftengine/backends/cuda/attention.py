@@ -21,7 +21,7 @@ VARLEN_BLOCK_M = 64               # its query tile (fp32)
 # default, wide (twice the queries per warp) for sequences of 1024+ at head dim <= 64 with blocks
 # for every SM twice (measured on the H100 by kernels_cu/dev/attention_tiles.py)
 VARLEN_TILES = {"narrow": (4, 1, 64), "wide": (4, 2, 64)}
-ATTENTION_FLAGS = {"rows_are_tokens": 1, "indirect": 2, "write_kv": 4}  # decoder.cu cached_attention
+ATTENTION_FLAGS = {"rows_are_tokens": 1, "indirect": 2, "write_kv": 4, "queries_only": 8}  # decoder.cu cached_attention
 ATTENTION_THREADS = 256           # its block (ATTN_THREADS); half that from ATTENTION_MANY_BLOCKS (row, head) blocks
 ATTENTION_MANY_BLOCKS = 256       # on (GPT-2 small, H100: b32 step 572 -> 524 us, beam 4 x 32 1083 -> 945 us)
 
@@ -157,6 +157,13 @@ def write_kv_cache(k_cache, v_cache, qkv, bias, seq_ids, positions, *, heads, be
 def _attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, indir, flags, heads, rel_bias=None):
     t = qkv.shape[0]
     _, _, length, d = k_cache.shape
+    writes = bool(flags & ATTENTION_FLAGS["write_kv"])
+    if qkv.shape[1] == heads * d and not writes:  # a cross-attention's queries alone
+        flags |= ATTENTION_FLAGS["queries_only"]
+    elif qkv.shape[1] != 3 * heads * d:
+        alone = "" if writes else f" or {heads * d} (the queries alone)"
+        raise DeviceError(f"attention input of {qkv.shape[1]} columns: expected {3 * heads * d} (Q, K, V of {heads} "
+                          f"heads of {d}){alone}")
     vec = _vec(qkv, d)
     per_key = 1 << max(0, (d // vec - 1).bit_length())  # threads per key: a power of two
     if per_key > 32:

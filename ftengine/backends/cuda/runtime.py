@@ -43,6 +43,7 @@ class _Context:
         self.lt = cb.CublasLt(self.stream.ptr, self.cublas_workspace.data.ptr, cb.WORKSPACE_BYTES)
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         self.sm_count = props["multiProcessorCount"]
+        self.l2_bytes = int(props.get("l2CacheSize", 0))
         self.device_name = _device_name(props)
         self.capability = (props["major"], props["minor"])
         # kernels captured into graphs launch with programmatic dependent launch where the GPU has it
@@ -362,8 +363,11 @@ def launch_held(file, kname, grid, block, args):
 
 
 # passes of PREFETCH_ROWS rows (decode steps, short prefills and encoder batches): the runners ask the L2 for the next
-# layer's weights as each layer starts (prefetch_l2). (measurements: docs/gpu-internals.md, runtime.py PREFETCH_ROWS)
-PREFETCH_ROWS = range(2, 129)
+# layer's weights as each layer starts (prefetch_l2), unless they come to more than PREFETCH_L2_SHARE of the L2, where
+# even a part of them slowed the steps down. (measurements: docs/gpu-internals.md, runtime.py PREFETCH_ROWS,
+# PREFETCH_L2_SHARE)
+PREFETCH_ROWS, PREFETCH_L2_SHARE = range(2, 129), 1 / 3
+PREFETCH_ARRAYS = 4  # prefetch.cu prefetch_l2's arrays a launch
 
 # decode steps of KV_PREFETCH_ROWS rows ask the L2 for the next layer's cached keys and values while a layer runs
 # (prefetch_kv), up to KV_PREFETCH_BYTES of them a layer. (measurements: docs/gpu-internals.md, runtime.py
@@ -372,20 +376,22 @@ KV_PREFETCH_ROWS, KV_PREFETCH_BYTES = range(1, 9), 24 << 20
 
 
 def prefetch_l2(arrays, *, rows: int):
-    """For a pass of `rows` rows in PREFETCH_ROWS, inside a graph capture on sm_90+: the L2
-    fetches up to four arrays (the weights of the launches that follow) on a branch of the graph
-    beside those launches, from the point the capture has reached; the capture joins the branch
-    before it ends (join_branches). Elsewhere nothing: outside a graph the prefetch could not run
-    ahead of the launches it is for."""
-    if len(arrays) > 4:
-        raise DeviceError(f"prefetch_l2 takes at most 4 arrays, got {len(arrays)}")
+    """For a pass of `rows` rows in PREFETCH_ROWS, inside a graph capture on sm_90+, and arrays
+    that come to PREFETCH_L2_SHARE of the L2 at most: the L2 fetches them (the weights of the
+    launches that follow) on a branch of the graph beside those launches, from the point the
+    capture has reached; the capture joins the branch before it ends (join_branches). Elsewhere
+    nothing: outside a graph the prefetch could not run ahead of the launches it is for."""
     misaligned = [i for i, a in enumerate(arrays) if a.data.ptr % 16]
     if misaligned:
         raise DeviceError(f"prefetch_l2: array {misaligned[0]} does not start on a 16-byte boundary")
-    if not arrays or rows not in PREFETCH_ROWS or not _branching():
+    if (not arrays or rows not in PREFETCH_ROWS or not _branching()
+            or sum(a.nbytes for a in arrays) > PREFETCH_L2_SHARE * context().l2_bytes):
         return
-    pairs = [(a, a.nbytes // 16 * 16) for a in arrays] + [(arrays[0], 0)] * (4 - len(arrays))
-    _on_branch("prefetch.cu", "prefetch_l2", (4,), (32,), tuple(v for a, n in pairs for v in (a, np.int64(n))))
+    fetched = [(a, np.int64(a.nbytes // 16 * 16)) for a in arrays]
+    for first in range(0, len(fetched), PREFETCH_ARRAYS):
+        pairs = fetched[first:first + PREFETCH_ARRAYS]
+        pairs += [(pairs[0][0], np.int64(0))] * (PREFETCH_ARRAYS - len(pairs))
+        _on_branch("prefetch.cu", "prefetch_l2", (PREFETCH_ARRAYS,), (32,), tuple(v for pair in pairs for v in pair))
 
 
 def prefetch_kv(k_cache, v_cache, positions):

@@ -140,9 +140,10 @@ def cached_attention(ctx, qkv, bias, k_cache, v_cache, seq_ids, positions, *, he
     0..positions[t] of its sequence's cache (causal self-attention over the KV cache). With
     indir (B, L), key p of sequence b is read from cache row indir[b, p] (beams share rows).
     rel_bias = (table (buckets, heads), buckets (2 * max_len - 1,), max_len): key j's score gets
-    table[buckets[j - positions[t] + max_len - 1]] added (T5)."""
-    e = qkv.shape[1] // 3
-    d = e // heads
+    table[buckets[j - positions[t] + max_len - 1]] added (T5). qkv may hold the E query columns
+    alone (a cross-attention's queries)."""
+    d = k_cache.shape[-1]
+    e = heads * d
     q = (qkv[:, :e] + bias[:e]).reshape(-1, heads, d)                   # (T, heads, D)
     for t, (b, p) in enumerate(zip(seq_ids, positions)):
         rows = np.full(p + 1, b) if indir is None else indir[b, :p + 1]
