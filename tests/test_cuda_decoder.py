@@ -6,6 +6,7 @@ import pytest
 
 from ftengine.backends import numpy_ops as ref
 from ftengine.backends.cuda import runtime, sampling
+from ftengine.backends.cuda.gemm import GEMV_COLS, GEMV_WIDE_BLOCKS_PER_SM, NORM_BLOCKS_PER_SM, NORM_ITEMS
 from ftengine.checkpoint import load_gpt2_weights
 from ftengine.config import load_gpt2_config
 from ftengine.decoding.beam import beam_search
@@ -111,6 +112,59 @@ def test_matmul_residual_layernorm(cu, rng, dtype, m, k, n, skinny, blas):
     if splits > 1:
         with pytest.raises(DeviceError, match=r"partials holds 7 float32 values; a split product"):
             cu.matmul_residual_layernorm(h, normed, x, w, bias, g, b, eps=1e-5, product=product, partials=partials[:7])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n, slices, post, rms, act", [
+    (4, 512, 2048, 1, False, False, None), (4, 1024, 2048, 1, False, False, None),
+    (4, 512, 6000, 1, False, False, None), (1, 512, 2048, 4, True, False, "relu"),
+    (3, 384, 1000, 2, False, True, "gelu"), (2, 200, 300, 1, True, False, "identity"),
+    (4, 2048, 64, 2, False, False, "silu"), (5, 256, 512, 1, False, False, None)])
+def test_norm_matmul(cu, rng, dtype, m, k, n, slices, post, rms, act):
+    """A residual + LayerNorm that a product left pending, run with the product after it (norm_matmul):
+    up to NORM_PROLOGUE_ROWS rows in that product's kernel (gemv_norm.cu: the stream moves to
+    hidden_out), pre- and post-LayerNorm, RMS, each epilogue, a product as stored or as float partial
+    sums of K slices; else (5 rows, fp32 rows past NORM_ITEMS' vectors, more than one group of columns
+    a block) as a LayerNorm kernel in place, then the product. Against the NumPy twin fed the product,
+    and the product's x, as the kernels read them (rounded to the storage type)."""
+    slices = 1 if dtype == "fp32" else slices
+    sms = cu.context().sm_count
+    cols = GEMV_COLS[1] if n >= GEMV_COLS[1] * GEMV_WIDE_BLOCKS_PER_SM * sms else GEMV_COLS[0]
+    fused = (m <= cu.NORM_PROLOGUE_ROWS and k <= 32 * NORM_ITEMS[-1] * (4 if dtype == "fp32" else 8)
+             and -(-n // cols) <= NORM_BLOCKS_PER_SM * sms)
+    (h, hh), (rb, rbh), (g, gh), (b, bh), (bias, biash) = (quantize(cu, rng.standard_normal(s), dtype)
+                                                           for s in ((m, k), (k,), (k,), (k,), (n,)))
+    if rms:
+        b, bh = quantize(cu, np.zeros(k), dtype)
+    w, wh = quantize(cu, rng.standard_normal((n, k)) / 16, dtype)
+    if slices == 1:
+        parts, stored = quantize(cu, rng.standard_normal((m, k)), dtype)
+    else:  # the kernels add the slices in order, then round the sum to the storage type
+        split = rng.standard_normal((slices, m, k)).astype(np.float32)
+        parts, summed = cu.to_device(split, np.float32), split[0].copy()
+        for s in split[1:]:
+            summed += s
+        stored = quantize(cu, summed, dtype)[1]
+    out, spare, normed = poisoned(cu, (m, n), dtype), poisoned(cu, (m, k), dtype), poisoned(cu, (m, k), dtype)
+    expected, expected_hidden, expected_normed = (np.empty(s, np.float32) for s in ((m, n), (m, k), (m, k)))
+    options = dict(act=act, eps=1e-5, rms=rms, post=post)
+    held = cu.norm_matmul(out, w, bias, parts=parts, res_bias=rb, hidden=h, hidden_out=spare, normed=normed, gamma=g,
+                          beta=b, **options)
+    ref.norm_matmul(expected, wh, biash, parts=stored, res_bias=rbh, hidden=hh, hidden_out=expected_hidden,
+                    normed=expected_normed, gamma=gh, beta=bh, **options)
+    assert held is (spare if fused else h)
+    assert_close(cu, held, expected_hidden, dtype)
+    x = quantize(cu, expected_hidden, dtype)[1]
+    if not post:  # the LayerNorm of the sum as stored
+        ref.layernorm(expected_normed, x, gh, bh, eps=1e-5, rms=rms)
+        x = quantize(cu, expected_normed, dtype)[1]
+    if act is None:
+        ref.matmul(expected, x, wh)
+    elif act == "gelu":
+        ref.matmul_bias_gelu(expected, x, wh, biash, form="erf")
+    else:
+        ref.matmul_bias_act(expected, x, wh, biash, act=act)
+    assert_close(cu, out, expected, dtype)
 
 
 def test_prefetch_l2_runs_on_a_joined_branch_of_the_graph(cu, rng):

@@ -120,6 +120,24 @@ def test_a_runner_prepares_the_vector_widths_of_its_rows_only(monkeypatch, rows,
     assert shared | {("convert.cu", "__half", 0)} <= set(asked)
 
 
+@pytest.mark.parametrize("dtype, norm_product, wanted", [
+    ("fp16", (512, True), ["gemv_norm<__half, __half, 1, __half, 8, 2, 2, 1>", "gemv_norm<__half, float, 2, __half, 8, 4, 2, 1>"]),
+    ("fp32", (200, False), ["gemv_norm<float, float, 1, float, 4, 2, 2, 0>", "gemv_norm<float, float, 1, float, 4, 4, 2, 0>"]),
+    ("fp16", (1024, False), []), (None, None, [])])
+def test_a_runner_prepares_the_norm_products_of_its_rows_only(monkeypatch, dtype, norm_product, wanted):
+    """prepare_kernels(norm_product=(row length, post)) compiles the gemv_norm kernels norm_matmul
+    launches for rows of that length and that LayerNorm placement (each product form and column
+    group), nothing else of gemv_norm.cu; none for rows longer than gemv_norm takes, or without it."""
+    from ftengine.backends.cuda import families, kernels
+    asked = []
+    monkeypatch.setattr(families, "runs_wgmma", lambda: False)
+    monkeypatch.setattr(families, "prepare", lambda files, types, only: asked.extend(kernels.modules_of(files, types, only=only)))
+    families.prepare_kernels(("gemv.cu",), dtype or "fp16", head_dims=(64,), norm_product=norm_product)
+    got = {n for f, key, index in asked if f == "gemv_norm.cu" for n in kernels.groups(f, key)[index]}
+    assert set(wanted) <= got and len(got) == (6 if dtype == "fp16" and wanted else 2 if wanted else 0)
+    assert all(n.endswith(f", {int(norm_product[1])}>") for n in got)
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
 @pytest.mark.parametrize("file", sorted(FAMILIES))
 def test_compiles_for_sm80_and_sm90(tmp_path, file):

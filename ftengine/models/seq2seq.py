@@ -58,7 +58,7 @@ class Seq2SeqRunner(GenerationRunner):
         ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(c.d_model // c.encoder_heads,),
                             general=(bool(c.relative_buckets),), gelu_product=gelu, ln_product=True,
                             rows=(c.d_model, c.d_model // c.encoder_heads, c.d_model // c.decoder_heads,
-                                  c.encoder_ffn, c.decoder_ffn))
+                                  c.encoder_ffn, c.decoder_ffn), norm_product=(c.d_model, not c.pre_norm))
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps: kind, rows, GenerationParams.graph_key
         self.encoder_graphs = ops.GraphCache(enabled=graphs)  # encoder passes: their bucketed shape
         self.bucketed = ops.name == "cuda"  # few shapes, few graphs; the NumPy backend runs the real one
@@ -104,6 +104,7 @@ class Seq2SeqRunner(GenerationRunner):
             "mem_rows": (b, np.int32),           # (B,): each decoder row's source
             "mem_last": (b, np.int32),           # (B,): its source's last position
             "hidden": (rows * e, self.dtype),    # (T, E)
+            "hidden_alt": (ops.NORM_PROLOGUE_ROWS * e, self.dtype),  # the residual stream's other buffer (_Residuals)
             "normed": (rows * e if c.pre_norm else 0, self.dtype),  # (T, E): pre-LayerNorm's LN(hidden)
             "qkv": (rows * 3 * e, self.dtype),   # (T, 3E)
             "ctx": (rows * e, self.dtype),       # (T, E)
@@ -220,8 +221,8 @@ class Seq2SeqRunner(GenerationRunner):
         def attend(i, qkv, ctx):
             ops.varlen_attention(ctx, qkv, self.encoder[i]["qkv_bias"], cu_seqlens, heads=c.encoder_heads,
                                  max_seqlen=longest, rel_bias=self.relative.get("encoder"))
-        self._stack(t, "encoder", attend)
-        qkv, memory = ws.view("qkv", (t, 3 * e)), ws.view(self.out, (t, e))
+        memory = self._stack(t, "encoder", attend)
+        qkv = ws.view("qkv", (t, 3 * e))
         for i, w in enumerate(self.decoder):  # each layer's memory: keys and values of the encoder's output
             ops.matmul(qkv, memory, w["cross_kv_weight"])
             ops.write_kv_cache(*self._memory(i), qkv, w["cross_kv_bias"], d_seq, d_pos, heads=c.decoder_heads)
@@ -264,25 +265,13 @@ class Seq2SeqRunner(GenerationRunner):
         if self.config.pre_norm:
             ops.layernorm(ws.view("normed", (t, e)), hidden, *self.norms[side][0], eps=eps, rms=self.config.rms_norm)
 
-    def _residual(self, t: int, x, weight, bias, norm):
-        """hidden gets x @ weight^T + bias added. Post-LayerNorm: hidden = norm(that sum); pre:
-        normed = norm(hidden), the next sub-layer's input."""
-        ops, ws = self.ops, self.ws
-        e, eps = self.config.d_model, self.config.layer_norm_eps
-        hidden, product = ws.view("hidden", (t, e)), ws.view("proj", (t, e))
-        partials = ws.view("partials", (self.partials_size,))
-        if self.config.pre_norm:
-            ops.matmul_residual_layernorm(hidden, ws.view("normed", (t, e)), x, weight, bias, *norm, eps=eps,
-                                          product=product, partials=partials, rms=self.config.rms_norm)
-        else:
-            ops.matmul_bias_residual_layernorm(hidden, x, weight, bias, hidden, *norm, eps=eps, product=product,
-                                               partials=partials)
-
     def _stack(self, t: int, side: str, attend_self, attend_cross=None):
-        """A stack's layers over t rows, from _embed's output; its output ends in ws[self.out]."""
+        """A stack's layers over t rows, from _embed's output; returns the view its output ends in
+        (ws[self.out], or for post-LayerNorm stacks perhaps the residual stream's other buffer)."""
         ops, c, ws = self.ops, self.config, self.ws
         e = c.d_model
-        x, qkv, ctx = ws.view(self.out, (t, e)), ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e))
+        qkv, ctx = ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e))
+        stream = _Residuals(self, t)
         chain = iter(self.norms[side][1:] if c.pre_norm else self.norms[side])
         ffn = c.decoder_ffn if side == "decoder" else c.encoder_ffn
         inter, queries = ws.view("inter", (t, ffn)), ws.view("qkv", (t, e))
@@ -290,30 +279,29 @@ class Seq2SeqRunner(GenerationRunner):
         for i, w in enumerate(layers):
             if i + 1 < len(layers):  # the next layer's weights, while this one runs (where prefetch_l2 says)
                 ops.prefetch_l2([layers[i + 1][k] for k in PREFETCHED if k in layers[i + 1]], rows=t)
-            ops.matmul(qkv, x, w["qkv_weight"])
+            stream.product(qkv, w["qkv_weight"])
             attend_self(i, qkv, ctx)
-            self._residual(t, ctx, w["attn_out_weight"], w["attn_out_bias"], next(chain))
+            stream.residual(ctx, w["attn_out_weight"], w["attn_out_bias"], next(chain))
             if attend_cross is not None:
-                ops.matmul(queries, x, w["cross_q_weight"])
+                stream.product(queries, w["cross_q_weight"])
                 attend_cross(i, queries, ctx)
-                self._residual(t, ctx, w["cross_out_weight"], w["cross_out_bias"], next(chain))
+                stream.residual(ctx, w["cross_out_weight"], w["cross_out_bias"], next(chain))
             if c.gated:
                 gate = ws.view("gate", (t, 2 * ffn))
-                ops.matmul(gate, x, w["fc1_weight"])
+                stream.product(gate, w["fc1_weight"])
                 ops.gated_gelu(inter, gate, w["fc1_bias"], form="tanh")
-            elif c.activation == "gelu":
-                ops.matmul_bias_gelu(inter, x, w["fc1_weight"], w["fc1_bias"], form="erf")
             else:
-                ops.matmul_bias_act(inter, x, w["fc1_weight"], w["fc1_bias"], act=c.activation)
-            self._residual(t, inter, w["fc2_weight"], w["fc2_bias"], next(chain))
+                stream.product(inter, w["fc1_weight"], w["fc1_bias"], act=c.activation)
+            stream.residual(inter, w["fc2_weight"], w["fc2_bias"], next(chain))
+        return stream.settle()
 
     def _decoder_layers(self, t: int, attend_self, mem_seq, mem_last):
-        """The decoder's layers over t rows (from _embed); cross-attention of row j over the memory
-        of source mem_seq[j], positions 0..mem_last[j]."""
+        """The decoder's layers over t rows (from _embed), returning the view of their output;
+        cross-attention of row j over the memory of source mem_seq[j], positions 0..mem_last[j]."""
         def attend_cross(i, qkv, ctx):
             self.ops.cached_attention(ctx, qkv, self.decoder[i]["cross_q_bias"], *self._memory(i), mem_seq, mem_last,
                                       heads=self.config.decoder_heads)
-        self._stack(t, "decoder", attend_self, attend_cross)
+        return self._stack(t, "decoder", attend_self, attend_cross)
 
     def _logits(self, rows: int, hidden):
         ops, ws, v = self.ops, self.ws, self.vocab
@@ -353,5 +341,76 @@ class Seq2SeqRunner(GenerationRunner):
         def attend(i, qkv, ctx):
             ops.decode_attention(ctx, qkv, self.decoder[i]["qkv_bias"], *self._caches(i), pos, indir,
                                  heads=c.decoder_heads, rel_bias=self.relative.get("decoder"))
-        self._decoder_layers(b, attend, ws.view("mem_rows", (b,)), ws.view("mem_last", (b,)))
-        self._logits(b, ws.view(self.out, (b, c.d_model)))
+        self._logits(b, self._decoder_layers(b, attend, ws.view("mem_rows", (b,)), ws.view("mem_last", (b,))))
+
+
+class _Residuals:
+    """A stack's residual stream over t rows: the buffer that holds it, and the products' input.
+    Past ops.NORM_PROLOGUE_ROWS rows, each residual + LayerNorm runs with the product before it
+    (matmul_residual_layernorm, matmul_bias_residual_layernorm). Up to that many (a decode step) it
+    is left pending and runs with the product after it (norm_matmul: on the GPU in that product's
+    kernel), which may move the stream to the other of two buffers: the product's blocks read the
+    old one while one of them writes the new."""
+
+    def __init__(self, runner: Seq2SeqRunner, t: int):
+        self.runner, self.t = runner, t
+        ws, e = runner.ws, runner.config.d_model
+        self.hidden, self.x = ws.view("hidden", (t, e)), ws.view(runner.out, (t, e))
+        self.deferred = t <= runner.ops.NORM_PROLOGUE_ROWS
+        self.spare = ws.view("hidden_alt", (t, e)) if self.deferred else None
+        self.pending = None
+
+    def product(self, out, weight, bias=None, *, act=None):
+        """out = x @ weight^T (act None), or act(... + bias): GELU (erf) for "gelu", else
+        matmul_bias_act's."""
+        ops = self.runner.ops
+        if self.pending is not None:
+            before = self.hidden
+            self.hidden = ops.norm_matmul(out, weight, bias, act=act, hidden=before, hidden_out=self.spare,
+                                          **self.pending)
+            if self.hidden is not before:
+                self.spare = before
+            if self.pending["post"]:
+                self.x = self.hidden
+            self.pending = None
+        elif act is None:
+            ops.matmul(out, self.x, weight)
+        elif act == "gelu":
+            ops.matmul_bias_gelu(out, self.x, weight, bias, form="erf")
+        else:
+            ops.matmul_bias_act(out, self.x, weight, bias, act=act)
+
+    def residual(self, x, weight, bias, norm):
+        """The stream gets x @ weight^T + bias added; post-LayerNorm: stream = norm(that sum); pre:
+        the next product's input = norm(stream)."""
+        r = self.runner
+        ops, ws, c = r.ops, r.ws, r.config
+        e, t = c.d_model, self.t
+        product, partials = ws.view("proj", (t, e)), ws.view("partials", (r.partials_size,))
+        if self.deferred:
+            self.pending = dict(parts=ops.norm_product(product, partials, x, weight), res_bias=bias, gamma=norm[0],
+                                beta=norm[1], normed=self.x if c.pre_norm else None, eps=c.layer_norm_eps,
+                                rms=c.rms_norm, post=not c.pre_norm)
+        elif c.pre_norm:
+            ops.matmul_residual_layernorm(self.hidden, self.x, x, weight, bias, *norm, eps=c.layer_norm_eps,
+                                          product=product, partials=partials, rms=c.rms_norm)
+        else:
+            ops.matmul_bias_residual_layernorm(self.hidden, x, weight, bias, self.hidden, *norm,
+                                               eps=c.layer_norm_eps, product=product, partials=partials)
+            self.x = self.hidden
+
+    def settle(self):
+        """Runs the pending residual + LayerNorm, if any, where the stream is; returns the stack's
+        output (pre-LayerNorm: normed; post: the stream)."""
+        p = self.pending
+        if p is not None:
+            ops = self.runner.ops
+            if p["post"]:
+                ops.add_bias_residual_layernorm(self.hidden, p["parts"], p["res_bias"], self.hidden, p["gamma"],
+                                                p["beta"], eps=p["eps"])
+                self.x = self.hidden
+            else:
+                ops.residual_layernorm(self.hidden, p["normed"], p["parts"], p["res_bias"], p["gamma"], p["beta"],
+                                       eps=p["eps"], rms=p["rms"])
+            self.pending = None
+        return self.x

@@ -9,8 +9,8 @@ import numpy as np
 from .attention import (SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_HEAD_DIMS, VARLEN_TILES, VARLEN_WG_HEAD_DIMS,
                         varlen_mma_name)
 from .fp8 import FP8_KERNELS
-from .gemm import (BLAS_SPLITS, GEMV_COLS, SKINNY_TILES, SPLIT_COUNTS, SPLIT_TILES, WGMMA_TILES, skinny_name,
-                   wgmma_ln_name, wgmma_name)
+from .gemm import (BLAS_SPLITS, GEMV_COLS, SKINNY_TILES, SPLIT_COUNTS, SPLIT_TILES, WGMMA_TILES, norm_kernels,
+                   skinny_name, wgmma_ln_name, wgmma_name)
 from .kernels import CUDA_TYPES, prepare
 from .norms import LN_ROW_WARPS, ROW_WARP_ITEMS
 from .pooling import POOL_WARPS
@@ -117,6 +117,7 @@ FAMILIES = {
     "wordpiece.cu": lambda t: [],
     "convert.cu": lambda t: [f"convert_rows<{t}>"],
     "prefetch.cu": lambda t: [],
+    "gemv_norm.cu": norm_kernels,
     # dtype fp8: fp16 activations, e4m3 product operands (sm_89+)
     "fp8.cu": lambda t: ([n for k in FP8_KERNELS for v in VECS[t] for n in _row_variants(k, t, v)]
                          if t == "__half" else []),
@@ -129,7 +130,7 @@ FAMILIES = {
 # with a module's kernels and modules compile in parallel, so the files slow to compile are split
 # (a first run's compile: docs/performance.md, Cold start)
 MODULE_KERNELS = {"attention_varlen.cu": 1, "attention_sm90.cu": 1, "gemm_sm90.cu": 1, "sampling_cluster.cu": 1,
-                  "layernorm.cu": 4, "decoder.cu": 5, "gemv.cu": 4}
+                  "layernorm.cu": 4, "decoder.cu": 5, "gemv.cu": 4, "gemv_norm.cu": 1}
 
 # file -> kernels every dtype uses (not templated on the element type): one module of their own,
 # so that an fp16 run never compiles the fp32 instantiations (the fp32 varlen attention alone
@@ -140,7 +141,7 @@ SHARED = {"pooling.cu": ["l2_normalize<float>"], **SAMPLING_KERNELS,
 
 
 def prepare_kernels(files, dtype_name: str, *, head_dims, general=(False,), gelu_product: str | None = None,
-                    ln_product: bool = False, rows=None):
+                    ln_product: bool = False, rows=None, norm_product=None):
     """Compile the kernel modules a runner needs for one dtype (and the shared ones; and convert.cu,
     which uploads its weights, runtime.to_device, and prefetch.cu, which its graphs launch), in
     parallel, before its first launch:
@@ -153,6 +154,8 @@ def prepare_kernels(files, dtype_name: str, *, head_dims, general=(False,), gelu
       matmul_bias_residual_layernorm (ln_product);
     - of the files of BY_WIDTH, the kernels of the vector widths that rows of these lengths take
       (rows: the model's hidden, head and feed-forward sizes; None: every width).
+    - for a runner whose decode steps call norm_matmul (norm_product: its rows' length and whether
+      its LayerNorms come after the residual sum), the gemv_norm kernels of that row.
     A kernel left out compiles at its first launch (a graph's eager pass, never inside a capture)."""
     ctype = CUDA_TYPES[np.dtype(STORAGE[dtype_name]).name]
     wgmma = dtype_name in ("fp16", "bf16") and runs_wgmma()
@@ -168,4 +171,8 @@ def prepare_kernels(files, dtype_name: str, *, head_dims, general=(False,), gelu
     if rows is not None:
         only.update({f: {n for v in widths_of(ctype, rows) for n in BY_WIDTH[f](ctype, v)} | set(SHARED.get(f, ()))
                      for f in BY_WIDTH})
+    norms = norm_kernels(ctype, *norm_product) if norm_product is not None else []
+    if norms:
+        files = (*files, "gemv_norm.cu")
+        only["gemv_norm.cu"] = set(norms)
     prepare((*files, "convert.cu", "prefetch.cu"), (ctype,), only=only)

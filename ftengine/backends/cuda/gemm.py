@@ -18,7 +18,7 @@ from .algos import algorithm
 from .kernels import kernel
 from .launch import TensorMap, max_active_clusters
 from .norms import add_bias_residual_layernorm, residual_layernorm
-from .runtime import _ctype, _launch, _planning, _threads, _vec, context
+from .runtime import VECS, _ctype, _launch, _planning, _threads, _vec, context
 
 
 # gemm_sm90.cu matmul_wgmma (sm_90a): its tile rows and K step (GEMM_BM, GEMM_BK), threads, and per tile width BN the
@@ -363,10 +363,17 @@ def _split_product(parts, x, weight):
 
 # Measurements: docs/gpu-internals.md, gemm.py matmul_residual_layernorm
 def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, eps, product, partials, rms=False):
-    """hidden += x @ weight^T + bias; normed = LayerNorm(hidden), as matmul into `product` (M, N)
-    then residual_layernorm (rms: T5's RMS norm). Where split_k, or else blas_split_k, splits the product: gemv.cu
-    skinny_mma or cuBLAS sums each K slice into `partials` (float32, partials_size elements at
-    least), and residual_layernorm adds them up (rows of whole 16-byte vectors)."""
+    """hidden += x @ weight^T + bias; normed = LayerNorm(hidden), as norm_product then
+    residual_layernorm (rms: T5's RMS norm)."""
+    parts = norm_product(product, partials, x, weight)
+    residual_layernorm(hidden, normed, parts, bias, gamma, beta, eps=eps, rms=rms)
+
+
+def norm_product(product, partials, x, weight):
+    """x @ weight^T for a residual + LayerNorm kernel to read, returned: into `product` (M, N); or,
+    where split_k, or else blas_split_k, splits it, gemv.cu skinny_mma or cuBLAS sums each K slice
+    into `partials` (float32, partials_size elements at least), returned as (slices, M, N), which
+    the LayerNorm kernels add up (rows of whole 16-byte vectors)."""
     (m, k), n = x.shape, weight.shape[0]
     # the skinny split first: at 32 rows cuBLAS's took 1.6 us off a decode step graph, but after
     # other streams' kernels in the process (bench_decoder's note) it made top-k / top-p batch-32
@@ -376,14 +383,121 @@ def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, e
     splits = max(skinny, blas)
     if splits == 1:
         matmul(product, x, weight)
-        residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps, rms=rms)
-        return
+        return product
     parts = _split_partials(partials, splits, m, n)
     if blas > 1:
         _split_product(parts, x, weight)
     else:
         _skinny(parts, x, weight, None, 0, table=SPLIT_TILES, splits=splits)
-    residual_layernorm(hidden, normed, parts, bias, gamma, beta, eps=eps, rms=rms)
+    return parts
+
+
+# gemv_norm.cu gemv_norm: a product of up to NORM_PROLOGUE_ROWS rows (a decode step's) whose x is a pending residual +
+# LayerNorm, computed by each of its blocks (a warp a row, up to NORM_ITEMS[-1] vectors a lane) while its weights
+# arrive, instead of a LayerNorm kernel before it; NORM_PARTS_MAX_BYTES: the most product bytes a block reads for it.
+# (measurements: docs/gpu-internals.md, gemm.py NORM_PROLOGUE_ROWS)
+NORM_PROLOGUE_ROWS, NORM_ITEMS, NORM_PARTS_MAX_BYTES = GEMV_ROWS, (1, 2), 1 << 20
+NORM_BLOCKS_PER_SM = 4  # gemv_norm.cu's: its grid is one wave of at most this many blocks an SM (change them together)
+
+
+def norm_matmul(out, weight, bias=None, *, act=None, form="erf", parts, res_bias, hidden, hidden_out, normed,
+                gamma, beta, eps, rms=False, post=False):
+    """The residual + LayerNorm that norm_product's `parts` left pending, then the product that reads
+    its output: pre-LayerNorm (post False) hidden + parts + res_bias, then x = LayerNorm of that sum
+    (rms: T5's RMS norm), as residual_layernorm; post, x = LayerNorm(parts + res_bias + hidden), as
+    add_bias_residual_layernorm. out = x @ weight^T (act None), act(... + bias) (matmul_bias_act's
+    acts) or GELU(... + bias) of `form`. In one kernel (gemv_norm.cu gemv_norm) where _norm_fits: the sum
+    goes to hidden_out (post: x), x stays on chip; else as those two kernels, then the product, with
+    the sum in hidden (in place) and pre-LayerNorm's x in `normed`. Returns the array that holds the
+    residual stream: hidden_out or hidden."""
+    if _norm_fits(out, weight, parts, hidden, hidden_out):
+        _gemv_norm(out, weight, bias, _epilogue(act, form), parts, res_bias, hidden, hidden_out, gamma, beta, eps,
+                   rms, post)
+        return hidden_out
+    if post:
+        add_bias_residual_layernorm(hidden, parts, res_bias, hidden, gamma, beta, eps=eps)
+        x = hidden
+    else:
+        residual_layernorm(hidden, normed, parts, res_bias, gamma, beta, eps=eps, rms=rms)
+        x = normed
+    if act is None:
+        matmul(out, x, weight)
+    elif act == "gelu":
+        matmul_bias_gelu(out, x, weight, bias, form=form)
+    else:
+        matmul_bias_act(out, x, weight, bias, act=act)
+    return hidden
+
+
+def _epilogue(act, form) -> int:
+    """gemv.cu's epilogue code for norm_matmul's act (None: none) and GELU form."""
+    if act is None:
+        return 0
+    return 1 + _gelu_form(form) if act == "gelu" else GEMV_EPILOGUES[act]
+
+
+def _norm_fits(out, weight, parts, hidden, hidden_out) -> bool:
+    """Whether norm_matmul runs gemv_norm.cu gemv_norm: up to NORM_PROLOGUE_ROWS rows where matmul would
+    run the gemv (not the skinny kernel), one storage type, rows of whole vectors of the widest width
+    within NORM_ITEMS[-1] vectors a lane, x's rows in shared memory (48 KiB), a product as stored or in
+    BLAS_SPLITS float slices of at most NORM_PARTS_MAX_BYTES, hidden_out apart from hidden, and one
+    group of columns a block (NORM_BLOCKS_PER_SM blocks an SM at most: a block that took two was
+    slower than the two kernels)."""
+    m, k = hidden.shape
+    vec = VECS[_ctype(hidden)][0]
+    return bool(m <= NORM_PROLOGUE_ROWS and weight.dtype == hidden.dtype == out.dtype and weight.shape[1] == k
+                and (parts.ndim == 2 and parts.dtype == hidden.dtype
+                     or parts.dtype == np.float32 and parts.shape[0] in (1, *BLAS_SPLITS))
+                and not (SKINNY_MIN_ROWS <= m and weight.shape[0] >= SKINNY_MIN_COLUMNS)
+                and k % vec == 0 and k // vec <= 32 * NORM_ITEMS[-1] and m * k * hidden.itemsize <= 48 * 1024
+                and parts.nbytes <= NORM_PARTS_MAX_BYTES and hidden_out.data.ptr != hidden.data.ptr
+                and -(-weight.shape[0] // _norm_cols(weight.shape[0])) <= NORM_BLOCKS_PER_SM * context().sm_count
+                and all(a.data.ptr % 16 == 0 for a in (weight, parts, hidden, hidden_out)))
+
+
+def norm_name(ctype: str, slices: int, cols: int, items: int, post: bool) -> str:
+    """gemv_norm's instantiation for storage type ctype (rows in its widest vectors), a product as
+    stored (slices 1) or as float partial sums of that many slices."""
+    return (f"gemv_norm<{ctype}, {ctype if slices == 1 else 'float'}, {slices}, {ctype}, {VECS[ctype][0]}, {cols}, "
+            f"{items}, {int(post)}>")
+
+
+def norm_items(ctype: str, k: int) -> int:
+    """gemv_norm's vectors a lane for rows of k elements of ctype."""
+    return min(i for i in NORM_ITEMS if 32 * i * VECS[ctype][0] >= k)
+
+
+def norm_kernels(ctype: str, k: int | None = None, post: bool | None = None) -> list[str]:
+    """gemv_norm's instantiations for ctype: a product as stored or (16-bit types) split into
+    BLAS_SPLITS float slices (the only splits at NORM_PROLOGUE_ROWS rows), each GEMV_COLS width, for
+    rows of k elements (None: every NORM_ITEMS; none for rows longer than it takes) and post (None:
+    both forms)."""
+    if k is not None and k > 32 * NORM_ITEMS[-1] * VECS[ctype][0]:
+        return []
+    slices = (1,) if ctype == "float" else (1, *BLAS_SPLITS)
+    items = NORM_ITEMS if k is None else (norm_items(ctype, k),)
+    posts = (False, True) if post is None else (post,)
+    return [norm_name(ctype, s, c, i, p) for p in posts for i in items for s in slices for c in GEMV_COLS]
+
+
+def _norm_cols(n: int) -> int:
+    """gemv_norm's columns a group for n output columns: as the gemv's (_gemv)."""
+    narrow, wide = GEMV_COLS
+    return wide if n >= wide * GEMV_WIDE_BLOCKS_PER_SM * context().sm_count else narrow
+
+
+def _gemv_norm(out, weight, bias, epilogue, parts, res_bias, hidden, hidden_out, gamma, beta, eps, rms, post):
+    (m, k), n = hidden.shape, weight.shape[0]
+    t = _ctype(hidden)
+    slices = parts.shape[0] if parts.ndim == 3 else 1
+    cols = _norm_cols(n)
+    groups = -(-n // cols)
+    per_block = -(-groups // (NORM_BLOCKS_PER_SM * context().sm_count))  # one wave, the groups spread evenly
+    _launch("gemv_norm.cu", norm_name(t, slices, cols, norm_items(t, k), post), (-(-groups // per_block),),
+            (GEMV_THREADS,),
+            (out, weight, weight if bias is None else bias, parts, res_bias, hidden, hidden_out, gamma, beta,
+             np.int32(m), np.int32(n), np.int32(k), np.int32(epilogue), np.float32(eps), np.int32(rms)),
+            shared_mem=m * k * hidden.itemsize)
 
 
 # Measurements: docs/gpu-internals.md, gemm.py matmul_bias_residual_layernorm

@@ -29,7 +29,7 @@ ARCH_SPECIFIC = {"attention_sm90.cu": ("sm_90a", (9, 0)), "gemm_sm90.cu": ("sm_9
 # file -> the files its source follows (after common.cuh): the device code it shares with others
 FOLLOWS = {"attention_sm90.cu": ("attention_varlen.cu", "sm90.cuh"), "gemm_sm90.cu": ("sm90.cuh",),
            "sampling.cu": ("sampling.cuh",), "sampling_levels.cu": ("sampling.cuh",),
-           "sampling_cluster.cu": ("sampling.cuh",), "beam.cu": ("sampling.cuh",)}
+           "sampling_cluster.cu": ("sampling.cuh",), "beam.cu": ("sampling.cuh",), "gemv_norm.cu": ("gemv.cu",)}
 SHARED_KEY = "shared"
 
 

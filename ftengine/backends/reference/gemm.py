@@ -61,6 +61,42 @@ def matmul_residual_layernorm(hidden, normed, x, weight, bias, gamma, beta, *, e
     residual_layernorm(hidden, normed, product, bias, gamma, beta, eps=eps, rms=rms)
 
 
+# the CUDA backend's gemm.NORM_PROLOGUE_ROWS: model code leaves a residual + LayerNorm to the product after it for
+# passes of this many rows or fewer (norm_product, norm_matmul), on either backend, so both run one sequence of ops
+NORM_PROLOGUE_ROWS = 4
+
+
+def norm_product(product, partials, x, weight):
+    """x @ weight^T into `product`, returned, for a residual + LayerNorm to read (`partials` unused:
+    see partials_size)."""
+    matmul(product, x, weight)
+    return product
+
+
+def norm_matmul(out, weight, bias=None, *, act=None, form="erf", parts, res_bias, hidden, hidden_out, normed,
+                gamma, beta, eps, rms=False, post=False):
+    """The residual + LayerNorm that norm_product's `parts` left pending, then the product that reads
+    its output. Pre-LayerNorm (post False): hidden_out = hidden + parts + res_bias, x = normed =
+    LayerNorm(hidden_out) (rms: T5's RMS norm); post: x = hidden_out = LayerNorm(parts + res_bias +
+    hidden). out = x @ weight^T (act None), act(... + bias) (matmul_bias_act's acts) or GELU(... +
+    bias) of `form`. Returns the array that holds the residual stream: hidden_out (the CUDA backend
+    may leave it in hidden instead, and return that)."""
+    if post:
+        add_bias_residual_layernorm(hidden_out, parts, res_bias, hidden, gamma, beta, eps=eps)
+        x = hidden_out
+    else:
+        hidden_out[...] = hidden
+        residual_layernorm(hidden_out, normed, parts, res_bias, gamma, beta, eps=eps, rms=rms)
+        x = normed
+    if act is None:
+        matmul(out, x, weight)
+    elif act == "gelu":
+        matmul_bias_gelu(out, x, weight, bias, form=form)
+    else:
+        matmul_bias_act(out, x, weight, bias, act=act)
+    return hidden_out
+
+
 def matmul_bias_residual_layernorm(out, x, weight, bias, residual, gamma, beta, *, eps, product, partials):
     """out = LayerNorm(x @ weight^T + bias + residual), the product through `product` (`partials`
     unused: see partials_size). out may alias residual."""

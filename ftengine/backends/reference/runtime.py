@@ -53,7 +53,7 @@ def synchronize():
 
 
 def prepare_kernels(files, dtype_name: str, *, head_dims, general=(False,), gelu_product: str | None = None,
-                    ln_product: bool = False, rows=None):
+                    ln_product: bool = False, rows=None, norm_product=None):
     """Nothing to compile on the CPU."""
 
 
