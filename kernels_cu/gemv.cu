@@ -34,6 +34,35 @@ __device__ __forceinline__ float column_bias(const B* __restrict__ bias, int n0,
     return epilogue != 0 && threadIdx.x < COLUMNS && n < N ? to_float(bias[n]) : 0.0f;
 }
 
+// The end of a gemv block over columns n0 .. n0 + COLS - 1: each warp's sums (acc) meet in shared
+// memory (partial), and the block's first M * COLS threads add them in warp order and store them
+// through the epilogue, with the block's staged bias (own_bias: column_bias's).
+template <typename OutT, int COLS>
+__device__ __forceinline__ void gemv_store(OutT* __restrict__ out, const float (&acc)[GEMV_ROWS][COLS],
+                                           float (&partial)[GEMV_WARPS][GEMV_ROWS * COLS], float (&staged)[COLS],
+                                           float own_bias, int M, int N, int n0, int epilogue) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int r = 0; r < GEMV_ROWS; ++r) {
+        if (r < M) {  // uniform: the whole warp shuffles
+            #pragma unroll
+            for (int c = 0; c < COLS; ++c) {
+                const float v = warp_sum(acc[r][c]);
+                if (lane == 0) partial[warp][r * COLS + c] = v;
+            }
+        }
+    }
+    if (threadIdx.x < COLS) staged[threadIdx.x] = own_bias;
+    __syncthreads();
+    const int r = threadIdx.x / COLS, n = n0 + threadIdx.x % COLS;
+    if (r < M && n < N) {
+        float v = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < GEMV_WARPS; ++i) v += partial[i][threadIdx.x];
+        out[(long)r * N + n] = from_float<OutT>(gemv_epilogue(v, staged, n - n0, epilogue));
+    }
+}
+
 template <typename T, typename OutT, int VEC, int COLS>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(OutT* __restrict__ out, const T* __restrict__ x,
                                                         const T* __restrict__ w, const OutT* __restrict__ bias,
@@ -41,7 +70,6 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(OutT* __restrict__ out, 
     wait_then_launch_next();
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS * COLS];
     __shared__ float staged[COLS];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n0 = blockIdx.x * COLS;
     const float own_bias = column_bias<OutT, COLS>(bias, n0, N, epilogue);
     float acc[GEMV_ROWS][COLS];
@@ -75,25 +103,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(OutT* __restrict__ out, 
             }
         }
     }
-    #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; ++r) {
-        if (r < M) {  // uniform: the whole warp shuffles
-            #pragma unroll
-            for (int c = 0; c < COLS; ++c) {
-                const float v = warp_sum(acc[r][c]);
-                if (lane == 0) partial[warp][r * COLS + c] = v;
-            }
-        }
-    }
-    if (threadIdx.x < COLS) staged[threadIdx.x] = own_bias;
-    __syncthreads();
-    const int r = threadIdx.x / COLS, n = n0 + threadIdx.x % COLS;
-    if (r < M && n < N) {
-        float v = 0.0f;
-        #pragma unroll
-        for (int i = 0; i < GEMV_WARPS; ++i) v += partial[i][threadIdx.x];
-        out[(long)r * N + n] = from_float<OutT>(gemv_epilogue(v, staged, n - n0, epilogue));
-    }
+    gemv_store<OutT, COLS>(out, acc, partial, staged, own_bias, M, N, n0, epilogue);
 }
 
 

@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, NORM_BLOCKS_PER_SM) gemv_norm
     T* xs = reinterpret_cast<T*>(norm_rows);
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS * COLS];
     __shared__ float staged[COLS];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
     const int first = threadIdx.x * VEC, step = blockDim.x * VEC, stride = gridDim.x * COLS;
     Pack<T, VEC> next[COLS];
     load_columns<T, VEC, COLS>(next, w, blockIdx.x * COLS, N, K, first);  // in flight through the LayerNorm
@@ -91,25 +91,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, NORM_BLOCKS_PER_SM) gemv_norm
                 }
             }
         }
-        #pragma unroll
-        for (int r = 0; r < GEMV_ROWS; ++r) {
-            if (r < M) {  // uniform: the whole warp shuffles
-                #pragma unroll
-                for (int c = 0; c < COLS; ++c) {
-                    const float v = warp_sum(acc[r][c]);
-                    if (lane == 0) partial[warp][r * COLS + c] = v;
-                }
-            }
-        }
-        if (threadIdx.x < COLS) staged[threadIdx.x] = own_bias;
-        __syncthreads();
-        const int r = threadIdx.x / COLS, n = n0 + threadIdx.x % COLS;
-        if (r < M && n < N) {
-            float v = 0.0f;
-            #pragma unroll
-            for (int i = 0; i < GEMV_WARPS; ++i) v += partial[i][threadIdx.x];
-            out[(long)r * N + n] = from_float<OutT>(gemv_epilogue(v, staged, n - n0, epilogue));
-        }
+        gemv_store<OutT, COLS>(out, acc, partial, staged, own_bias, M, N, n0, epilogue);
         __syncthreads();  // partial and staged are the next group's
     }
 }
