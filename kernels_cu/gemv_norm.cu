@@ -7,13 +7,14 @@
 // of it rounded, rms: T5's RMS norm) or layernorm.cu add_bias_residual_layernorm (POST 1: x =
 // LayerNorm of it, which block 0 stores to hidden_out) adds it; hidden_out is not hidden, which the
 // other blocks still read. Then gemv's sums over x and its epilogue.
-// A block takes groups of COLS columns gridDim.x * COLS apart, so that the grid is one wave of at
-// most NORM_BLOCKS_PER_SM blocks an SM (gemm.py _gemv_norm), which its registers allow.
+// gemm.py launches a block a group of COLS columns, only where that is one wave of at most
+// NORM_BLOCKS_PER_SM blocks an SM, which its registers allow (_norm_fits: blocks that took two groups
+// each measured slower); a block of a smaller grid would take groups gridDim.x * COLS apart.
 // grid (at most ceil(N / COLS)), block GEMV_WARPS * 32, dynamic shared memory M * K elements of T; K
 // a multiple of VEC, at most 32 * ITEMS * VEC.
+// Reference: ftengine/backends/reference/gemm.py norm_matmul.
 
 #define NORM_BLOCKS_PER_SM 4
-// Reference: ftengine/backends/reference/gemm.py norm_matmul.
 
 // The weights of columns n0 .. n0 + COLS - 1 at k (zeros past N or K), as stored: 16 bytes each, not
 // kept in the L1, which keeps the rows every block of the SM reads for its LayerNorm.

@@ -491,10 +491,7 @@ def _gemv_norm(out, weight, bias, epilogue, parts, res_bias, hidden, hidden_out,
     t = _ctype(hidden)
     slices = parts.shape[0] if parts.ndim == 3 else 1
     cols = _norm_cols(n)
-    groups = -(-n // cols)
-    per_block = -(-groups // (NORM_BLOCKS_PER_SM * context().sm_count))  # one wave, the groups spread evenly
-    _launch("gemv_norm.cu", norm_name(t, slices, cols, norm_items(t, k), post), (-(-groups // per_block),),
-            (GEMV_THREADS,),
+    _launch("gemv_norm.cu", norm_name(t, slices, cols, norm_items(t, k), post), (-(-n // cols),), (GEMV_THREADS,),
             (out, weight, weight if bias is None else bias, parts, res_bias, hidden, hidden_out, gamma, beta,
              np.int32(m), np.int32(n), np.int32(k), np.int32(epilogue), np.float32(eps), np.int32(rms)),
             shared_mem=m * k * hidden.itemsize)
