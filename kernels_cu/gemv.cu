@@ -72,12 +72,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(OutT* __restrict__ out, 
     __shared__ float staged[COLS];
     const int n0 = blockIdx.x * COLS;
     const float own_bias = column_bias<OutT, COLS>(bias, n0, N, epilogue);
-    float acc[GEMV_ROWS][COLS];
-    #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; ++r) {
-        #pragma unroll
-        for (int c = 0; c < COLS; ++c) acc[r][c] = 0.0f;
-    }
+    float acc[GEMV_ROWS][COLS] = {};
     #pragma unroll 2
     for (int k = threadIdx.x * VEC; k < K; k += blockDim.x * VEC) {
         float wv[COLS][VEC];

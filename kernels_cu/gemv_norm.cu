@@ -7,11 +7,11 @@
 // of it rounded, rms: T5's RMS norm) or layernorm.cu add_bias_residual_layernorm (POST 1: x =
 // LayerNorm of it, which block 0 stores to hidden_out) adds it; hidden_out is not hidden, which the
 // other blocks still read. Then gemv's sums over x and its epilogue.
-// gemm.py launches a block a group of COLS columns, only where that is one wave of at most
+// A block a group of COLS columns; gemm.py launches it only where that is one wave of at most
 // NORM_BLOCKS_PER_SM blocks an SM, which its registers allow (_norm_fits: blocks that took two groups
-// each measured slower); a block of a smaller grid would take groups gridDim.x * COLS apart.
-// grid (at most ceil(N / COLS)), block GEMV_WARPS * 32, dynamic shared memory M * K elements of T; K
-// a multiple of VEC, at most 32 * ITEMS * VEC.
+// each measured slower).
+// grid ceil(N / COLS), block GEMV_WARPS * 32, dynamic shared memory M * K elements of T; K a multiple
+// of VEC, at most 32 * ITEMS * VEC.
 // Reference: ftengine/backends/reference/gemm.py norm_matmul.
 
 #define NORM_BLOCKS_PER_SM 4
@@ -46,9 +46,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, NORM_BLOCKS_PER_SM) gemv_norm
     __shared__ float partial[GEMV_WARPS][GEMV_ROWS * COLS];
     __shared__ float staged[COLS];
     const int warp = threadIdx.x >> 5;
-    const int first = threadIdx.x * VEC, step = blockDim.x * VEC, stride = gridDim.x * COLS;
+    const int first = threadIdx.x * VEC, step = blockDim.x * VEC, n0 = blockIdx.x * COLS;
     Pack<T, VEC> next[COLS];
-    load_columns<T, VEC, COLS>(next, w, blockIdx.x * COLS, N, K, first);  // in flight through the LayerNorm
+    load_columns<T, VEC, COLS>(next, w, n0, N, K, first);  // in flight through the LayerNorm
+    const float own_bias = column_bias<OutT, COLS>(bias, n0, N, epilogue);
     if (warp < M) {
         float v[ITEMS][VEC];
         bool valid[ITEMS];
@@ -64,35 +65,24 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, NORM_BLOCKS_PER_SM) gemv_norm
         if (POST && blockIdx.x == 0) store_row<T, VEC, ITEMS, R>(hidden_out + (long)warp * K, v, valid);
     }
     __syncthreads();
-    // the block's groups of COLS columns in turn, each weight load issued one step ahead
-    for (int n0 = blockIdx.x * COLS; n0 < N; n0 += stride) {
-        const float own_bias = column_bias<OutT, COLS>(bias, n0, N, epilogue);
-        float acc[GEMV_ROWS][COLS];
+    float acc[GEMV_ROWS][COLS] = {};
+    for (int k = first; k < K; k += step) {  // each weight load issued one step ahead
+        Pack<T, VEC> cur[COLS];
+        #pragma unroll
+        for (int c = 0; c < COLS; ++c) cur[c] = next[c];
+        if (k + step < K) load_columns<T, VEC, COLS>(next, w, n0, N, K, k + step);
         #pragma unroll
         for (int r = 0; r < GEMV_ROWS; ++r) {
-            #pragma unroll
-            for (int c = 0; c < COLS; ++c) acc[r][c] = 0.0f;
-        }
-        for (int k = first; k < K; k += step) {
-            Pack<T, VEC> cur[COLS];
-            #pragma unroll
-            for (int c = 0; c < COLS; ++c) cur[c] = next[c];
-            const bool within = k + step < K;
-            load_columns<T, VEC, COLS>(next, w, within ? n0 : n0 + stride, N, K, within ? k + step : first);
-            #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) {
-                if (r < M) {
-                    float xv[VEC];
-                    load_floats<T, VEC>(xv, xs + r * K + k);
+            if (r < M) {
+                float xv[VEC];
+                load_floats<T, VEC>(xv, xs + r * K + k);
+                #pragma unroll
+                for (int c = 0; c < COLS; ++c) {
                     #pragma unroll
-                    for (int c = 0; c < COLS; ++c) {
-                        #pragma unroll
-                        for (int i = 0; i < VEC; ++i) acc[r][c] += xv[i] * to_float(cur[c].v[i]);
-                    }
+                    for (int i = 0; i < VEC; ++i) acc[r][c] += xv[i] * to_float(cur[c].v[i]);
                 }
             }
         }
-        gemv_store<OutT, COLS>(out, acc, partial, staged, own_bias, M, N, n0, epilogue);
-        __syncthreads();  // partial and staged are the next group's
     }
+    gemv_store<OutT, COLS>(out, acc, partial, staged, own_bias, M, N, n0, epilogue);
 }
