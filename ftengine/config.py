@@ -409,10 +409,15 @@ class Seq2SeqConfig:
     relative_buckets: int = 0      # T5: relative position buckets of the attention's bias (0: none)
     relative_max_distance: int = 128
     source_vocab_size: int = 0     # Marian with separate vocabularies: the source's (encoder's table); 0: shared
+    attention_dim: int = 0         # T5: num_heads x d_kv where not d_model (flan-t5-small: 6 x 64 of 512); 0: d_model
 
     @property
     def n_positions(self) -> int:  # the target's room, as the generation loop checks it
         return self.max_positions
+
+    @property
+    def attention_width(self) -> int:  # the attention's queries, keys, values and context a row
+        return self.attention_dim or self.d_model
 
     @classmethod
     def from_dict(cls, data: dict, path: Path, generation: dict | None = None) -> "Seq2SeqConfig":
@@ -427,7 +432,7 @@ class Seq2SeqConfig:
                               f"false) are supported for Marian only, not {model_type}")
         if model_type == "marian" and (data.get("normalize_before") or data.get("add_final_layer_norm")):
             raise ConfigError(f"{path}: pre-LayerNorm Marian variants (normalize_before) are not supported")
-        shape = _t5_shape(keys, data, path) if model_type in ("t5", "mt5") else _bart_shape(keys, data)
+        shape = _t5_shape(keys) if model_type in ("t5", "mt5") else _bart_shape(keys, data)
         ids = {name: keys.at_least(name, 0) for name in ("pad_token_id", "eos_token_id")}
         start = (generation or {}).get("decoder_start_token_id", data.get("decoder_start_token_id"))
         if start is None:  # HF generate starts with the bos token then; Marian's start is its pad
@@ -467,12 +472,11 @@ def _bart_shape(keys: _Keys, data: dict) -> dict:
                 scale_embedding=bool(data.get("scale_embedding", False)), layer_norm_eps=1e-5)
 
 
-def _t5_shape(keys: _Keys, data: dict, path: Path) -> dict:
-    """T5 / mT5's: heads of d_kv features filling d_model, RMS norms, relative position buckets."""
-    d_model, heads = keys.width_and_heads("d_model", "num_heads")
-    if keys.positive("d_kv") * heads != d_model:
-        raise ConfigError(f"{path}: d_kv {data['d_kv']} x num_heads {heads} is not d_model {d_model}; only "
-                          "attention as wide as the model is supported")
+def _t5_shape(keys: _Keys) -> dict:
+    """T5 / mT5's: heads of d_kv features (together as wide as d_model or not), RMS norms, relative
+    position buckets."""
+    d_model, heads = keys.positive("d_model"), keys.positive("num_heads")
+    width = keys.positive("d_kv") * heads
     proj = keys.one_of("feed_forward_proj", tuple(T5_FEED_FORWARD), "relu")
     layers = keys.positive("num_layers")
     return dict(d_model=d_model, encoder_layers=layers, decoder_layers=keys.at_least("num_decoder_layers", 1, layers),
@@ -481,7 +485,8 @@ def _t5_shape(keys: _Keys, data: dict, path: Path) -> dict:
                 gated=T5_FEED_FORWARD[proj][1], max_positions=keys.at_least("n_positions", 1, T5_DEFAULT_LENGTH),
                 scale_embedding=False, layer_norm_eps=keys.positive_float("layer_norm_epsilon", 1e-6),
                 rms_norm=True, relative_buckets=keys.at_least("relative_attention_num_buckets", 2, 32),
-                relative_max_distance=keys.at_least("relative_attention_max_distance", 2, 128))
+                relative_max_distance=keys.at_least("relative_attention_max_distance", 2, 128),
+                attention_dim=0 if width == d_model else width)
 
 
 def load_seq2seq_config(model_dir: Path) -> Seq2SeqConfig:

@@ -105,11 +105,17 @@ def fairseq_positions(n: int, dim: int, pad: int) -> np.ndarray:
     return out
 
 
+# an attention's projections: T5 name, slot, shape (queries, keys and values of attention_width, which
+# may not be d_model)
+T5_ATTENTION = [(x, y, lambda c: (c.attention_width, c.d_model)) for x, y in (("q", "q"), ("k", "k"), ("v", "v"))]
+T5_ATTENTION.append(("o", "out", lambda c: (c.d_model, c.attention_width)))
+
+
 def _t5_layer_names(side: str, gated: bool) -> dict:
     """T5's names -> the slots of BART's layers (no biases: T5 has none)."""
     base = f"{side}.block.{{i}}.layer"
-    attention = {f"{base}.0.SelfAttention.{x}.weight": (f"self_{y}_weight", _EE)
-                 for x, y in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))}
+    attention = {f"{base}.0.SelfAttention.{x}.weight": (f"self_{y}_weight", shape)
+                 for x, y, shape in T5_ATTENTION}
     ffn_at = 2 if side == "decoder" else 1
     names = {**attention, f"{base}.0.layer_norm.weight": ("ln1_gamma", _E),
              f"{base}.{ffn_at}.DenseReluDense.wo.weight": ("fc2_weight", lambda c: (c.d_model, c.decoder_ffn)),
@@ -118,8 +124,8 @@ def _t5_layer_names(side: str, gated: bool) -> dict:
     names.update({f"{base}.{ffn_at}.DenseReluDense.{w}.weight": (f"fc1_{w}", lambda c: (c.decoder_ffn, c.d_model))
                   for w in inputs})
     if side == "decoder":
-        names.update({f"{base}.1.EncDecAttention.{x}.weight": (f"cross_{y}_weight", _EE)
-                      for x, y in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))})
+        names.update({f"{base}.1.EncDecAttention.{x}.weight": (f"cross_{y}_weight", shape)
+                      for x, y, shape in T5_ATTENTION})
         names[f"{base}.1.layer_norm.weight"] = ("ln2_gamma", _E)
     return names
 
@@ -154,7 +160,7 @@ def _load_t5(model_dir: Path, config: Seq2SeqConfig) -> Seq2SeqWeights:
     arrays = _collect(Path(model_dir), files, {**encoder, **decoder}, ignored, lambda name: name, what)
     top, encoder_layers = _slots({k: v for k, v in arrays.items() if k in encoder}, encoder, config.encoder_layers)
     _, decoder_layers = _slots({k: v for k, v in arrays.items() if k in decoder}, decoder, config.decoder_layers)
-    root = np.float32(math.sqrt(config.d_model // config.encoder_heads))
+    root = np.float32(math.sqrt(config.attention_width // config.encoder_heads))
     for layer in encoder_layers + decoder_layers:
         for prefix in ("self", "cross"):
             if f"{prefix}_q_weight" in layer:
@@ -225,8 +231,8 @@ def load_seq2seq_weights(model_dir: Path, config: Seq2SeqConfig) -> Seq2SeqWeigh
 
 def _fuse(p: dict) -> dict:
     """A layer's slots as the runner reads them: Q, K, V fused; the cross-attention's query as it is
-    (cached_attention reads queries alone), its keys and values padded to the (3E, E) layout
-    write_kv_cache reads (Q rows zero)."""
+    (cached_attention reads queries alone), its keys and values padded to the (3A, E) layout
+    write_kv_cache reads (A the attention's width; Q rows zero)."""
     out = {"qkv_weight": np.concatenate([p.pop(f"self_{x}_weight") for x in "qkv"]),
            "qkv_bias": np.concatenate([p.pop(f"self_{x}_bias") for x in "qkv"]),
            "attn_out_weight": p.pop("self_out_weight"), "attn_out_bias": p.pop("self_out_bias")}

@@ -730,16 +730,20 @@ def write_t5_tokenizer(folder: Path) -> int:
 
 
 def write_t5_checkpoint(folder, *, gated: bool, seed: int = 0, d_model=32, layers=2, heads=4, ffn=37,
-                        buckets=8, max_distance=20, generation: dict | None = None, model_type: str = "t5") -> Path:
+                        buckets=8, max_distance=20, generation: dict | None = None, model_type: str = "t5",
+                        d_kv: int | None = None) -> Path:
     """A random T5 (ReLU, tied head: t5-small's settings) or T5 v1.1 / flan-t5 (gated GELU,
     untied head) folder in HF's format with its tokenizer; few buckets and a short max_distance,
     so that the fixture's short texts reach the logarithmic buckets. model_type "mt5": mT5's
-    config (its architecture is T5 v1.1's)."""
+    config (its architecture is T5 v1.1's). d_kv: each head's width (None: d_model / heads; heads x
+    d_kv need not be d_model, as in flan-t5-small)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    d_kv = d_kv or d_model // heads
+    width = heads * d_kv
     v = write_t5_tokenizer(folder) + 3  # the model's table larger than the tokenizer's, as t5's
     config = {"model_type": model_type, "architectures": [f"{model_type.upper()}ForConditionalGeneration"], "vocab_size": v,
-              "d_model": d_model, "d_kv": d_model // heads, "d_ff": ffn, "num_layers": layers,
+              "d_model": d_model, "d_kv": d_kv, "d_ff": ffn, "num_layers": layers,
               "num_decoder_layers": layers, "num_heads": heads, "relative_attention_num_buckets": buckets,
               "relative_attention_max_distance": max_distance, "layer_norm_epsilon": 1e-6,
               "feed_forward_proj": "gated-gelu" if gated else "relu", "tie_word_embeddings": not gated,
@@ -760,8 +764,9 @@ def write_t5_checkpoint(folder, *, gated: bool, seed: int = 0, d_model=32, layer
             attentions = ["0.SelfAttention"] + (["1.EncDecAttention"] if side == "decoder" else [])
             for attention in attentions:
                 for proj in "qkvo":
-                    t[f"{base}.{attention}.{proj}.weight"] = rng.normal(0, 0.4 / np.sqrt(d_model // heads) if proj == "q"
-                                                                        else 0.4, (d_model, d_model))
+                    t[f"{base}.{attention}.{proj}.weight"] = rng.normal(0, 0.4 / np.sqrt(d_kv) if proj == "q" else 0.4,
+                                                                        (d_model, width) if proj == "o" else
+                                                                        (width, d_model))
             ffn_at = 2 if side == "decoder" else 1
             for at in range(ffn_at + 1):
                 t[f"{base}.{at}.layer_norm.weight"] = 1.0 + rng.normal(0, 0.2, d_model)

@@ -49,16 +49,17 @@ class Seq2SeqRunner(GenerationRunner):
                 raise InputError(f"{what} {length} exceeds the model's max_position_embeddings {config.max_positions}")
         c = self.config = config
         self.ops = ops
-        if ops.name == "cuda" and c.d_model // c.encoder_heads not in PACKED_HEAD_DIMS:
+        a = c.attention_width
+        if ops.name == "cuda" and a // c.encoder_heads not in PACKED_HEAD_DIMS:
             raise ConfigError(f"the CUDA encoder takes head sizes {PACKED_HEAD_DIMS} (the fused attention's); "
-                              f"this model's is {c.d_model // c.encoder_heads}")
+                              f"this model's is {a // c.encoder_heads}")
         self.dtype = ops.storage_dtype(dtype)
         self.max_batch, self.max_len, self.max_source = max_batch, max_len, max_source
         gelu = "erf" if c.activation == "gelu" else None
-        ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(c.d_model // c.encoder_heads,),
+        ops.prepare_kernels(KERNEL_FILES, dtype, head_dims=(a // c.encoder_heads,),
                             general=(bool(c.relative_buckets),), gelu_product=gelu, ln_product=True,
-                            rows=(c.d_model, c.d_model // c.encoder_heads, c.d_model // c.decoder_heads,
-                                  c.encoder_ffn, c.decoder_ffn), norm_product=(c.d_model, not c.pre_norm))
+                            rows=(c.d_model, a, a // c.encoder_heads, a // c.decoder_heads, c.encoder_ffn,
+                                  c.decoder_ffn), norm_product=(c.d_model, not c.pre_norm))
         self.graphs = ops.GraphCache(enabled=graphs)  # decode steps: kind, rows, GenerationParams.graph_key
         self.encoder_graphs = ops.GraphCache(enabled=graphs)  # encoder passes: their bucketed shape
         self.bucketed = ops.name == "cuda"  # few shapes, few graphs; the NumPy backend runs the real one
@@ -93,7 +94,7 @@ class Seq2SeqRunner(GenerationRunner):
         ffn = max(c.encoder_ffn, c.decoder_ffn)
         self.beam_slices = -(-v // CANDIDATE_CHUNK)
         self.partials_size = max(1, ops.partials_size(rows, e))
-        heads, d = c.decoder_heads, e // c.decoder_heads
+        heads, d = c.decoder_heads, a // c.decoder_heads
         cache, memory = b * heads * max_len * d, b * heads * max_source * d
         table = {f"{kind}{i}": (cache, self.dtype) for i in range(c.decoder_layers) for kind in ("k", "v")}
         table.update({f"mem_{kind}{i}": (memory, self.dtype) for i in range(c.decoder_layers) for kind in ("k", "v")})
@@ -106,8 +107,8 @@ class Seq2SeqRunner(GenerationRunner):
             "hidden": (rows * e, self.dtype),    # (T, E)
             "hidden_alt": (ops.NORM_PROLOGUE_ROWS * e, self.dtype),  # the residual stream's other buffer (_Residuals)
             "normed": (rows * e if c.pre_norm else 0, self.dtype),  # (T, E): pre-LayerNorm's LN(hidden)
-            "qkv": (rows * 3 * e, self.dtype),   # (T, 3E)
-            "ctx": (rows * e, self.dtype),       # (T, E)
+            "qkv": (rows * 3 * a, self.dtype),   # (T, 3A): A the attention's width (d_model but for some T5s)
+            "ctx": (rows * a, self.dtype),       # (T, A)
             "proj": (rows * e, self.dtype),      # (T, E)
             "partials": (self.partials_size, np.float32),
             "inter": (rows * ffn, self.dtype),   # (T, F)
@@ -161,12 +162,12 @@ class Seq2SeqRunner(GenerationRunner):
 
     def _caches(self, i: int):
         c = self.config
-        shape = (self.max_batch, c.decoder_heads, self.max_len, c.d_model // c.decoder_heads)
+        shape = (self.max_batch, c.decoder_heads, self.max_len, c.attention_width // c.decoder_heads)
         return self.ws.view(f"k{i}", shape), self.ws.view(f"v{i}", shape)
 
     def _memory(self, i: int):
         c = self.config
-        shape = (self.max_batch, c.decoder_heads, self.max_source, c.d_model // c.decoder_heads)
+        shape = (self.max_batch, c.decoder_heads, self.max_source, c.attention_width // c.decoder_heads)
         return self.ws.view(f"mem_k{i}", shape), self.ws.view(f"mem_v{i}", shape)
 
     # ------------------------------------------------------------------ the encoder
@@ -212,7 +213,6 @@ class Seq2SeqRunner(GenerationRunner):
         """The encoder over t packed tokens of b sources (ws source_inputs), the longest at most
         `longest`; then each decoder layer's memory of them."""
         ops, c, ws = self.ops, self.config, self.ws
-        e = c.d_model
         d_in = ws.view("source_inputs", (4 * t + b + 1,))
         d_ids, d_pos, d_seq, d_rows, cu_seqlens = (d_in[:t], d_in[t:2 * t], d_in[2 * t:3 * t], d_in[3 * t:4 * t],
                                                    d_in[4 * t:])
@@ -222,7 +222,7 @@ class Seq2SeqRunner(GenerationRunner):
             ops.varlen_attention(ctx, qkv, self.encoder[i]["qkv_bias"], cu_seqlens, heads=c.encoder_heads,
                                  max_seqlen=longest, rel_bias=self.relative.get("encoder"))
         memory = self._stack(t, "encoder", attend)
-        qkv = ws.view("qkv", (t, 3 * e))
+        qkv = ws.view("qkv", (t, 3 * c.attention_width))
         for i, w in enumerate(self.decoder):  # each layer's memory: keys and values of the encoder's output
             ops.matmul(qkv, memory, w["cross_kv_weight"])
             ops.write_kv_cache(*self._memory(i), qkv, w["cross_kv_bias"], d_seq, d_pos, heads=c.decoder_heads)
@@ -269,12 +269,12 @@ class Seq2SeqRunner(GenerationRunner):
         """A stack's layers over t rows, from _embed's output; returns the view its output ends in
         (ws[self.out], or for post-LayerNorm stacks perhaps the residual stream's other buffer)."""
         ops, c, ws = self.ops, self.config, self.ws
-        e = c.d_model
-        qkv, ctx = ws.view("qkv", (t, 3 * e)), ws.view("ctx", (t, e))
+        a = c.attention_width
+        qkv, ctx = ws.view("qkv", (t, 3 * a)), ws.view("ctx", (t, a))
         stream = _Residuals(self, t)
         chain = iter(self.norms[side][1:] if c.pre_norm else self.norms[side])
         ffn = c.decoder_ffn if side == "decoder" else c.encoder_ffn
-        inter, queries = ws.view("inter", (t, ffn)), ws.view("qkv", (t, e))
+        inter, queries = ws.view("inter", (t, ffn)), ws.view("qkv", (t, a))
         layers = self.decoder if side == "decoder" else self.encoder
         for i, w in enumerate(layers):
             if i + 1 < len(layers):  # the next layer's weights, while this one runs (where prefetch_l2 says)
