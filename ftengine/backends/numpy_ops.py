@@ -17,9 +17,9 @@ from .reference.attention import (add_qkv_bias_split_heads, add_relative_bias, c
                                   masked_softmax, merge_heads, rotary_qkv, varlen_attention, write_kv_cache)
 from .reference.fp8 import (E4M3_MAX, add_bias_gelu_quantize, add_bias_residual_layernorm_quantize, check_fp8,
                             e4m3_bytes, e4m3_values, matmul_fp8, quantize_rows)
-from .reference.gemm import (NORM_PROLOGUE_ROWS, batched_matmul, dense, matmul, matmul_bias_act, matmul_bias_gelu,
-                             matmul_bias_residual_layernorm, matmul_residual_layernorm, norm_matmul, norm_product,
-                             partials_size)
+from .reference.gemm import (NORM_PROLOGUE_ROWS, batched_matmul, dense, matmul, matmul_act, matmul_bias_act,
+                             matmul_bias_gelu, matmul_bias_residual_layernorm, matmul_residual_layernorm, norm_matmul,
+                             norm_product, partials_size)
 from .reference.norms import (add_bias_residual, add_bias_residual_layernorm, embed_layernorm, embed_positions,
                               gather_rows, layernorm, residual_layernorm)
 from .reference.pooling import l2_normalize, pool, pool_packed
@@ -35,7 +35,7 @@ __all__ = [
     "name", "STORAGE", "storage_dtype", "empty", "pinned_empty", "to_device", "copy_from_host", "to_host", "upload",
     "fetch", "synchronize", "prepare_kernels", "DeviceTimer", "GraphCache", "prefetch_l2", "prefetch_kv", "join_beside", "zero",
     "HostSlot", "copy_to_host_async", "gated_gelu", "add_bias_act", "add_bias_gelu", "embed_layernorm", "add_bias_residual_layernorm",
-    "embed_positions", "layernorm", "add_bias_residual", "residual_layernorm", "gather_rows", "matmul",
+    "embed_positions", "layernorm", "add_bias_residual", "residual_layernorm", "gather_rows", "matmul", "matmul_act",
     "matmul_bias_act", "matmul_bias_gelu", "batched_matmul", "dense", "partials_size", "matmul_residual_layernorm",
     "matmul_bias_residual_layernorm", "NORM_PROLOGUE_ROWS", "norm_product", "norm_matmul", "add_qkv_bias_split_heads",
     "add_relative_bias", "masked_softmax",

@@ -373,12 +373,8 @@ class _Residuals:
             if self.pending["post"]:
                 self.x = self.hidden
             self.pending = None
-        elif act is None:
-            ops.matmul(out, self.x, weight)
-        elif act == "gelu":
-            ops.matmul_bias_gelu(out, self.x, weight, bias, form="erf")
         else:
-            ops.matmul_bias_act(out, self.x, weight, bias, act=act)
+            ops.matmul_act(out, self.x, weight, bias, act=act)
 
     def residual(self, x, weight, bias, norm):
         """The stream gets x @ weight^T + bias added; post-LayerNorm: stream = norm(that sum); pre:

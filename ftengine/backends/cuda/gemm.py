@@ -420,13 +420,19 @@ def norm_matmul(out, weight, bias=None, *, act=None, form="erf", parts, res_bias
     else:
         residual_layernorm(hidden, normed, parts, res_bias, gamma, beta, eps=eps, rms=rms)
         x = normed
+    matmul_act(out, x, weight, bias, act=act, form=form)
+    return hidden
+
+
+def matmul_act(out, x, weight, bias=None, *, act=None, form="erf"):
+    """out = x @ weight^T (act None), GELU(... + bias) of `form` (act "gelu": matmul_bias_gelu), or
+    act(... + bias) for matmul_bias_act's acts: the product a decoder layer names by its activation."""
     if act is None:
         matmul(out, x, weight)
     elif act == "gelu":
         matmul_bias_gelu(out, x, weight, bias, form=form)
     else:
         matmul_bias_act(out, x, weight, bias, act=act)
-    return hidden
 
 
 def _epilogue(act, form) -> int:

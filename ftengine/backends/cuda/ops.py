@@ -25,9 +25,9 @@ from .attention import (add_qkv_bias_split_heads, add_relative_bias, cached_atte
                         masked_softmax, merge_heads, rotary_qkv, varlen_attention, write_kv_cache)
 from .families import prepare_kernels
 from .fp8 import add_bias_gelu_quantize, add_bias_residual_layernorm_quantize, check_fp8, matmul_fp8, quantize_rows
-from .gemm import (NORM_PROLOGUE_ROWS, batched_matmul, blas_split_k, dense, matmul, matmul_bias_act, matmul_bias_gelu,
-                   matmul_bias_residual_layernorm, matmul_residual_layernorm, norm_matmul, norm_product, partials_size,
-                   split_k, wgmma_ln_fits)
+from .gemm import (NORM_PROLOGUE_ROWS, batched_matmul, blas_split_k, dense, matmul, matmul_act, matmul_bias_act,
+                   matmul_bias_gelu, matmul_bias_residual_layernorm, matmul_residual_layernorm, norm_matmul,
+                   norm_product, partials_size, split_k, wgmma_ln_fits)
 from .norms import (add_bias_residual, add_bias_residual_layernorm, embed_layernorm, embed_positions, gather_rows,
                     layernorm, residual_layernorm)
 from .pooling import POOL_CODES, l2_normalize, pool, pool_packed
@@ -44,7 +44,7 @@ __all__ = [
     "name", "GELU_FORMS", "add_bias_act", "add_bias_gelu", "gated_gelu", "add_qkv_bias_split_heads", "add_relative_bias",
     "cached_attention", "decode_attention", "masked_softmax", "merge_heads", "rotary_qkv", "varlen_attention",
     "write_kv_cache", "prepare_kernels", "add_bias_gelu_quantize", "add_bias_residual_layernorm_quantize",
-    "check_fp8", "matmul_fp8", "quantize_rows", "batched_matmul", "blas_split_k", "dense", "matmul",
+    "check_fp8", "matmul_fp8", "quantize_rows", "batched_matmul", "blas_split_k", "dense", "matmul", "matmul_act",
     "matmul_bias_act", "matmul_bias_gelu", "matmul_bias_residual_layernorm", "matmul_residual_layernorm",
     "NORM_PROLOGUE_ROWS", "norm_product", "norm_matmul", "partials_size", "split_k",
     "wgmma_ln_fits", "add_bias_residual", "add_bias_residual_layernorm", "embed_layernorm", "embed_positions",
