@@ -16,7 +16,8 @@ Classifier.logits offline on the same inputs, with each of --tokenizers; results
 serve_{task}.{json,md} unless --name says otherwise. With --bare, the same load also goes to a bare
 ASGI app under the same uvicorn with each worker count (serve_bare.py: it parses each body and
 sends a canned reply): what the HTTP stack itself serves, the ceiling of any Python service here.
---engines per-worker,shared times each worker count with one engine per worker (the default) and
+--engines per-worker,processes,shared times each worker count with one engine in each worker (the
+default), with `serve --engine-processes N` (an engine process beside each of the N workers) and
 with `serve --shared-engine` (one engine process for all the workers). --shape bert-base: the
 model's layers widened to BERT-base's (12 x 768, the size of the sentiment / NLI / moderation
 classifiers people deploy) over the same tokenizer; the default is all-MiniLM-L6-v2's own.
@@ -24,7 +25,7 @@ classifiers people deploy) over the same tokenizer; the default is all-MiniLM-L6
 Needs the serve extra plus aiohttp. Usage:
 python bench/bench_serve.py --model-src PATH --out bench/results [--workers 1,4] [--task embed|rerank|classify]
        [--tokenizers auto|gpu,cpu] [--clients 1,16,64,256] [--batches 1,32] [--name NAME] [--bare]
-       [--engines per-worker,shared] [--shape minilm|bert-base]
+       [--engines per-worker,processes,shared] [--shape minilm|bert-base]
 (bench/results/serve_tokenizer.md: --workers 1,4 --tokenizers gpu,cpu --clients 64 --batches 1,32
 --name serve_tokenizer)
 """
@@ -133,8 +134,8 @@ def run_case(url: str, clients: int, batch: int, texts: list, task: str = "embed
 
 @contextmanager
 def start_server(model: Path, tmp: Path, workers: int, tokenizer: str = "auto", engine: str = "per-worker"):
-    """`ftengine serve --workers N --tokenizer T` (engine "shared": with --shared-engine) on a free
-    port; yields its URL once every worker has warmed up."""
+    """`ftengine serve --workers N --tokenizer T` (engine "processes": with --engine-processes N;
+    "shared": with --shared-engine) on a free port; yields its URL once every worker has warmed up."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -143,7 +144,8 @@ def start_server(model: Path, tmp: Path, workers: int, tokenizer: str = "auto", 
         server = subprocess.Popen(
             [sys.executable, "-m", "ftengine.cli", "serve", "--model", str(model), "--device", "cuda", "--port", str(port),
              "--max-client-batch-size", "64", "--workers", str(workers), "--tokenizer", tokenizer,
-             *(["--shared-engine"] if engine == "shared" else [])], stdout=log,
+             *(["--shared-engine"] if engine == "shared" else []),
+             *(["--engine-processes", str(workers)] if engine == "processes" else [])], stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     deadline = time.monotonic() + 180
@@ -247,6 +249,8 @@ def markdown_head(r: dict) -> str:
                    f"{c['embeddings_per_s']:,} | {ratio} | {c['p50_ms']} | {c['p99_ms']} |")
     out += ["", f"Target (issue 54): with 4 workers at 64 clients, at least {TARGETS['ratio_64']:.0%} of the offline "
             "throughput."]
+    if any(c.get("engine") == "processes" for c in r["cases"]):
+        out.append("Rows \"processes\": `serve --engine-processes N`, each worker's engine in a process of its own.")
     if any(c["tokenizer"] == "bare" for c in r["cases"]):
         out.append("Rows \"bare\": no model, a bare ASGI app under the same uvicorn that parses each body and sends a "
                    "canned reply of the same shape (bench/serve_bare.py): the HTTP stack's own ceiling.")
@@ -286,7 +290,8 @@ def main():
     parser.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 32])
     parser.add_argument("--name", help="the results' file name: serve (embed) or serve_TASK unless given")
     parser.add_argument("--engines", type=lambda v: v.split(","), default=["per-worker"],
-                        help="rerank / classify: per-worker and/or shared (serve --shared-engine), comma-separated")
+                        help="rerank / classify: per-worker, processes (serve --engine-processes N) and/or shared "
+                             "(serve --shared-engine), comma-separated")
     parser.add_argument("--shape", choices=list(SHAPES), default="minilm",
                         help="the model's layers: the model source's own, or BERT-base's")
     parser.add_argument("--bare", action="store_true",
@@ -328,7 +333,7 @@ def head_task(args, model: Path, texts: list, tmp: Path, cupy):
     for tokenizer in args.tokenizers:
         for engine in args.engines:
             for workers in args.workers:
-                if engine == "shared" and workers < 2:
+                if engine != "per-worker" and workers < 2:
                     continue
                 with start_server(model, tmp, workers, tokenizer, engine) as url:
                     cases.append(dict(run_case(url, 64, 32, texts, args.task), workers=workers, tokenizer=tokenizer,

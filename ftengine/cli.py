@@ -312,12 +312,14 @@ def _ranges(precision: str, ranges_path, calibration_path):
                    "in parallel, batches packed per process.")
 @click.option("--tokenizer", type=click.Choice(TOKENIZER_CHOICES), default="auto", show_default=True,
               help="Where WordPiece models are tokenised, as for encode (NER models: the CPU).")
-@click.option("--shared-engine", is_flag=True,
-              help="With --workers N: one engine process runs the models for all the workers (one copy on the "
-                   "device; the workers only speak HTTP). Saves device memory, at about half the requests/s of an "
-                   "engine per worker (docs/service.md).")
+@click.option("--engine-processes", type=click.IntRange(min=1), default=None,
+              help="With --workers N: run the models in this many processes of their own, the workers (which "
+                   "then only speak HTTP) shared out among them, a copy of each model on the device per "
+                   "process. N: the fastest under heavy load; 1: the models once on the device "
+                   "(docs/service.md). Default: each worker runs its own.")
+@click.option("--shared-engine", is_flag=True, help="The same as --engine-processes 1.")
 def serve(model_paths, host, port, device, dtype, max_batch_tokens, max_client_batch_size, max_input_length,
-          max_concurrent_requests, api_key, api_key_file, workers, tokenizer, shared_engine):
+          max_concurrent_requests, api_key, api_key_file, workers, tokenizer, engine_processes, shared_engine):
     """Serve a model over HTTP: an embedding model at TEI's POST /embed and OpenAI's POST
     /v1/embeddings, a reranker (a cross-encoder) at TEI's POST /rerank and Cohere's / Jina's POST
     /v1/rerank, a classifier at TEI's POST /predict, a token classifier (NER) at POST /ner (needs
@@ -351,15 +353,22 @@ def serve(model_paths, host, port, device, dtype, max_batch_tokens, max_client_b
             specs.append([name, path, model_task(path)])
     except FtengineError as e:
         fail(str(e))
-    if shared_engine and workers < 2:
-        fail("--shared-engine shares one engine among the workers: it needs --workers 2 or more")
+    if shared_engine:
+        if engine_processes not in (None, 1):
+            fail(f"--shared-engine is --engine-processes 1, not {engine_processes}: give one of them")
+        engine_processes = 1
+    if engine_processes and workers < 2:
+        fail(f"--{'shared-engine' if shared_engine else 'engine-processes'} runs the models for the "
+             "workers: it needs --workers 2 or more")
+    if engine_processes and engine_processes > workers:
+        fail(f"--engine-processes {engine_processes} is more than --workers {workers}: the others would idle")
     if workers > 1:  # each worker loads the models and reports its own errors
         settings = WorkerSettings(models=specs, device=device, dtype=dtype, max_length=max_input_length,
-                                  limits=limits, tokenizer=tokenizer, shared_engine=shared_engine)
+                                  limits=limits, tokenizer=tokenizer, engine_processes=engine_processes or 0)
         try:
             started = serve_workers(settings, host=host, port=port, workers=workers)
         except FtengineError as e:
-            fail(f"the shared engine process could not start: {e}")
+            fail(f"an engine process could not start: {e}")
         if not started:
             fail("a service worker could not start (its error is above)")
         return

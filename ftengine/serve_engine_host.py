@@ -1,20 +1,23 @@
-"""One engine process for all the workers of `ftengine serve --workers N --shared-engine`.
+"""Engine processes for the workers of `ftengine serve --workers N --engine-processes K`
+(`--shared-engine` is K = 1).
 
-Without it each worker process holds its own engine: its tokenizer and batching threads take the
-worker's one GIL in turns with the event loop that parses HTTP, and the model is on the device
-once per worker. With it, one process (started by the service's supervisor before the workers)
-loads the models and runs their engines; each worker keeps its own copy of the models' host side
-(tokenizer, config, labels: what /tokenize, /info and the replies read) and sends its requests'
-inputs, joined per event-loop turn as before (serve_join.py), to that process over a local socket
-(multiprocessing.connection, with a random key from a private file). A worker's submission is one
-message; its answer (rows, tokens) or error (TooLongError with its index, InputError, DeviceError)
-comes back as another, and a cancelled submission is dropped there too. A token classifier (/ner)
-runs its own batches and stays in each worker. The model is on the device once; the requests/s
-are about half an engine per worker's, this process's one GIL being the limit (docs/service.md).
+Without them each worker process holds its own engine: its tokenizer and batching threads take
+the worker's one GIL in turns with the event loop that parses HTTP. With them, K processes
+(started by the service's supervisor before the workers) each load the models and run their
+engines, and each worker uses one of them (its slot, claim_slot, modulo K). A worker keeps its
+own copy of the models' host side (tokenizer, config, labels: what /tokenize, /info and the
+replies read) and sends its requests' inputs, joined per event-loop turn as before
+(serve_join.py), to its engine process over a local socket (multiprocessing.connection, with a
+random key from a private file). A worker's submission is one message; its answer (rows, tokens)
+or error (TooLongError with its index, InputError, DeviceError) comes back as another, and a
+cancelled submission is dropped there too. A token classifier (/ner) runs its own batches and
+stays in each worker. K = N (an engine process beside each worker) serves the most requests/s;
+K = 1 holds the models once on the device, at about half the requests/s of an engine per worker,
+that process's one GIL being the limit (docs/service.md).
 
-The engine process ignores SIGINT and SIGTERM: the supervisor stops it once every worker has
+An engine process ignores SIGINT and SIGTERM: the supervisor stops it once every worker has
 drained (and it ends when the supervisor goes). If it dies, every waiting and later request of
-its models fails with a DeviceError (503) naming it."""
+its workers' models fails with a DeviceError (503) naming it."""
 
 from __future__ import annotations
 
@@ -68,15 +71,16 @@ def _error_from(kind: str, message: str, attrs: dict) -> FtengineError:
 # ------------------------------------------------------------ the engine process
 
 class EngineHost:
-    """The supervisor's handle on the engine process: start() loads and warms the models there
-    (raising their FtengineError if one fails), stop() finishes the work queued and ends it."""
+    """The supervisor's handle on one engine process: launch() then wait_ready() load and warm
+    the models there (raising their FtengineError if one fails), stop() finishes the work queued
+    and ends it."""
 
-    def __init__(self, specs: list, options: dict, folder: str):
+    def __init__(self, specs: list, options: dict, folder: str, index: int = 0):
         import multiprocessing
-        self.address = os.path.join(folder, "engine.sock")
+        self.address = os.path.join(folder, f"engine-{index}.sock")
         self.authkey = secrets.token_bytes(32)
         # to the workers through a private file, not their environment (as the API key goes)
-        self.key_file = os.path.join(folder, "engine-key")
+        self.key_file = os.path.join(folder, f"engine-{index}-key")
         with open(os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(self.authkey)
         context = multiprocessing.get_context("spawn")
@@ -84,12 +88,15 @@ class EngineHost:
         # the batch metrics labelled by model as the workers label theirs: where the service has several
         self._process = context.Process(target=_host_main, args=(hosted(specs), len(specs) > 1, options,
                                                                  self.address, self.authkey, child),
-                                        name="ftengine-engine")
+                                        name=f"ftengine-engine-{index}")
         self._child = child
 
-    def start(self):
+    def launch(self):
+        """Start the process; wait_ready() waits for its models."""
         self._process.start()
         self._child.close()
+
+    def wait_ready(self):
         if not self._conn.poll(START_SECONDS):
             self._process.kill()
             raise DeviceError(f"the engine process did not start within {START_SECONDS} s")
@@ -105,6 +112,8 @@ class EngineHost:
 
     def stop(self):
         """Finish the work queued (for up to STOP_SECONDS), then end the process."""
+        if self._process.pid is None:  # never launched
+            return
         try:
             self._conn.send("stop")
         except OSError:
@@ -117,7 +126,43 @@ class EngineHost:
 
     def link_settings(self) -> dict:
         """What each worker needs to reach the engine process (JSON)."""
-        return {"address": self.address, "key_file": self.key_file}
+        return {"address": self.address, "key_file": self.key_file, "pid": self._process.pid}
+
+
+def start_hosts(specs: list, options: dict, folder: str, count: int) -> list:
+    """`count` engine processes, loading their models side by side; if one cannot start, the
+    others are stopped and its error raised."""
+    hosts = [EngineHost(specs, options, folder, i) for i in range(count)]
+    try:
+        for host in hosts:
+            host.launch()
+        for host in hosts:
+            host.wait_ready()
+    except BaseException:
+        for host in hosts:
+            host.stop()
+        raise
+    return hosts
+
+
+def claim_slot(folder: str, workers: int) -> int:
+    """This worker's slot among `workers` (which engine process it uses: slot mod their count): the
+    first whose lock file no live worker holds. The lock goes with the process, so a worker that
+    uvicorn restarts in place of a dead one takes the dead one's slot."""
+    import fcntl
+    for slot in range(workers):
+        fd = os.open(os.path.join(folder, f"worker-slot-{slot}"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        _slot_locks.append(fd)  # held open for the process's life
+        return slot
+    return os.getpid() % workers
+
+
+_slot_locks = []
 
 
 def _host_main(specs: list, per_model: bool, options: dict, address: str, authkey: bytes, parent):

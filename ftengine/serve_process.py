@@ -2,8 +2,9 @@
 many processes on one listening socket, each with its own engine and copy of the model: HTTP
 parsing and JSON encoding (most of the host time per request, all under one GIL in a single
 process) then run in parallel, and the Prometheus metrics are summed over the processes
-(prometheus_client's multiprocess mode); with shared_engine, one engine process runs the models
-for all of them (serve_engine_host.py). Loading the model a service runs."""
+(prometheus_client's multiprocess mode); with engine_processes, the models run in that many
+processes of their own, the workers shared out among them (serve_engine_host.py). Loading the
+model a service runs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from .errors import FtengineError
 from .serve import LOG_FORMAT, Service, ServeLimits
-from .serve_engine_host import EngineHost, connect, hosted
+from .serve_engine_host import claim_slot, connect, hosted, start_hosts
 
 WORKER_ENV = "FTENGINE_SERVE_WORKER"  # a worker process's settings (JSON), set by serve_workers
 SHUTDOWN_GRACE_SECONDS = 60  # after SIGTERM / SIGINT, requests still open after this are cut off
@@ -78,15 +79,15 @@ class WorkerSettings:
     max_length: int | None
     limits: ServeLimits
     tokenizer: str = "auto"
-    shared_engine: bool = False  # one engine process runs the models for every worker (serve_engine_host.py)
+    engine_processes: int = 0  # processes that run the models for the workers (serve_engine_host.py); 0: each its own
 
 
 def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: int) -> bool:
     """Run `workers` service processes on one socket (uvicorn's supervisor) until SIGTERM/SIGINT,
     which each worker answers as `serve` does. False if a worker could not start (its error is in
     the log). max_concurrent_requests is shared out among the workers. With
-    settings.shared_engine, the engine process starts first (its FtengineError raised if it
-    cannot) and stops once the workers have drained."""
+    settings.engine_processes, the engine processes start first (an FtengineError raised if one
+    cannot) and stop once the workers have drained."""
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import Multiprocess
     # rounded up: the kernel spreads connections unevenly, and a worker at 1 would refuse what another could take
@@ -100,23 +101,24 @@ def serve_workers(settings: WorkerSettings, *, host: str, port: int, workers: in
             key_file = os.path.join(metrics, "api-key")
             with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 f.write(settings.limits.api_key)
-        engine = None
-        if settings.shared_engine and hosted(settings.models):
-            engine = EngineHost(settings.models, dict(device=settings.device, dtype=settings.dtype,
+        hosts = []
+        if settings.engine_processes and hosted(settings.models):
+            hosts = start_hosts(settings.models, dict(device=settings.device, dtype=settings.dtype,
                                                       max_length=settings.max_length,
                                                       batch_tokens=settings.limits.max_batch_tokens,
-                                                      tokenizer=settings.tokenizer), metrics)
-            engine.start()
+                                                      tokenizer=settings.tokenizer), metrics,
+                                settings.engine_processes)
         os.environ[WORKER_ENV] = json.dumps(asdict(settings) | {
-            "limits": limits, "key_file": key_file, "engine": engine.link_settings() if engine else None})
+            "limits": limits, "key_file": key_file, "workers": workers, "folder": metrics,
+            "engines": [h.link_settings() for h in hosts]})
         try:
             config = _uvicorn_config("ftengine.serve_process:worker_app", factory=True, host=host, port=port,
                                      workers=workers)
             supervisor = Multiprocess(config, sockets=[config.bind_socket()])
             supervisor.run()
         finally:
-            if engine is not None:
-                engine.stop()
+            for h in hosts:
+                h.stop()
     return not any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes)
 
 
@@ -136,8 +138,12 @@ def worker_app():
     except FtengineError as e:
         print(f"ftengine: {e}", file=sys.stderr, flush=True)
         sys.exit(STARTUP_FAILURE)
-    if settings.get("engine"):  # their batches run in the shared engine process
-        connect(loaded, settings["engine"])
+    if settings["engines"]:  # their batches run in one of the engine processes
+        engines = settings["engines"]
+        engine = engines[claim_slot(settings["folder"], settings["workers"]) % len(engines)]
+        connect(loaded, engine)
+        logging.getLogger("ftengine.serve").info("process %d: the models run in engine process %d", os.getpid(),
+                                                 engine["pid"])
     return build_app(loaded, limits)
 
 

@@ -1,7 +1,8 @@
 """serve_join.Joiner: requests of one turn of the event loop go to the engine as one list, and each
 gets its own rows back (against the same inputs classified alone), its own error (a too-long
 input named by its own index, the others answered), and a client that leaves drops its share;
-then the same through a real server on loopback under concurrent clients."""
+requests of a key whose submissions fill the engine's depth wait and go as one; then the same
+through a real server on loopback under concurrent clients."""
 
 import asyncio
 from concurrent.futures import Future
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from ftengine import Classifier
+from ftengine.engine import EncodeResult
 from ftengine.errors import TooLongError
 from ftengine.serve_join import Joiner
 from tests.test_serve import Server
@@ -87,6 +89,45 @@ def test_a_too_long_member_fails_alone_with_its_own_index(classifier):
     for group, result in ((groups[0], first), (groups[2], third)):
         assert np.abs(result.embeddings - classifier.logits(group)[0]).max() <= BATCHING_INVARIANCE_FP32
     assert calls == [7, 2, 2, 3]  # joined, then each member alone
+
+
+def test_requests_wait_while_the_engine_holds_depth_submissions_then_go_as_one():
+    calls, engines = [], []
+
+    def submit(inputs, requests):
+        calls.append((len(inputs), requests))
+        engines.append(Future())
+        return engines[-1]
+
+    def answer(i):
+        n = calls[i][0]
+        rows = np.arange(n, dtype=np.float32)[:, None] + 100 * i
+        engines[i].set_result(EncodeResult(rows, n, 0, 0.0, np.ones(n, np.int32), np.zeros(n, bool)))
+
+    async def turn():
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    async def main():
+        join = Joiner(depth=2)
+        first = join.submit(["a"], "k", submit)
+        await turn()
+        second = join.submit(["b", "c"], "k", submit)
+        await turn()
+        held = [join.submit(["d"], "k", submit), join.submit(["e", "f"], "k", submit)]
+        await turn()
+        held.append(join.submit(["g"], "k", submit))
+        other = join.submit(["x"], "other key", submit)  # not held by "k"'s submissions
+        await turn()
+        assert calls == [(1, 1), (2, 1), (1, 1)]
+        answer(0)
+        assert (await first).embeddings[:, 0].tolist() == [0]
+        assert calls[3:] == [(4, 3)]  # the three held requests, joined once the first is answered
+        for i in (1, 2, 3):
+            answer(i)
+        return await asyncio.gather(second, other, *held)
+    results = asyncio.run(main())
+    assert [r.embeddings[:, 0].tolist() for r in results] == [[100, 101], [200], [300], [301, 302], [303]]
 
 
 def test_the_engine_work_is_cancelled_once_every_member_has_left():

@@ -1,8 +1,10 @@
-"""`ftengine serve --workers N --shared-engine`: one engine process runs the model for every worker.
-A real server on loopback: concurrent clients each get their own answer (classifier and embedding
-models, against the model in this process), the batches are counted in /metrics, SIGTERM drains
-and ends the engine process too; an engine process that dies turns requests and /health into a
-503 naming it; the option alone, or a model that cannot load, is one clear error."""
+"""`ftengine serve --workers N --shared-engine` (one engine process runs the model for every
+worker) and `--engine-processes K`. A real server on loopback: concurrent clients each get their
+own answer (classifier and embedding models, against the model in this process), the batches are
+counted in /metrics, SIGTERM drains and ends the engine processes too; an engine process that dies
+turns requests and /health into a 503 naming it; with K = N each worker uses its own engine
+process (a slot each, freed with the worker's process); options that cannot apply, or a model that
+cannot load, are one clear error."""
 
 import asyncio
 import os
@@ -90,6 +92,69 @@ def test_an_engine_process_that_dies_is_a_503(small_classifier):
     finally:
         code, output = s.stop()
     assert code == 0, output
+
+
+def test_an_engine_process_per_worker(small_classifier):
+    requests = [texts(400 + i, (1, 3, 4, 5, 6)[i % 5]) for i in range(32)]
+    with Classifier.from_pretrained(small_classifier, device="cpu") as classifier:
+        expected = [classifier.predict(r, top_k=None) for r in requests]
+    s = Server(small_classifier, "--workers", 2, "--engine-processes", 2)
+    try:
+        engines = {int(pid) for pid in re.findall(r"engine process (\d+) ready", s.output())}
+        assert len(engines) == 2, s.output()
+        deadline = time.monotonic() + 60
+        while len(used := re.findall(r"the models run in engine process (\d+)", s.output())) < 2 \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert {int(pid) for pid in used} == engines, s.output()  # each worker its own
+
+        async def main_():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
+                return await asyncio.gather(*(http.post("/predict", json={"inputs": r}) for r in requests))
+        for reply, ref in zip(asyncio.run(main_()), expected):
+            assert reply.status_code == 200, reply.text
+            got = reply.json()
+            assert [[x["label"] for x in row] for row in got] == [[x["label"] for x in row] for row in ref]
+            assert max(abs(a["score"] - b["score"]) for row, r in zip(got, ref) for a, b in zip(row, r)) \
+                <= BATCHING_INVARIANCE_FP32
+    finally:
+        code, output = s.stop()
+    assert code == 0, output
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in engines) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in engines), "an engine process outlived the service"
+
+
+def test_worker_slots_are_one_each_and_freed_with_their_process(tmp_path):
+    """Which engine process a worker uses: its slot, held while it lives."""
+    import subprocess
+    import sys
+    claim = ("import sys, time; from ftengine.serve_engine_host import claim_slot; "
+             f"print(claim_slot({str(tmp_path)!r}, 3), flush=True); time.sleep(float(sys.argv[1]))")
+    holders = [subprocess.Popen([sys.executable, "-c", claim, "60"], stdout=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    try:
+        held = [int(h.stdout.readline()) for h in holders]
+        assert sorted(held) == [0, 1]
+        holders[0].kill()  # its slot goes with it, as a dead worker's to the one uvicorn starts instead
+        holders[0].wait()
+        again = subprocess.run([sys.executable, "-c", claim, "0"], capture_output=True, text=True, check=True)
+        assert int(again.stdout) == held[0]
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine-processes", 1], "--workers 2 or more"),
+    (["--workers", 2, "--engine-processes", 3], "--engine-processes 3 is more than --workers 2"),
+    (["--workers", 2, "--shared-engine", "--engine-processes", 2], "--shared-engine is --engine-processes 1"),
+])
+def test_engine_processes_options_that_cannot_apply(small_classifier, args, message):
+    r = CliRunner().invoke(main, ["serve", "--model", str(small_classifier), "--device", "cpu", *map(str, args)])
+    assert r.exit_code != 0 and message in r.output, r.output
 
 
 def test_shared_engine_needs_workers(small_classifier):
