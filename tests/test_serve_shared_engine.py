@@ -38,6 +38,19 @@ def alive(pid: int) -> bool:
     return True
 
 
+def predict_at_once(server, requests: list, expected: list):
+    """POST every request to /predict at once; each answer as `expected` (Classifier.predict's)."""
+    async def main_():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            return await asyncio.gather(*(http.post("/predict", json={"inputs": r}) for r in requests))
+    for reply, ref in zip(asyncio.run(main_()), expected):
+        assert reply.status_code == 200, reply.text
+        got = reply.json()
+        assert [[x["label"] for x in row] for row in got] == [[x["label"] for x in row] for row in ref]
+        assert max(abs(a["score"] - b["score"]) for row, r in zip(got, ref) for a, b in zip(row, r)) \
+            <= BATCHING_INVARIANCE_FP32
+
+
 def test_workers_share_one_engine_process(small_classifier):
     requests = [texts(200 + i, (1, 3, 4, 5, 6)[i % 5]) for i in range(32)]  # two strings would be one pair
     with Classifier.from_pretrained(small_classifier, device="cpu") as classifier:
@@ -49,15 +62,7 @@ def test_workers_share_one_engine_process(small_classifier):
         with pytest.raises((AuthenticationError, ConnectionError, EOFError)):
             Client(address, family="AF_UNIX", authkey=b"not the key")  # refused; the service goes on
 
-        async def main_():
-            async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
-                return await asyncio.gather(*(http.post("/predict", json={"inputs": r}) for r in requests))
-        for reply, ref in zip(asyncio.run(main_()), expected):
-            assert reply.status_code == 200, reply.text
-            got = reply.json()
-            assert [[x["label"] for x in row] for row in got] == [[x["label"] for x in row] for row in ref]
-            assert max(abs(a["score"] - b["score"]) for row, r in zip(got, ref) for a, b in zip(row, r)) \
-                <= BATCHING_INVARIANCE_FP32
+        predict_at_once(s, requests, expected)
         too_long = httpx.post(s.url + "/predict", json={"inputs": ["fine", " ".join(WORDS * 4), "fine"]})
         assert too_long.status_code == 413 and "input 1 " in too_long.json()["error"]
         metrics = httpx.get(s.url + "/metrics").text
@@ -108,15 +113,7 @@ def test_an_engine_process_per_worker(small_classifier):
             time.sleep(0.1)
         assert {int(pid) for pid in used} == engines, s.output()  # each worker its own
 
-        async def main_():
-            async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
-                return await asyncio.gather(*(http.post("/predict", json={"inputs": r}) for r in requests))
-        for reply, ref in zip(asyncio.run(main_()), expected):
-            assert reply.status_code == 200, reply.text
-            got = reply.json()
-            assert [[x["label"] for x in row] for row in got] == [[x["label"] for x in row] for row in ref]
-            assert max(abs(a["score"] - b["score"]) for row, r in zip(got, ref) for a, b in zip(row, r)) \
-                <= BATCHING_INVARIANCE_FP32
+        predict_at_once(s, requests, expected)
     finally:
         code, output = s.stop()
     assert code == 0, output
