@@ -97,7 +97,7 @@ class Joiner:
         if busy:
             self._busy[(loop, key)] = busy
         if key in self._waiting.get(loop, {}):
-            self._flush(loop)  # the requests held while the engine had `depth` of this key's
+            self._flush(loop)  # send the requests held while this key's submissions filled the depth
         members, engine = sent.members, sent.engine
         for m in members:
             self._sent.pop(m[2], None)
