@@ -145,6 +145,9 @@ def start_hosts(specs: list, options: dict, folder: str, count: int) -> list:
     return hosts
 
 
+_slot_locks = []  # the lock files of this process's slot, open for its life
+
+
 def claim_slot(folder: str, workers: int) -> int:
     """This worker's slot among `workers` (which engine process it uses: slot mod their count): the
     first whose lock file no live worker holds. The lock goes with the process, so a worker that
@@ -157,12 +160,9 @@ def claim_slot(folder: str, workers: int) -> int:
         except OSError:
             os.close(fd)
             continue
-        _slot_locks.append(fd)  # held open for the process's life
+        _slot_locks.append(fd)
         return slot
     return os.getpid() % workers
-
-
-_slot_locks = []
 
 
 def _host_main(specs: list, per_model: bool, options: dict, address: str, authkey: bytes, parent):
