@@ -34,7 +34,7 @@ import numpy as np
 
 from .errors import DeviceError, FtengineError, InputError, TooLongError
 from .models.bert import Batch
-from .models.shapes import fits, run_shape
+from .models.shapes import fit_count, run_shape
 from .textio import RawTexts
 from .tokenizer import TokenizedTexts, check_pairs, check_texts
 
@@ -78,7 +78,7 @@ class _Request:
         self.tokens: TokenizedTexts | None = None
         self.starts = None            # (N,) int64 token offsets
         self.order = None             # (N,) texts, longest first
-        self.sorted_lengths = None    # list: lengths in that order
+        self.sorted_lengths = None    # (N,) lengths in that order
         self.lengths = self.cut = None  # (N,) each text's tokens, and whether it was cut
         self.device_seconds = 0.0
         self.cursor = 0               # texts of `order` already sent to the device
@@ -285,7 +285,7 @@ class EncodeEngine:
         r.lengths, r.cut = tokens.lengths, tokens.truncated
         r.starts = tokens.starts
         r.order = np.argsort(-tokens.lengths, kind="stable")
-        r.sorted_lengths = tokens.lengths[r.order].tolist()
+        r.sorted_lengths = tokens.lengths[r.order]
         self._ready.put(r)
 
     def _check(self, r: _Request, tokens: TokenizedTexts):
@@ -353,18 +353,14 @@ class EncodeEngine:
         for r in list(pending):
             if r.options != options:
                 continue
-            lengths, start = r.sorted_lengths, r.cursor
-            i, n = start, len(lengths)
-            while i < n:
-                length = lengths[i]
-                widest = max(longest, length)
-                if count and not fits(self.layout, count + 1, total + length, widest, **limit):
-                    break
-                count, total, longest, i = count + 1, total + length, widest, i + 1
-            if i > start:
-                parts.append((r, r.order[start:i]))
-                r.cursor = i
-            if i == n:
+            start = r.cursor
+            lengths = r.sorted_lengths[start:]
+            k = fit_count(self.layout, count, total, longest, lengths, **limit)
+            if k:
+                count, total, longest = count + k, total + int(lengths[:k].sum()), max(longest, int(lengths[0]))
+                parts.append((r, r.order[start:start + k]))
+                r.cursor = start + k
+            if r.cursor == len(r.order):
                 pending.remove(r)
             else:
                 break

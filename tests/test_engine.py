@@ -14,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 from ftengine import DeviceError, Encoder, Generator, InputError
 from ftengine.encoder import EncodeStats
 from ftengine.engine import EncodeEngine, EncodeOptions
+from ftengine.models.shapes import fit_count, fits
 from ftengine.tokenizer import Tokenizer
 from tests.tolerances import BATCHING_INVARIANCE_FP32, EMBEDDING_COSINE_LOWP, GPU_FP32_REL
 from weights.fixtures import WORDS, write_bert_checkpoint, write_gpt2_checkpoint
@@ -167,6 +168,50 @@ def test_huge_batch_tokens_sizes_buffers_to_the_work(encoder):
     texts = texts_for(3, 20)
     got = encoder.encode(texts, batch_tokens=1_000_000_000)
     assert np.abs(got - encoder.encode(texts)).max() <= BATCHING_INVARIANCE_FP32
+
+
+def greedy_batches(layout: str, lengths: list, limits: dict) -> list:
+    """The batches (text count, tokens) of one request as the engine defines them: its texts
+    longest first, each batch taking the next while it `fits`."""
+    out, count, total, longest = [], 0, 0, 0
+    for x in sorted(lengths, reverse=True):
+        if count and not fits(layout, count + 1, total + x, max(longest, x), **limits):
+            out.append((count, total))
+            count, total, longest = 0, 0, 0
+        count, total, longest = count + 1, total + x, max(longest, x)
+    return out + [(count, total)] if count else out
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_fit_count_takes_texts_while_the_batch_fits(layout):
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        lengths = np.sort(rng.integers(1, 80, size=int(rng.integers(0, 40))))[::-1]
+        count = int(rng.integers(0, 6))
+        longest = int(rng.integers(1, 80)) if count else 0
+        total = int(rng.integers(count, count * longest + 1)) if count else 0
+        limits = dict(max_batch_tokens=int(rng.integers(64, 900)), max_seq_len=int(rng.integers(32, 90)))
+        want, c, t, w = 0, count, total, longest
+        for x in lengths.tolist():
+            if c and not fits(layout, c + 1, t + x, max(w, x), **limits):
+                break
+            want, c, t, w = want + 1, c + 1, t + x, max(w, x)
+        assert fit_count(layout, count, total, longest, lengths, **limits) == want, (lengths, count, total, longest)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_request_is_cut_into_full_batches_longest_first(tmp_path, layout):
+    """Every batch takes the request's next-longest texts while the budget holds (the batches the
+    engine observes, against the texts' lengths from the tokenizer)."""
+    texts = texts_for(11, 300)
+    folder = write_bert_checkpoint(tmp_path / "m", seed=2, hidden=64, heads=2)
+    with Encoder.from_pretrained(folder, device="cpu", layout=layout) as enc:
+        seen = []
+        enc._engine.on_batch = lambda n, requests, tokens: seen.append((n, tokens))
+        got = enc.encode(texts, batch_tokens=200)
+        lengths = enc.tokenizer.encode(texts).lengths.tolist()
+        assert seen == greedy_batches(layout, lengths, dict(max_batch_tokens=200, max_seq_len=enc.max_length))
+        assert np.abs(got - enc.encode(texts)).max() <= BATCHING_INVARIANCE_FP32
 
 
 def test_nan_weight_is_reported_not_returned(tmp_path):

@@ -54,3 +54,21 @@ def fits(layout: str, count: int, total: int, longest: int, *, max_batch_tokens:
     tokens when packed, count x longest when padded."""
     used = count * longest if layout == "padded" else total
     return used <= max_batch_tokens and longest <= max_seq_len
+
+
+def fit_count(layout: str, count: int, total: int, longest: int, lengths: np.ndarray, *, max_batch_tokens: int,
+              max_seq_len: int) -> int:
+    """How many of `lengths` (longest first), taken in order, join a batch of `count` sequences of
+    `total` tokens, the longest `longest`, while it `fits`; into an empty batch at least one."""
+    if not len(lengths):
+        return 0
+    widest = max(longest, int(lengths[0]))  # longest first: the widest of any prefix
+    if widest > max_seq_len:
+        n = 0
+    elif layout == "padded":
+        n = max_batch_tokens // widest - count
+    else:
+        n = int(np.searchsorted(np.cumsum(lengths), max_batch_tokens - total, side="right"))
+    n = min(max(n, 0), len(lengths))
+    return n if count else max(n, 1)
+
