@@ -95,11 +95,12 @@ def norm_matmul(out, weight, bias=None, *, act=None, form="erf", parts, res_bias
 def matmul_act(out, x, weight, bias=None, *, act=None, form="erf"):
     """out = x @ weight^T (act None), GELU(... + bias) of `form` (act "gelu"), or act(... + bias)
     for matmul_bias_act's acts."""
-    matmul(out, x, weight)
-    if act == "gelu":
-        add_bias_gelu(out, out, bias, form=form)
-    elif act is not None:
-        out[...] = activate(out + bias, act)
+    if act is None:
+        matmul(out, x, weight)
+    elif act == "gelu":
+        matmul_bias_gelu(out, x, weight, bias, form=form)
+    else:
+        matmul_bias_act(out, x, weight, bias, act=act)
 
 
 def matmul_bias_residual_layernorm(out, x, weight, bias, residual, gamma, beta, *, eps, product, partials):
