@@ -170,16 +170,26 @@ def test_huge_batch_tokens_sizes_buffers_to_the_work(encoder):
     assert np.abs(got - encoder.encode(texts)).max() <= BATCHING_INVARIANCE_FP32
 
 
+def taken_while_fits(layout: str, count: int, total: int, longest: int, lengths, limits: dict) -> int:
+    """How many of `lengths`, one at a time in order, join a batch of `count` sequences of `total`
+    tokens, the longest `longest`, while it `fits`; into an empty batch at least one."""
+    taken = 0
+    for x in lengths:
+        if count and not fits(layout, count + 1, total + x, max(longest, x), **limits):
+            break
+        taken, count, total, longest = taken + 1, count + 1, total + x, max(longest, x)
+    return taken
+
+
 def greedy_batches(layout: str, lengths: list, limits: dict) -> list:
     """The batches (text count, tokens) of one request as the engine defines them: its texts
     longest first, each batch taking the next while it `fits`."""
-    out, count, total, longest = [], 0, 0, 0
-    for x in sorted(lengths, reverse=True):
-        if count and not fits(layout, count + 1, total + x, max(longest, x), **limits):
-            out.append((count, total))
-            count, total, longest = 0, 0, 0
-        count, total, longest = count + 1, total + x, max(longest, x)
-    return out + [(count, total)] if count else out
+    out, rest = [], sorted(lengths, reverse=True)
+    while rest:
+        k = taken_while_fits(layout, 0, 0, 0, rest, limits)
+        out.append((k, sum(rest[:k])))
+        rest = rest[k:]
+    return out
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
@@ -191,11 +201,7 @@ def test_fit_count_takes_texts_while_the_batch_fits(layout):
         longest = int(rng.integers(1, 80)) if count else 0
         total = int(rng.integers(count, count * longest + 1)) if count else 0
         limits = dict(max_batch_tokens=int(rng.integers(64, 900)), max_seq_len=int(rng.integers(32, 90)))
-        want, c, t, w = 0, count, total, longest
-        for x in lengths.tolist():
-            if c and not fits(layout, c + 1, t + x, max(w, x), **limits):
-                break
-            want, c, t, w = want + 1, c + 1, t + x, max(w, x)
+        want = taken_while_fits(layout, count, total, longest, lengths.tolist(), limits)
         assert fit_count(layout, count, total, longest, lengths, **limits) == want, (lengths, count, total, longest)
 
 
