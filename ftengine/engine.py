@@ -4,8 +4,9 @@
         -> tokenizer thread: several waiting requests tokenised in one call (HF `tokenizers`
            runs in Rust threads without the GIL; texts and text pairs each in their own call),
            checked per request
-        -> worker thread: requests packed into token-budget batches (sequences sorted by
-           length within each request; one batch holds requests with the same options),
+        -> worker thread: requests packed into token-budget batches (a request the batch can
+           take whole as it came, else its sequences longest first; one batch holds requests
+           with the same options),
            two batches in flight on the device while the host lays out the next,
            each request's rows to its own future, in its order.
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from .errors import DeviceError, FtengineError, InputError, TooLongError
 from .models.bert import Batch
-from .models.shapes import fit_count, run_shape
+from .models.shapes import fit_count, fits, run_shape
 from .textio import RawTexts
 from .tokenizer import TokenizedTexts, check_pairs, check_texts
 
@@ -76,8 +77,8 @@ class _Request:
         self.progress = progress      # called from the worker with each batch's row count
         self.future = future
         self.tokens: TokenizedTexts | None = None
-        self.starts = None            # (N,) int64 token offsets
-        self.order = None             # (N,) texts, longest first
+        self.starts = None            # (N,) int64 token offsets, once the request is cut (order)
+        self.order = None             # (N,) texts, longest first, once a batch cannot take them all
         self.sorted_lengths = None    # (N,) lengths in that order
         self.lengths = self.cut = None  # (N,) each text's tokens, and whether it was cut
         self.device_seconds = 0.0
@@ -283,10 +284,14 @@ class EncodeEngine:
             return
         r.tokens = tokens
         r.lengths, r.cut = tokens.lengths, tokens.truncated
-        r.starts = tokens.starts
-        r.order = np.argsort(-tokens.lengths, kind="stable")
-        r.sorted_lengths = tokens.lengths[r.order]
         self._ready.put(r)
+
+    @staticmethod
+    def _cut_up(r: _Request):
+        """Sort a request's texts longest first, for a batch that can take only some of them."""
+        r.starts = r.tokens.starts
+        r.order = np.argsort(-r.lengths, kind="stable")
+        r.sorted_lengths = r.lengths[r.order]
 
     def _check(self, r: _Request, tokens: TokenizedTexts):
         """Per-request checks on the host, before any kernel indexes memory with these ids."""
@@ -346,13 +351,23 @@ class EncodeEngine:
 
     def _next_batch(self, pending: deque):
         """Texts for one batch: from the oldest request with its options, longest first, then
-        from later requests with the same options, while the token budget holds."""
+        from later requests with the same options, while the token budget holds. A request the
+        batch takes whole goes in as it came (parts' index None): the same batch, without sorting
+        and gathering its tokens (a service's requests mostly fit whole)."""
         options = pending[0].options
         parts, count, total, longest = [], 0, 0, 0
         limit = dict(max_batch_tokens=options.batch_tokens, max_seq_len=self.max_length)
         for r in list(pending):
             if r.options != options:
                 continue
+            if r.order is None:
+                n, tokens, widest = len(r.lengths), r.tokens.tokens, int(r.lengths.max())
+                if fits(self.layout, count + n, total + tokens, max(longest, widest), **limit):
+                    count, total, longest = count + n, total + tokens, max(longest, widest)
+                    parts.append((r, None))
+                    pending.remove(r)
+                    continue
+                self._cut_up(r)
             start = r.cursor
             lengths = r.sorted_lengths[start:]
             k = fit_count(self.layout, count, total, longest, lengths, **limit)
@@ -366,11 +381,15 @@ class EncodeEngine:
                 break
         ids, types, lengths = [], [], []
         for r, index in parts:
-            part = Batch.gather(r.tokens.ids, r.tokens.type_ids, r.starts[index], r.tokens.lengths[index])
+            if index is None:
+                part = Batch(r.tokens.ids, r.tokens.type_ids, r.lengths)
+            else:
+                part = Batch.gather(r.tokens.ids, r.tokens.type_ids, r.starts[index], r.lengths[index])
             ids.append(part.ids)
             types.append(part.token_types)
             lengths.append(part.lengths)
-        batch = Batch(np.concatenate(ids), np.concatenate(types), np.concatenate(lengths))
+        batch = (Batch(ids[0], types[0], lengths[0]) if len(parts) == 1 else
+                 Batch(np.concatenate(ids), np.concatenate(types), np.concatenate(lengths)))
         if self.on_batch is not None:
             self.on_batch(len(batch.lengths), sum(r.callers for r, _ in parts), len(batch.ids))
         return batch, parts, options
@@ -391,24 +410,28 @@ class EncodeEngine:
     def _deliver(self, rows: np.ndarray, parts: list, device_seconds: float):
         at = 0
         for r, index in parts:
-            mine = rows[at:at + len(index)]
-            at += len(index)
+            count = len(r.lengths) if index is None else len(index)
+            mine = rows[at:at + count]
+            at += count
             if r.future.done():
                 continue
-            bad = ~np.isfinite(mine).all(axis=1)
-            if bad.any():
-                text = r.first + int(index[np.flatnonzero(bad)[0]])
+            if not np.isfinite(mine).all():
+                row = int(np.flatnonzero(~np.isfinite(mine).all(axis=1))[0])
+                text = r.first + (row if index is None else int(index[row]))
                 r.fail(InputError(f"the embedding of text {text} is not finite (NaN or inf); the model or its "
                                   "weights produce invalid values"))
                 continue
-            if r.out is None:
-                r.out = np.empty((len(r.order), mine.shape[1]), dtype=np.float32)
-            r.out[index] = mine
-            r.remaining -= len(index)
-            r.device_seconds += device_seconds * len(index) / len(rows)
+            if index is None:  # the whole request, in its order
+                r.out = mine
+            else:
+                if r.out is None:
+                    r.out = np.empty((len(r.lengths), mine.shape[1]), dtype=np.float32)
+                r.out[index] = mine
+            r.remaining -= count
+            r.device_seconds += device_seconds * count / len(rows)
             if r.progress is not None:
                 try:
-                    r.progress(len(index))
+                    r.progress(count)
                 except Exception as e:  # the caller's callback: its error is the caller's answer
                     r.fail(e)
                     continue

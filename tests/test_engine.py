@@ -232,6 +232,24 @@ def test_nan_weight_is_reported_not_returned(tmp_path):
         assert not enc._engine.closed  # a model problem, not a broken engine
 
 
+@pytest.mark.parametrize("batch_tokens", [None, 8])
+def test_a_non_finite_embedding_names_its_own_text(tmp_path, batch_tokens):
+    """Only texts with the word whose embedding row is NaN fail; the error names the first of
+    them, whether the request goes into a batch whole, as it came, or cut up longest first."""
+    folder = write_bert_checkpoint(tmp_path / "nan", seed=4)
+    texts = ["hello world", "the cat sat", "the dog", "a bird sang today", "dog"]
+    with Encoder.from_pretrained(folder, device="cpu") as enc:
+        word = int(enc.tokenizer.encode(["dog"]).ids[1])
+        tensors = load_file(str(folder / "model.safetensors"))
+        name = next(k for k in tensors if "word_embeddings.weight" in k)
+        tensors[name][word] = np.nan
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with Encoder.from_pretrained(folder, device="cpu", max_length=8) as enc:
+        with pytest.raises(InputError, match=r"the embedding of text 3 is not finite"):
+            enc.encode(texts, batch_tokens=batch_tokens)
+        assert np.isfinite(enc.encode(texts[:2] + texts[3:4], batch_tokens=batch_tokens)).all()
+
+
 def test_close_stops_threads_and_refuses_work(st_model):
     before = len(engine_threads())
     enc = Encoder.from_pretrained(st_model, device="cpu")
