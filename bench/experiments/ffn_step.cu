@@ -77,6 +77,32 @@ __device__ __forceinline__ void stamp(unsigned long long* stamps, int on, int i)
     }
 }
 
+// A lane's KV 8-half vectors of each of the M rows of x (M, E), for relu_row.
+template <int M, int KV>
+__device__ __forceinline__ void load_rows(uint4 (&xr)[M][KV], const __half* x, int E) {
+    const int lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int r = 0; r < M; ++r)
+        #pragma unroll
+        for (int j = 0; j < KV; ++j) xr[r][j] = *reinterpret_cast<const uint4*>(x + (long)r * E + (lane + 32 * j) * 8);
+}
+// h[r] = relu(w . x[r] + bias) for the rows load_rows gave and one weight row w (E halves, shared
+// memory), summed over the warp: every lane gets them.
+template <int M, int KV>
+__device__ __forceinline__ void relu_row(float (&h)[M], const __half* w, const uint4 (&xr)[M][KV], float bias) {
+    const int lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int r = 0; r < M; ++r) h[r] = 0.f;
+    #pragma unroll
+    for (int j = 0; j < KV; ++j) {
+        const uint4 wv = *reinterpret_cast<const uint4*>(w + (lane + 32 * j) * 8);
+        #pragma unroll
+        for (int r = 0; r < M; ++r) h[r] += dot8(wv, xr[r][j]);
+    }
+    #pragma unroll
+    for (int r = 0; r < M; ++r) h[r] = fmaxf(warp_sum(h[r]) + bias, 0.f);
+}
+
 #define FFN_WARPS 8
 #define FFN_CHUNKS 8
 
@@ -116,10 +142,7 @@ __global__ void __launch_bounds__(FFN_WARPS * 32, 1) ffn_barrier(__half* out, __
     const int per1 = (fmax + FFN_CHUNKS - 1) / FFN_CHUNKS, per2 = (emax + FFN_CHUNKS - 1) / FFN_CHUNKS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     uint4 xr[M][KV1];
-    #pragma unroll
-    for (int r = 0; r < M; ++r)
-        #pragma unroll
-        for (int j = 0; j < KV1; ++j) xr[r][j] = *reinterpret_cast<const uint4*>(x + (long)r * E + (lane + 32 * j) * 8);
+    load_rows<M, KV1>(xr, x, E);
     if (threadIdx.x == 0) {
         for (int c = 0; c < 2 * FFN_CHUNKS; ++c) bar_init(smem_at(bars + c));
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -139,22 +162,11 @@ __global__ void __launch_bounds__(FFN_WARPS * 32, 1) ffn_barrier(__half* out, __
     }
     for (int f = f0 + warp; f < f1; f += FFN_WARPS) {
         bar_wait(smem_at(bars + (f - f0) / per1));
-        const __half* w = w1s + (long)(f - f0) * E;
-        float acc[M];
+        float h[M];
+        relu_row<M, KV1>(h, w1s + (long)(f - f0) * E, xr, __half2float(b1[f]));
         #pragma unroll
-        for (int r = 0; r < M; ++r) acc[r] = 0.f;
-        #pragma unroll
-        for (int j = 0; j < KV1; ++j) {
-            const uint4 wv = *reinterpret_cast<const uint4*>(w + (lane + 32 * j) * 8);
-            #pragma unroll
-            for (int r = 0; r < M; ++r) acc[r] += dot8(wv, xr[r][j]);
-        }
-        const float bias = __half2float(b1[f]);
-        #pragma unroll
-        for (int r = 0; r < M; ++r) {
-            const float v = warp_sum(acc[r]);
-            if (lane == r) inter[(long)r * F + f] = __float2half(fmaxf(v + bias, 0.f));
-        }
+        for (int r = 0; r < M; ++r)
+            if (lane == r) inter[(long)r * F + f] = __float2half(h[r]);
     }
     __syncthreads();
     stamp(stamps, on, 2);
@@ -241,30 +253,16 @@ __global__ void __launch_bounds__(FFN_WARPS * 32, 1) ffn_clusters(float* __restr
     if (early) wait_then_launch_next();
     stamp(stamps, on, 1);
     uint4 xr[M][KV];
-    #pragma unroll
-    for (int r = 0; r < M; ++r)
-        #pragma unroll
-        for (int j = 0; j < KV; ++j) xr[r][j] = *reinterpret_cast<const uint4*>(x + (long)r * E + (lane + 32 * j) * 8);
+    load_rows<M, KV>(xr, x, E);
     __syncthreads();  // the barriers initialised
     bar_wait(smem_at(bars));
     stamp(stamps, on, 2);
     for (int i = warp; i < rows; i += FFN_WARPS) {
-        const __half* w = w1s + (long)i * E;
-        float acc[M];
+        float h[M];
+        relu_row<M, KV>(h, w1s + (long)i * E, xr, __half2float(b1[f0 + i]));
         #pragma unroll
-        for (int r = 0; r < M; ++r) acc[r] = 0.f;
-        #pragma unroll
-        for (int j = 0; j < KV; ++j) {
-            const uint4 wv = *reinterpret_cast<const uint4*>(w + (lane + 32 * j) * 8);
-            #pragma unroll
-            for (int r = 0; r < M; ++r) acc[r] += dot8(wv, xr[r][j]);
-        }
-        const float bias = __half2float(b1[f0 + i]);
-        #pragma unroll
-        for (int r = 0; r < M; ++r) {
-            const float v = warp_sum(acc[r]);
-            if (lane == 0) hs[r][i] = __half2float(__float2half(fmaxf(v + bias, 0.f)));  // rounded as stored
-        }
+        for (int r = 0; r < M; ++r)
+            if (lane == 0) hs[r][i] = __half2float(__float2half(h[r]));  // rounded as stored
     }
     __syncthreads();
     bar_wait(smem_at(bars + 1));
