@@ -305,6 +305,8 @@ class EncodeEngine:
                              f"max_length {self.max_length}: the tokenizer cannot cut it shorter (its special tokens)")
         for values, limit, what in ((tokens.ids, self.vocab_size, "token id"),
                                     (tokens.type_ids, self.type_vocab_size, "token type")):
+            if values.size and 0 <= values.min() and values.max() < limit:  # two passes, no arrays
+                continue
             bad = np.flatnonzero((values < 0) | (values >= limit))
             if bad.size:
                 text = int(np.searchsorted(np.cumsum(tokens.lengths), bad[0], side="right"))
