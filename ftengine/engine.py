@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import DeviceError, FtengineError, InputError, TooLongError
-from .models.bert import Batch
+from .models.bert import Batch, ids_below
 from .models.shapes import fit_count, fits, run_shape
 from .textio import RawTexts
 from .tokenizer import TokenizedTexts, check_pairs, check_texts
@@ -305,7 +305,7 @@ class EncodeEngine:
                              f"max_length {self.max_length}: the tokenizer cannot cut it shorter (its special tokens)")
         for values, limit, what in ((tokens.ids, self.vocab_size, "token id"),
                                     (tokens.type_ids, self.type_vocab_size, "token type")):
-            if values.size and 0 <= values.min() and values.max() < limit:  # two passes, no arrays
+            if ids_below(values, limit):  # the search only on a bad request
                 continue
             bad = np.flatnonzero((values < 0) | (values >= limit))
             if bad.size:
