@@ -1,4 +1,4 @@
-// WordPiece tokenisation of UTF-8 texts, one thread a text: decode, normalise through the code point
+// WordPiece tokenisation of UTF-8 texts, 1 to 32 threads a text: decode, normalise through the code point
 // table, split into words (white space, punctuation), longest-match pieces from the vocabulary trie,
 // the post-processor's special tokens, truncation. Tables: ftengine/wordpiece.py; NumPy twin:
 // backends/reference/wordpiece.py (same results, flags included).
@@ -69,23 +69,34 @@ __device__ __forceinline__ int wp_decode(const unsigned char* text, long long& p
 }
 
 // A text's pieces, matched as its characters arrive: each character takes one step of the trie walk,
-// so that the threads of a warp (each on its own text) walk together instead of each walking a whole
-// word while the others wait. Longest match first, as WordPiece: when the walk from a piece's start
-// can go no further, its longest token is the piece and the walk starts again after it.
+// so that the threads of a warp walk together instead of each walking a whole word while the others
+// wait. Longest match first, as WordPiece: when the walk from a piece's start can go no further, its
+// longest token is the piece and the walk starts again after it. `write` off: the pieces are only
+// counted (a segment whose place in the row is not known yet).
 struct WpText {
     int* row;            // the text's ids: prefix, pieces, suffix
     int offset;          // where pieces start (the prefix's length)
     int capacity;        // pieces that fit
-    int count = 0;       // pieces written
-    bool truncated = false;
+    bool write;
+    int count;           // pieces written (or counted), those of the segments before included
+    bool truncated;
     unsigned word[WP_MAX_WORD];
     int pieces[WP_MAX_WORD];
-    int wlen = 0;        // the word's characters (max_word + 1: too long)
-    int n = 0;           // the word's pieces so far
-    int start = 0;       // where the piece being walked starts
-    int node = 0;        // the trie node spelling word[start, wlen)
-    int best_end = -1, best_id = -1;   // the longest token from `start` so far
-    bool bad = false;    // a part of the word matches no piece: the word is the unknown token
+    int wlen;            // the word's characters (max_word + 1: too long)
+    int n;               // the word's pieces so far
+    int start;           // where the piece being walked starts
+    int node;            // the trie node spelling word[start, wlen)
+    int best_end, best_id;   // the longest token from `start` so far
+    bool bad;            // a part of the word matches no piece: the word is the unknown token
+
+    __device__ void begin(int pieces_before, bool writes) {
+        count = pieces_before;
+        write = writes;
+        truncated = false;
+        wlen = n = start = node = 0;
+        best_end = best_id = -1;
+        bad = false;
+    }
 
     __device__ void add(const WpTrie& trie, unsigned c, int max_word) {
         if (wlen >= max_word) { wlen = max_word + 1; return; }
@@ -126,7 +137,8 @@ struct WpText {
                 settle(trie, wlen);
             }
             if (bad) { n = 1; pieces[0] = unk; }
-            for (int k = 0; k < n; ++k) {
+            if (!write) count += n;
+            for (int k = 0; k < n && write; ++k) {
                 if (count == capacity) { truncated = true; break; }
                 row[offset + count++] = pieces[k];
             }
@@ -137,16 +149,106 @@ struct WpText {
     }
 };
 
+struct WpTables {
+    const unsigned* char_map;
+    const unsigned* expansions;
+    WpTrie trie;
+    const int* patterns;
+    const int* pattern_offsets;
+    int n_patterns;
+    unsigned last_chars;
+    int unk, max_word, tail;
+};
+
+#define WP_NONE 0x7FFFFFFF
+
+// One segment's walk, as far as it goes: `seen` normalised characters; `event`: the characters seen
+// before the first code point the CPU must tokenise (a sensitive one, or the last of an added token's
+// text), where the walk stops; `stop_at`: once t truncates, the walk stops `tail` characters later
+// (checks for an added token begun before). Bad UTF-8 anywhere in the segment sets `invalid`.
+struct WpWalk {
+    int seen = 0;
+    int event = WP_NONE;
+    int stop_at = WP_NONE;
+    bool invalid = false;
+
+    __device__ void run(WpText& t, const WpTables& tb, const unsigned char* text, long long p, long long end) {
+        unsigned ring[WP_MAX_PATTERN];   // the last normalised characters, for the added tokens
+        while (p < end && seen < stop_at) {
+            const int before = seen;
+            const int cp = wp_decode(text, p, end);
+            if (cp < 0) { invalid = true; return; }
+            const unsigned entry = __ldg(tb.char_map + cp);
+            if (entry & WP_SENSITIVE) { event = before; break; }
+            if (entry & WP_DELETED) continue;
+            const bool multi = entry & WP_MULTI;
+            const int m = multi ? (entry >> WP_LEN_SHIFT) & 31 : 1;
+            bool hit = false;
+            for (int k = 0; k < m && !hit; ++k) {
+                const unsigned v = multi ? __ldg(tb.expansions + (entry & WP_CP_MASK) + k) : entry;
+                const unsigned c = v & WP_CP_MASK, cls = (v >> WP_CLASS_SHIFT) & 3;
+                ring[seen % WP_MAX_PATTERN] = c;
+                ++seen;
+                for (int j = 0; j < tb.n_patterns && (tb.last_chars >> (c & 31) & 1); ++j) {
+                    const int a = tb.pattern_offsets[j], len = tb.pattern_offsets[j + 1] - a;
+                    if (len > seen || (unsigned)tb.patterns[a + len - 1] != c) continue;
+                    bool same = true;
+                    for (int q = 0; q < len - 1 && same; ++q)
+                        same = ring[(seen - len + q) % WP_MAX_PATTERN] == (unsigned)tb.patterns[a + q];
+                    hit |= same;
+                }
+                if (hit || t.truncated) continue;   // once truncated only the checks above still run
+                if (cls == WP_WORD) {
+                    t.add(tb.trie, c, tb.max_word);
+                } else {
+                    t.flush(tb.trie, tb.unk, tb.max_word);
+                    if (cls == WP_PUNCT) {
+                        t.add(tb.trie, c, tb.max_word);
+                        t.flush(tb.trie, tb.unk, tb.max_word);
+                    }
+                    if (t.truncated) stop_at = seen + tb.tail;
+                }
+            }
+            if (hit) { event = before; break; }
+        }
+        while (p < end)   // the rest must still be UTF-8
+            if (wp_decode(text, p, end) < 0) { invalid = true; return; }
+    }
+
+    // The segment's last word ends with it, unless the walk stopped short or the text goes on past it.
+    __device__ void end_word(WpText& t, const WpTables& tb, bool goes_on) const {
+        if (!invalid && event == WP_NONE && !goes_on) t.flush(tb.trie, tb.unk, tb.max_word);
+    }
+};
+
+// Sums and minima over the `seg` lanes of a text (every lane of the warp calls them).
+__device__ __forceinline__ int wp_scan(int v, int seg) {   // inclusive
+    const int sub = threadIdx.x & (seg - 1);
+    for (int d = 1; d < seg; d <<= 1) {
+        const int u = __shfl_up_sync(0xFFFFFFFFu, v, d, seg);
+        if (sub >= d) v += u;
+    }
+    return v;
+}
+
+__device__ __forceinline__ int wp_min(int v, int seg) {
+    for (int d = seg >> 1; d > 0; d >>= 1) v = min(v, __shfl_xor_sync(0xFFFFFFFFu, v, d, seg));
+    return v;
+}
+
 // texts [starts[i], stops[i]) of `text`; cut[i]: the text goes on past stops[i] (so it is done only if
 // truncated before its last word). ids (n, max_length); lengths (n,), flags (n,): WP_TRUNCATED, or
 // WP_ON_CPU (length 0) for a text the CPU must tokenise (invalid UTF-8, a sensitive character, an
 // added token's normal form among its characters, a cut text not truncated). The checks stop `tail`
 // normalised characters after the one that truncated the text (tail: the longest added token's
-// length less one), so that a thread's work is bounded by max_length, not by its text; only the
-// UTF-8 decoding goes on to the end. last_chars: bit c % 32 set for the last character c of each
-// added token (one is looked for only at such a character). The first `lanes` lanes of each warp
-// take a text each: fewer than 32 where the texts are few, since a warp's lanes wait for each
-// other's branches.
+// length less one), so that the walk is bounded by max_length, not by the text; only the UTF-8
+// decoding goes on to the end. last_chars: bit c % 32 set for the last character c of each added
+// token (one is looked for only at such a character).
+// A warp takes `texts` texts of `seg` lanes each (seg a power of two, texts x seg <= 32): where the
+// texts are too few to fill the device, each is cut after spaces into seg segments of about equal
+// bytes, walked side by side (the caller passes seg 1 unless a space is a lone separator that no
+// added token holds, so a word or an added token's text never spans two). The first segment writes
+// its pieces as it goes; the others count theirs, then, their place known, walk again writing them.
 __global__ void wordpiece_tokenize(
     const unsigned char* __restrict__ text, const long long* __restrict__ starts,
     const long long* __restrict__ stops, const unsigned char* __restrict__ cut, int n,
@@ -154,71 +256,67 @@ __global__ void wordpiece_tokenize(
     const ulonglong2* __restrict__ trie_slots, unsigned long long trie_mask,
     const int* __restrict__ patterns, const int* __restrict__ pattern_offsets, int n_patterns,
     unsigned last_chars, const int* __restrict__ prefix, int n_prefix, const int* __restrict__ suffix,
-    int n_suffix, int unk, int max_word, int max_length, int tail, int lanes,
+    int n_suffix, int unk, int max_word, int max_length, int tail, int texts, int seg,
     int* __restrict__ ids, int* __restrict__ lengths, unsigned char* __restrict__ flags) {
     wait_for_previous();
     const int lane = threadIdx.x & 31;
-    const int i = (blockIdx.x * blockDim.x + threadIdx.x) / 32 * lanes + lane;
-    if (lane >= lanes || i >= n) return;
-    const WpTrie trie{trie_slots, trie_mask};
+    const int sub = lane & (seg - 1);
+    const int i = (blockIdx.x * blockDim.x + threadIdx.x) / 32 * texts + lane / seg;
+    const bool live = lane < texts * seg && i < n;   // the other lanes still take part in the sums
+    const WpTables tb{char_map, expansions, WpTrie{trie_slots, trie_mask}, patterns, pattern_offsets, n_patterns,
+                      last_chars, unk, max_word, tail};
+    long long first = 0, end = 0;
+    if (live) { first = starts[i]; end = stops[i]; }
+    long long to = end;               // this segment's end: just after a space, or the text's end
+    if (sub < seg - 1) {
+        long long q = first + (end - first) * (sub + 1) / seg;
+        while (q < end && text[q] != 0x20) ++q;
+        to = q < end ? q + 1 : end;
+    }
+    long long from = __shfl_up_sync(0xFFFFFFFFu, to, 1, seg);
+    if (sub == 0) from = first;
+    const bool last = to == end;
+    const bool cut_here = live && cut[i];
+
     WpText t;
-    t.row = ids + (long long)i * max_length;
+    t.row = ids + (long long)(live ? i : 0) * max_length;
     t.offset = n_prefix;
     t.capacity = max_length - n_prefix - n_suffix;
-    for (int k = 0; k < n_prefix; ++k) t.row[k] = prefix[k];
-    unsigned ring[WP_MAX_PATTERN];   // the last normalised characters, for the added tokens
-    int seen = 0;
-    int stop_at = 0x7FFFFFFF;        // once truncated: `tail` more characters, for an added token begun before
-    bool on_cpu = false;
-    long long p = starts[i];
-    const long long end = stops[i];
-    while (p < end && !on_cpu && seen < stop_at) {
-        const int cp = wp_decode(text, p, end);
-        if (cp < 0) { on_cpu = true; break; }
-        const unsigned entry = __ldg(char_map + cp);
-        if (entry & WP_SENSITIVE) { on_cpu = true; break; }
-        if (entry & WP_DELETED) continue;
-        const bool multi = entry & WP_MULTI;
-        const int m = multi ? (entry >> WP_LEN_SHIFT) & 31 : 1;
-        for (int k = 0; k < m && !on_cpu; ++k) {
-            const unsigned v = multi ? __ldg(expansions + (entry & WP_CP_MASK) + k) : entry;
-            const unsigned c = v & WP_CP_MASK, cls = (v >> WP_CLASS_SHIFT) & 3;
-            ring[seen % WP_MAX_PATTERN] = c;
-            ++seen;
-            for (int j = 0; j < n_patterns && (last_chars >> (c & 31) & 1); ++j) {
-                const int a = pattern_offsets[j], len = pattern_offsets[j + 1] - a;
-                if (len > seen || (unsigned)patterns[a + len - 1] != c) continue;
-                bool same = true;
-                for (int q = 0; q < len - 1 && same; ++q)
-                    same = ring[(seen - len + q) % WP_MAX_PATTERN] == (unsigned)patterns[a + q];
-                on_cpu |= same;
-            }
-            if (on_cpu || t.truncated) continue;   // once truncated only the checks above still run
-            if (cls == WP_WORD) {
-                t.add(trie, c, max_word);
-            } else {
-                t.flush(trie, unk, max_word);
-                if (cls == WP_PUNCT) {
-                    t.add(trie, c, max_word);
-                    t.flush(trie, unk, max_word);
-                }
-                if (t.truncated) stop_at = seen + tail;
-            }
-        }
+    t.begin(0, sub == 0);
+    if (live && sub == 0)
+        for (int k = 0; k < n_prefix; ++k) t.row[k] = prefix[k];
+    WpWalk w;
+    if (live) w.run(t, tb, text, from, to);
+    w.end_word(t, tb, last && cut_here);
+    const int counted = t.count;
+    const int seen_before = wp_scan(w.seen, seg) - w.seen;
+    const int pieces_before = wp_scan(counted, seg) - counted;
+    const bool first_truncated = __shfl_sync(0xFFFFFFFFu, (int)t.truncated, 0, seg);
+    int stop_at = sub == 0 ? w.stop_at : WP_NONE;
+    bool truncated = sub == 0 && t.truncated;
+    if (live && sub > 0 && !first_truncated && pieces_before <= t.capacity) {
+        t.begin(pieces_before, true);
+        WpWalk again;
+        again.run(t, tb, text, from, to);
+        again.end_word(t, tb, last && cut_here);
+        truncated = t.truncated;
+        if (again.stop_at != WP_NONE) stop_at = seen_before + again.stop_at;
     }
-    while (!on_cpu && p < end) on_cpu = wp_decode(text, p, end) < 0;   // the rest must still be UTF-8
-    if (!on_cpu) {
-        if (cut[i]) on_cpu = !t.truncated;   // its last word may go on past the cut
-        else t.flush(trie, unk, max_word);
-    }
-    if (on_cpu) {
+    const int event = wp_min(w.event == WP_NONE ? WP_NONE : seen_before + w.event, seg);
+    stop_at = wp_min(stop_at, seg);
+    const bool any_truncated = wp_min(truncated ? 0 : 1, seg) == 0;
+    const bool invalid = wp_min(w.invalid ? 0 : 1, seg) == 0;
+    const int total = __shfl_sync(0xFFFFFFFFu, pieces_before + counted, seg - 1, seg);
+    if (!live || sub != 0) return;
+    if (invalid || event < stop_at || (cut_here && !any_truncated)) {
         lengths[i] = 0;
         flags[i] = WP_ON_CPU;
         return;
     }
-    for (int k = 0; k < n_suffix; ++k) t.row[n_prefix + t.count + k] = suffix[k];
-    lengths[i] = n_prefix + t.count + n_suffix;
-    flags[i] = t.truncated ? WP_TRUNCATED : 0;
+    const int count = any_truncated ? t.capacity : total;
+    for (int k = 0; k < n_suffix; ++k) t.row[n_prefix + count + k] = suffix[k];
+    lengths[i] = n_prefix + count + n_suffix;
+    flags[i] = any_truncated ? WP_TRUNCATED : 0;
 }
 
 // out[offsets[i] + j] = ids[i, j] for j < lengths[i]: one block a text.

@@ -459,14 +459,25 @@ def test_kernel_matches_its_twin(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lanes", [1, 3, 32])
-def test_any_number_of_texts_a_warp_gives_the_same_results(case, lanes, monkeypatch):
-    """The kernel's warps take 1-32 texts each, by the call's size; here each count on one call whose
-    texts do not fill its last block."""
+@pytest.mark.parametrize("layout", [(1, 1), (3, 1), (32, 1), (1, 32), (2, 16), (4, 8), (3, 2)])
+def test_any_warp_layout_gives_the_same_results(case, layout, monkeypatch):
+    """A warp takes 1-32 texts, each cut after spaces into segments of a lane each (1-32) where the
+    texts are few, by the call's size; here each layout on the texts of every check above, in calls
+    whose texts do not fill their last block."""
     from ftengine.backends.cuda import wordpiece as cuda_wordpiece
     data, tables, hf = case
-    monkeypatch.setattr(cuda_wordpiece, "text_lanes", lambda n: lanes)
-    _assert_twins(tables, _random_texts(7, 1_001) + _realistic_lines(data, 8, 1_000))
+    monkeypatch.setattr(cuda_wordpiece, "warp_layout", lambda n, splits: layout if splits else (layout[0], 1))
+    texts = _random_texts(7, 1_001) + _realistic_lines(data, 8, 1_000)
+    _assert_twins(tables, texts)
+    _assert_twins(tables, texts, cut=np.arange(len(texts)) % 3 == 0)
+    _assert_twins(tables, ["ab " + chr(c) + " cd" for c in SCALARS[::53]])
+    near = _around_the_cut(data)
+    _assert_twins(tables, near)
+    _assert_twins(tables, near, cut=np.ones(len(near), bool))
+    long = [text for n in (*range(MAX_LENGTH - 3, MAX_LENGTH + 3), 100) for text in
+            ("word " * n, "日本 " * n, "naïve, " * n, "a" * (101 * n), " " * (40 * n) + "x", "x" + " " * (40 * n))]
+    _assert_twins(tables, long)
+    _assert_twins(tables, long, cut=np.ones(len(long), bool))
 
 
 @pytest.mark.gpu

@@ -7,11 +7,15 @@ import weakref
 
 import numpy as np
 
+from ...wordpiece import CLASS_SHIFT, CP_MASK, DELETED, MULTI, SENSITIVE, SPACE
 from .kernels import prepare
 from .runtime import context, launch_held, to_device
 
 TEXT_WARPS = 2       # warps a block
 WARP_SLOTS = 32      # warps a multiprocessor is given before a warp takes more than one text
+# a warp of this many texts or fewer cuts each into segments, a lane each (more: a lane a text, which
+# measured faster there: bench/results/tokenizer.md)
+SEGMENTED_TEXTS = 2
 PACK_THREADS = 128
 _uploads = weakref.WeakKeyDictionary()  # tables -> {device id: their arrays on that device}
 _uploads_lock = threading.Lock()
@@ -27,6 +31,7 @@ def _on_device(tables) -> dict:
             per_device[device] = {name: to_device(getattr(tables, name)) for name in _ARRAYS}
             per_device[device]["trie_slots"] = to_device(_trie_slots(tables))
             per_device[device]["last_chars"] = _last_chars(tables)
+            per_device[device]["splits"] = _splits_at_spaces(tables)
             context().stream.synchronize()
         return per_device[device]
 
@@ -50,6 +55,24 @@ def text_lanes(n: int) -> int:
     return max(1, min(32, -(-n // (WARP_SLOTS * context().sm_count))))
 
 
+def warp_layout(n: int, splits: bool) -> tuple[int, int]:
+    """(texts a warp, lanes a text) for a call of n: where a warp takes SEGMENTED_TEXTS texts or
+    fewer and `splits`, each text's lanes walk segments of it side by side; else a lane a text."""
+    texts = text_lanes(n)
+    if not splits or texts > SEGMENTED_TEXTS:
+        return texts, 1
+    return texts, 32 // texts
+
+
+def _splits_at_spaces(tables) -> bool:
+    """Whether a text may be cut after its spaces: the normaliser keeps a space one separator that
+    no added token's text holds, so that no word and no added token spans the cut."""
+    entry = int(tables.char_map[0x20])
+    if entry & (SENSITIVE | DELETED | MULTI) or (entry >> CLASS_SHIFT) & 3 != SPACE:
+        return False
+    return not np.any(tables.patterns == (entry & CP_MASK))
+
+
 def prepare_wordpiece():
     """Compile (or load from the cache) wordpiece.cu's module ahead of the first call."""
     prepare(("wordpiece.cu",), ())
@@ -62,14 +85,14 @@ def wordpiece_tokenize(tables, text, starts, stops, cut, ids, lengths, flags):
     if n == 0:
         return
     d = _on_device(tables)
-    lanes = text_lanes(n)
-    launch_held("wordpiece.cu", "wordpiece_tokenize", (-(-n // (lanes * TEXT_WARPS)),), (32 * TEXT_WARPS,),
+    texts, seg = warp_layout(n, d["splits"])
+    launch_held("wordpiece.cu", "wordpiece_tokenize", (-(-n // (texts * TEXT_WARPS)),), (32 * TEXT_WARPS,),
                 (text, starts, stops, cut, np.int32(n), d["char_map"], d["expansions"], d["trie_slots"],
                  np.uint64(len(tables.trie_keys) - 1), d["patterns"],
                  d["pattern_offsets"], np.int32(len(tables.pattern_offsets) - 1), d["last_chars"],
                  d["prefix"], np.int32(len(tables.prefix)),
                  d["suffix"], np.int32(len(tables.suffix)), np.int32(tables.unk), np.int32(tables.max_word),
-                 np.int32(tables.max_length), np.int32(tables.tail), np.int32(lanes), ids, lengths, flags))
+                 np.int32(tables.max_length), np.int32(tables.tail), np.int32(texts), np.int32(seg), ids, lengths, flags))
 
 
 def pack_rows(ids, lengths, offsets, out):
