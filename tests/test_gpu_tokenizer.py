@@ -430,6 +430,18 @@ def test_the_vocabulary_trie_is_kept_on_disk_per_vocabulary(tmp_path, monkeypatc
         np.testing.assert_array_equal(got, want)
     assert len(trie(vocab, "##")[0]) == len(_trie(vocab, "##")[0])
 
+def test_texts_are_cut_after_spaces_only_where_no_word_or_added_token_spans_one():
+    """The kernel walks a text in segments cut after spaces only where that cannot change its pieces:
+    in every configuration above, not once an added token's text holds a space."""
+    from ftengine.backends.cuda.wordpiece import _splits_at_spaces
+    for name, make in TOKENIZERS.items():
+        assert _splits_at_spaces(build_tables(make(), max_length=MAX_LENGTH)), name
+    data = _base()
+    data["added_tokens"].append({"id": 1, "content": "new york", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": True, "special": False})
+    assert not _splits_at_spaces(build_tables(data, max_length=MAX_LENGTH))
+
+
 # ------------------------------------------------------------ the kernel against its twin (GPU)
 
 def _assert_twins(tables, texts, *, cut=None):
