@@ -3,7 +3,7 @@
 Every (warps, query tiles per warp, key tile, blocks per SM) candidate is first checked against
 the NumPy reference on a ragged batch (plain and causal), then timed on the encoder benchmark's
 attention shapes with torch SDPA in the same run. The winners are what
-ftengine/backends/cuda/kernels.py VARLEN_TILES lists (with the blocks per SM of varlen_mma_name).
+ftengine/backends/cuda/attention.py VARLEN_TILES lists (with the blocks per SM of varlen_mma_name).
 
     PYTHONPATH=. python3 bench/experiments/attention_tiles.py [--out results.json]
 """
