@@ -683,20 +683,70 @@ def test_varlen_attention_routes_head_dims_64_and_32_to_wgmma_on_sm90(cu, rng, m
     assert launches[11].startswith("varlen_attention_mma<__half, 64, true,")
 
 
+def test_varlen_attention_takes_the_short_tiles_for_short_plain_16_bit_batches(cu, rng, monkeypatch):
+    """Plain fp16/bf16 attention at head dims 32 and 64 whose longest sequence is at most
+    VARLEN_SHORT_SEQ tokens (causal too) runs the short tiles, on every GPU; a longer one, head dim
+    128, a window, a relative bias or fp32 does not."""
+    launches = []
+    launch = attention._launch
+    monkeypatch.setattr(attention, "_launch", lambda file, name, *a, **k: launches.append(name) or launch(file, name, *a, **k))
+    short = attention.VARLEN_SHORT_SEQ
+    cases = [("fp16", 32, 0, False, False, short, True), ("bf16", 64, 0, False, True, 17, True),
+             ("fp16", 64, 0, False, False, 1, True), ("fp16", 64, 0, False, False, short + 1, False),
+             ("fp16", 128, 0, False, False, 16, False), ("fp16", 64, 8, False, False, 16, False),
+             ("fp16", 32, 0, True, False, 16, False), ("fp32", 32, 0, False, False, 16, False)]
+    for dtype, d, window, biased, causal, max_seqlen, _ in cases:
+        cu_seqlens = ints(cu, [0, max_seqlen, max_seqlen + 1])
+        qkv, _ = quantize(cu, rng.standard_normal((max_seqlen + 1, 3 * 2 * d)), dtype)
+        bias, _ = quantize(cu, rng.standard_normal(3 * 2 * d), dtype)
+        out = poisoned(cu, (max_seqlen + 1, 2 * d), dtype)
+        rel_bias = (cu.to_device(np.zeros((3, 2), np.float32)), ints(cu, [0] * 64), 32) if biased else None
+        cu.varlen_attention(out, qkv, bias, cu_seqlens, heads=2, max_seqlen=max_seqlen, causal=causal, window=window,
+                            rel_bias=rel_bias)
+    assert len(launches) == len(cases)
+    for (dtype, d, *_, expected), name in zip(cases, launches):
+        ctype = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}[dtype]
+        assert (name == attention.varlen_mma_name(ctype, d, False, "short")) == expected, (dtype, d, name)
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_attention_keeps_each_sequence_to_itself(cu, rng, dtype, d, causal, attention_path):
+def test_the_short_tiles_give_the_bits_of_the_kernel_they_replace(cu, rng, monkeypatch, dtype, d, causal):
+    """A sequence of at most VARLEN_SHORT_SEQ tokens gets the same bits from the short tiles as from
+    the kernel a batch with a longer sequence runs (wgmma on sm_90, else the narrow tiles): its
+    result does not depend on its batch mates' lengths."""
+    lengths = rng.integers(1, attention.VARLEN_SHORT_SEQ + 1, 40).tolist() + [attention.VARLEN_SHORT_SEQ]
+    heads, t = 3, sum(lengths) + 3
+    cu_seqlens = ints(cu, _offsets(lengths))
+    qkv, _ = quantize(cu, rng.standard_normal((t, 3 * heads * d)), dtype)
+    bias, _ = quantize(cu, 0.5 * rng.standard_normal(3 * heads * d), dtype)
+    outputs = []
+    for short in (attention.VARLEN_SHORT_SEQ, 0):
+        monkeypatch.setattr(attention, "VARLEN_SHORT_SEQ", short)
+        out = poisoned(cu, (t, heads * d), dtype)
+        cu.varlen_attention(out, qkv, bias, cu_seqlens, heads=heads, max_seqlen=max(lengths), causal=causal)
+        outputs.append(cu.to_host(out))
+    np.testing.assert_array_equal(*outputs)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", [[40, 300, 70, 129, 1], [20, 31, 7, 32, 1]])
+def test_varlen_attention_keeps_each_sequence_to_itself(cu, rng, dtype, d, causal, lengths, attention_path):
     """Infinite keys and values in one sequence (an overflowed activation) reach no other: the TMA
     kernel copies whole key tiles, rows of the next sequence among them, and must give them no
-    weight and zero their values; the other sequences' rows equal the reference's, all finite."""
-    lengths, heads = [40, 300, 70, 129, 1], 2
+    weight and zero their values; the other sequences' rows equal the reference's, all finite. The
+    second batch's sequences are short (the short tiles)."""
+    heads = 2
     h, t = heads * d, sum(lengths)
     cu_seqlens = _offsets(lengths)
+    first, stop = lengths[0], lengths[0] + lengths[1]
     clean = rng.standard_normal((t, 3 * h))
     bad = clean.copy()
-    bad[40:340, h:] = np.inf   # sequence 1's keys and values
-    bad[339, 2 * h:] = np.nan
+    bad[first:stop, h:] = np.inf   # sequence 1's keys and values
+    bad[stop - 1, 2 * h:] = np.nan
     qkv, _ = quantize(cu, bad, dtype)
     _, qkvh = quantize(cu, clean, dtype)
     bias, biash = quantize(cu, 0.5 * rng.standard_normal(3 * h), dtype)
@@ -704,7 +754,7 @@ def test_varlen_attention_keeps_each_sequence_to_itself(cu, rng, dtype, d, causa
     cu.varlen_attention(out, qkv, bias, ints(cu, cu_seqlens), heads=heads, max_seqlen=max(lengths), causal=causal)
     expected = np.empty((t, h), np.float32)
     ref.varlen_attention(expected, qkvh, biash, cu_seqlens, heads=heads, max_seqlen=max(lengths), causal=causal)
-    others = np.r_[0:40, 340:t]
+    others = np.r_[0:first, stop:t]
     assert_close_host(cu.to_host(out).astype(np.float32)[others], expected[others], dtype)
 
 
@@ -736,10 +786,11 @@ def test_prepare_kernels_compiles_the_attention_its_runner_launches_only(cu, mon
     plain, general, both = asked
     wg = cu.context().wgmma
     mma = lambda d, g: {attention.varlen_mma_name("__half", d, g, t) for t in (("narrow", "wide") if d <= 64 else ("narrow",))}  # noqa: E731
-    assert plain["attention_varlen.cu"] == mma(128, False) | (set() if wg else mma(32, False))
+    short = lambda d: {attention.varlen_mma_name("__half", d, False, "short")}  # noqa: E731
+    assert plain["attention_varlen.cu"] == mma(128, False) | short(32) | (set() if wg else mma(32, False))
     assert plain["attention_sm90.cu"] == ({"varlen_attention_wgmma<__half, 32>"} if wg else set())
     assert general["attention_varlen.cu"] == mma(64, True) and not general["attention_sm90.cu"]
-    assert both["attention_varlen.cu"] == mma(64, True) | (set() if wg else mma(64, False))
+    assert both["attention_varlen.cu"] == mma(64, True) | short(64) | (set() if wg else mma(64, False))
     assert both["attention_sm90.cu"] == ({"varlen_attention_wgmma<__half, 64>", "varlen_attention_wgmma_tma<__half>"}
                                          if wg else set())
 

@@ -27,14 +27,14 @@ def bucket_packed(t: int, b: int, s: int, *, max_batch_tokens: int, max_seq_len:
     """(tokens, sequences, longest) a packed batch runs at: tokens up to a multiple of 64 to
     512, then up to a quarter of the power of two below them (640, 768, 896, 1024, 1280, ...:
     four rungs an octave, each power of two one, so that full batches of power-of-two shapes
-    carry no padding); sequences up to a power of two; longest up to a multiple of 64 (the
-    attention kernel's query tile)."""
+    carry no padding); sequences up to a power of two; longest up to 32 (the CUDA attention's
+    short-sequence kernel: attention.py VARLEN_SHORT_SEQ) or a multiple of 64 (its query tile)."""
     t_pad = round_up(t, 64)
     if t_pad > 512:
         t_pad = round_up(t, 1 << ((t - 1).bit_length() - 3))
     t_pad = min(t_pad, max_batch_tokens)
     b_pad = min(1 << (b - 1).bit_length(), max_batch_tokens)
-    return t_pad, b_pad, min(round_up(s, 64), max_seq_len)
+    return t_pad, b_pad, min(32 if s <= 32 else round_up(s, 64), max_seq_len)
 
 
 def run_shape(layout: str, lengths: np.ndarray, *, max_batch_tokens: int, max_seq_len: int,

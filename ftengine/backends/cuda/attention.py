@@ -19,8 +19,12 @@ VARLEN_BLOCK_M = 64               # its query tile (fp32)
 
 # tensor-core kernel tiles: (warps, 16-query tiles per warp, keys per K/V tile); narrow by
 # default, wide (twice the queries per warp) for sequences of 1024+ at head dim <= 64 with blocks
-# for every SM twice (measured on the H100 by kernels_cu/dev/attention_tiles.py)
-VARLEN_TILES = {"narrow": (4, 1, 64), "wide": (4, 2, 64)}
+# for every SM twice (measured on the H100 by bench/experiments/attention_tiles.py); short (one block of
+# 64 threads a sequence and head) for plain 16-bit attention whose longest sequence is at most
+# VARLEN_SHORT_SEQ tokens, at VARLEN_SHORT_HEAD_DIMS, on every GPU (in place of the wgmma kernel on
+# sm_90; measurements: docs/gpu-internals.md, attention.py VARLEN_SHORT_SEQ)
+VARLEN_TILES = {"narrow": (4, 1, 64), "wide": (4, 2, 64), "short": (2, 1, 32)}
+VARLEN_SHORT_SEQ, VARLEN_SHORT_HEAD_DIMS = 32, (32, 64)
 ATTENTION_FLAGS = {"rows_are_tokens": 1, "indirect": 2, "write_kv": 4, "queries_only": 8}  # decoder.cu cached_attention
 ATTENTION_THREADS = 256           # its block (ATTN_THREADS); half that from ATTENTION_MANY_BLOCKS (row, head) blocks
 ATTENTION_MANY_BLOCKS = 256       # on (GPT-2 small, H100: b32 step 572 -> 524 us, beam 4 x 32 1083 -> 945 us)
@@ -76,10 +80,17 @@ def masked_softmax(probs, scores, lengths, *, heads, window=0):
                 shared_mem=s * 4)
 
 
+def short_attention(ctype: str, d: int, general: bool, max_seqlen: int) -> bool:
+    """Whether the fused attention takes the "short" tiles (VARLEN_TILES): plain attention in a
+    16-bit type at VARLEN_SHORT_HEAD_DIMS whose longest sequence is at most VARLEN_SHORT_SEQ."""
+    return ctype != "float" and not general and d in VARLEN_SHORT_HEAD_DIMS and max_seqlen <= VARLEN_SHORT_SEQ
+
+
 def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=False, window=0, rel_bias=None):
-    """Fused attention over the padding-free layout: tensor cores for fp16/bf16 (on sm_90, wgmma at
-    head dims 64 and 32 without window or bias: attention_sm90.cu, at head dim 64 with TMA copies
-    past VARLEN_WG_TMA_MIN_SEQ tokens), SIMT for fp32.
+    """Fused attention over the padding-free layout: tensor cores for fp16/bf16 (the short tiles
+    where short_attention says; else on sm_90, wgmma at head dims 64 and 32 without window or bias:
+    attention_sm90.cu, at head dim 64 with TMA copies past VARLEN_WG_TMA_MIN_SEQ tokens), SIMT for
+    fp32.
     causal: query i of a sequence sees its keys 0..i only (a decoder's prefill); window > 0: keys
     within that distance only; rel_bias = (table, buckets, max_len): MPNet's relative position
     bias, looked up per score inside the kernel."""
@@ -94,6 +105,10 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
     general = bool(window or rel_bias is not None)
     if ct == "float":
         name, smem = f"varlen_attention_simt<{d}>", 0
+    elif short_attention(ct, d, general, max_seqlen):
+        warps, mt, kn = VARLEN_TILES["short"]
+        threads, block_m = 32 * warps, 16 * warps * mt
+        name, smem = varlen_mma_name(ct, d, False, "short"), 2 * 2 * kn * (d + 8) * 2
     elif d in VARLEN_WG_HEAD_DIMS and not general and context().wgmma:
         # wgmma: two stages of swizzled K and V tiles, the staged queries (rows of D + 8), 1024 bytes
         # of alignment; the TMA kernel for longer sequences (VARLEN_WG_TMA_MIN_SEQ), also its mbarriers

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import (SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_HEAD_DIMS, VARLEN_TILES, VARLEN_WG_HEAD_DIMS,
-                        varlen_mma_name)
+from .attention import (SOFTMAX_PER_LANE, SOFTMAX_VEC, VARLEN_HEAD_DIMS, VARLEN_SHORT_HEAD_DIMS, VARLEN_TILES,
+                        VARLEN_WG_HEAD_DIMS, varlen_mma_name)
 from .fp8 import FP8_KERNELS
 from .gemm import (BLAS_SPLITS, GEMV_COLS, SKINNY_TILES, SPLIT_COUNTS, SPLIT_TILES, WGMMA_TILES, norm_kernels,
                    skinny_name, wgmma_ln_name, wgmma_name)
@@ -93,7 +93,14 @@ def _varlen_attention(t: str, head_dims, general=(False, True)) -> list[str]:
     if t == "float":
         return [f"varlen_attention_simt<{d}>" for d in head_dims]
     return [varlen_mma_name(t, d, g, tiles) for d in head_dims for g in general for tiles in VARLEN_TILES
-            if tiles == "narrow" or d <= 64]
+            if tiles == "narrow" or (d <= 64 and tiles == "wide")] + _short_attention(t, head_dims, general)
+
+
+def _short_attention(t: str, head_dims, general=(False, True)) -> list[str]:
+    """The fused attention's short-sequence kernels (plain variant, 16-bit types) of these head dims."""
+    if t == "float" or False not in general:
+        return []
+    return [varlen_mma_name(t, d, False, "short") for d in head_dims if d in VARLEN_SHORT_HEAD_DIMS]
 
 
 def _wgmma_attention(t: str, head_dims) -> list[str]:
@@ -148,7 +155,8 @@ def prepare_kernels(files, dtype_name: str, *, head_dims, general=(False,), gelu
     - of the fused attention, the kernels of the head dims (head_dims) and variants (general: False
       for plain attention, True for windows or a relative bias; both where a runner launches both)
       its attention runs: where the GPU runs the wgmma kernels (fp16, bf16), the wgmma attention in
-      place of the plain variant at the head dims it takes;
+      place of the plain variant at the head dims it takes; in 16-bit types, the plain variant's
+      short-sequence tiles (attention.short_attention) at the head dims they take;
     - where the GPU runs them, the wgmma products, for a runner whose matmul_bias_gelu calls take the
       erf form (gelu_product: that form, None for a runner that makes no such call) or that calls
       matmul_bias_residual_layernorm (ln_product);
@@ -166,7 +174,8 @@ def prepare_kernels(files, dtype_name: str, *, head_dims, general=(False,), gelu
         files = (*files, "gemm_sm90.cu")
     plain = [d for d in head_dims if d not in wg_dims]
     only = {"attention_varlen.cu": set(_varlen_attention(ctype, plain, (False,)) if False in general else ())
-            | set(_varlen_attention(ctype, head_dims, (True,)) if True in general else ()),
+            | set(_varlen_attention(ctype, head_dims, (True,)) if True in general else ())
+            | set(_short_attention(ctype, head_dims, general)),
             "attention_sm90.cu": set(_wgmma_attention(ctype, wg_dims))}
     if rows is not None:
         only.update({f: {n for v in widths_of(ctype, rows) for n in BY_WIDTH[f](ctype, v)} | set(SHARED.get(f, ()))
