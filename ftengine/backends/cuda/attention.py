@@ -103,13 +103,10 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
     scale_log2 = np.float32(1.4426950408889634 / np.sqrt(d))
     threads, block_m, file = 128, VARLEN_BLOCK_M, "attention_varlen.cu"
     general = bool(window or rel_bias is not None)
+    short = short_attention(ct, d, general, max_seqlen)
     if ct == "float":
         name, smem = f"varlen_attention_simt<{d}>", 0
-    elif short_attention(ct, d, general, max_seqlen):
-        warps, mt, kn = VARLEN_TILES["short"]
-        threads, block_m = 32 * warps, 16 * warps * mt
-        name, smem = varlen_mma_name(ct, d, False, "short"), 2 * 2 * kn * (d + 8) * 2
-    elif d in VARLEN_WG_HEAD_DIMS and not general and context().wgmma:
+    elif d in VARLEN_WG_HEAD_DIMS and not general and not short and context().wgmma:
         # wgmma: two stages of swizzled K and V tiles, the staged queries (rows of D + 8), 1024 bytes
         # of alignment; the TMA kernel for longer sequences (VARLEN_WG_TMA_MIN_SEQ), also its mbarriers
         threads, block_m, file = 128, VARLEN_WG_BLOCK_M, "attention_sm90.cu"
@@ -121,11 +118,11 @@ def varlen_attention(ctx, qkv, bias, cu_seqlens, *, heads, max_seqlen, causal=Fa
                          np.int32(bool(causal)), TensorMap(qkv, d, VARLEN_WG_KN)), shared_mem=smem + 16)
             return
     else:  # two stages of K and V tiles of KN rows of D + 8 elements; the general variant for windows
-        # and biases; the wide tiles for long sequences (VARLEN_TILES)
+        # and biases; the short tiles for short batches, the wide ones for long sequences (VARLEN_TILES)
         warps, mt, kn = VARLEN_TILES["wide"]
         blocks = b * heads * -(-max_seqlen // (16 * warps * mt))
         wide = d <= 64 and max_seqlen >= 1024 and blocks >= 2 * context().sm_count
-        tiles = "wide" if wide else "narrow"
+        tiles = "short" if short else "wide" if wide else "narrow"
         warps, mt, kn = VARLEN_TILES[tiles]
         threads, block_m = 32 * warps, 16 * warps * mt
         name, smem = varlen_mma_name(ct, d, general, tiles), 2 * 2 * kn * (d + 8) * 2
