@@ -430,6 +430,7 @@ def test_the_vocabulary_trie_is_kept_on_disk_per_vocabulary(tmp_path, monkeypatc
         np.testing.assert_array_equal(got, want)
     assert len(trie(vocab, "##")[0]) == len(_trie(vocab, "##")[0])
 
+
 def test_texts_are_cut_after_spaces_only_where_no_word_or_added_token_spans_one():
     """The kernel walks a text in segments cut after spaces only where that cannot change its pieces:
     in every configuration above, not once an added token's text holds a space."""
