@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_seq2seq import MARIAN_BASE, NEW, SOURCE  # noqa: E402
-from weights.fixtures import _marian_pieces, _marian_vocab  # noqa: E402
+from weights.fixtures import marian_pieces, marian_vocab  # noqa: E402
 
 SPM_PIECES = 8000
 CASES = [("greedy", 1), ("beam 4", 32)]
@@ -60,11 +60,11 @@ def save_folder(folder: Path, shapes: dict, rng) -> list:
     model = transformers.MarianMTModel(transformers.MarianConfig(**shapes))
     model.half().save_pretrained(str(folder))
     lines = corpus(rng)
-    spm, pieces = _marian_pieces(lines, SPM_PIECES)
+    spm, pieces = marian_pieces(lines, SPM_PIECES)
     (folder / "source.spm").write_bytes(spm)
     (folder / "target.spm").write_bytes(spm)
     fillers = [f"\u2581filler{i}" for i in range(shapes["vocab_size"])]
-    vocab = _marian_vocab(pieces, [])
+    vocab = marian_vocab(pieces, [])
     vocab.pop("<pad>")
     for piece in fillers[:shapes["vocab_size"] - 1 - len(vocab)]:
         vocab[piece] = len(vocab)

@@ -520,15 +520,15 @@ def write_marian_tokenizer(folder: Path, *, vocab_size: int = 72, separate_vocab
     own (trained on the corpus upper-cased, of fewer pieces) and target_vocab.json numbers its pieces
     alike, so that the two vocabularies differ in size and in their pad token's id. Returns (the
     source's vocabulary, the target's)."""
-    source = _marian_pieces(MARIAN_CORPUS, vocab_size)
+    source = marian_pieces(MARIAN_CORPUS, vocab_size)
     (folder / "source.spm").write_bytes(source[0])
-    vocab = _marian_vocab(source[1], [">>deu<<", ">>fra<<"])
+    vocab = marian_vocab(source[1], [">>deu<<", ">>fra<<"])
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     target_vocab = vocab
     if separate_vocabs:
-        target = _marian_pieces([line.upper() for line in MARIAN_CORPUS], vocab_size - 12)
+        target = marian_pieces([line.upper() for line in MARIAN_CORPUS], vocab_size - 12)
         (folder / "target.spm").write_bytes(target[0])
-        target_vocab = _marian_vocab(target[1], [])
+        target_vocab = marian_vocab(target[1], [])
         (folder / "target_vocab.json").write_text(json.dumps(target_vocab, ensure_ascii=False))
     else:
         (folder / "target.spm").write_bytes(source[0])
@@ -538,7 +538,7 @@ def write_marian_tokenizer(folder: Path, *, vocab_size: int = 72, separate_vocab
     return vocab, target_vocab
 
 
-def _marian_pieces(corpus: list, vocab_size: int) -> tuple:
+def marian_pieces(corpus: list, vocab_size: int) -> tuple:
     """(a unigram sentencepiece model trained on `corpus`, its pieces)."""
     import io
 
@@ -551,7 +551,9 @@ def _marian_pieces(corpus: list, vocab_size: int) -> tuple:
     return model.getvalue(), [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
 
 
-def _marian_vocab(pieces: list, codes: list) -> dict:
+def marian_vocab(pieces: list, codes: list) -> dict:
+    """vocab.json as opus-mt numbers it: "</s>" 0, "<unk>" 1, the language codes, the pieces,
+    "<pad>" last."""
     vocab = {"</s>": 0, "<unk>": 1}
     for piece in codes + [p for p in pieces if p not in ("<unk>", "<s>", "</s>")]:
         vocab.setdefault(piece, len(vocab))
