@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_encoder import median_ms  # noqa: E402
 from bench.bench_seq2seq import MARIAN_BASE, NEW, SOURCE  # noqa: E402
 from weights.fixtures import marian_pieces, marian_vocab  # noqa: E402
 
@@ -94,16 +93,6 @@ def sources(folder: Path, lines: list, count: int) -> list:
     return found
 
 
-def median_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def ours(folder: Path, device: str, repeat: int) -> list:
     """Per case: the whole call's ms and its tokenizer ends' ms, in this process (no torch)."""
     from ftengine import Translator
@@ -114,9 +103,10 @@ def ours(folder: Path, device: str, repeat: int) -> list:
     for texts, beams in cases:
         options = dict(num_beams=beams, max_new_tokens=NEW, min_new_tokens=NEW)
         outputs = [r.token_ids for r in translator.translate(texts, **options)]
-        ms = median_ms(lambda: translator.translate(texts, **options), repeat)
+        # results come back on the host: the calls are synchronous
+        ms = median_ms(lambda: translator.translate(texts, **options), warmup=1, repeat=repeat, sync=lambda: None)
         ends = median_ms(lambda: (translator.encode_sources(texts), [translator.text.decode(t) for t in outputs]),
-                         repeat)
+                         warmup=1, repeat=repeat, sync=lambda: None)
         rows.append({"ms": ms, "tokenizer_ms": ends, "new_tokens": sum(len(t) for t in outputs)})
     return rows
 
@@ -135,11 +125,8 @@ def theirs(folder: Path, texts: list, beams: int, device: str, repeat: int) -> f
             ids = model.generate(**batch, max_new_tokens=NEW, min_new_tokens=NEW, num_beams=beams, do_sample=False)
         return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    def timed():
-        translate()
-        if device == "cuda":
-            torch.cuda.synchronize()
-    return median_ms(timed, repeat)
+    return median_ms(translate, warmup=1, repeat=repeat,
+                     sync=torch.cuda.synchronize if device == "cuda" else lambda: None)
 
 
 def main():
