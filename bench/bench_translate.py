@@ -62,11 +62,9 @@ def save_folder(folder: Path, shapes: dict, rng) -> list:
     spm, pieces = marian_pieces(lines, SPM_PIECES)
     (folder / "source.spm").write_bytes(spm)
     (folder / "target.spm").write_bytes(spm)
-    fillers = [f"\u2581filler{i}" for i in range(shapes["vocab_size"])]
     vocab = marian_vocab(pieces, [])
-    vocab.pop("<pad>")
-    for piece in fillers[:shapes["vocab_size"] - 1 - len(vocab)]:
-        vocab[piece] = len(vocab)
+    del vocab["<pad>"]  # filler entries up to the model's vocabulary, then "<pad>" last again
+    vocab.update({f"\u2581filler{i}": i for i in range(len(vocab), shapes["vocab_size"] - 1)})
     vocab["<pad>"] = len(vocab)
     if len(vocab) != shapes["vocab_size"] or vocab["<pad>"] != shapes["pad_token_id"]:
         raise SystemExit(f"vocab.json has {len(vocab)} entries, the model {shapes['vocab_size']}")

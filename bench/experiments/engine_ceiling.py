@@ -54,7 +54,8 @@ def child(model: str):
             def loop(k):
                 at = k * size
                 while time.time() < stop:
-                    chunk = texts[at % (len(texts) - size):at % (len(texts) - size) + size]
+                    first = at % (len(texts) - size)
+                    chunk = texts[first:first + size]
                     head.logits(chunk)
                     counts[k] += len(chunk)
                     at += threads * size
