@@ -355,18 +355,46 @@ def test_no_redirect_gzip_and_token_id_messages(server):
     assert r.status_code == 422 and "token ids (integers within 0..2^31-1)" in r.json()["error"]
 
 
+def read_replies(sock, count: int) -> list:
+    """The status lines of the next `count` whole answers on a socket (bodies of content-length)."""
+    data, statuses = b"", []
+    while len(statuses) < count:
+        head_end = data.find(b"\r\n\r\n")
+        if head_end >= 0:
+            head = data[:head_end].decode("latin-1").split("\r\n")
+            length = next(int(h.split(":", 1)[1]) for h in head if h.lower().startswith("content-length:"))
+            if len(data) >= head_end + 4 + length:
+                statuses.append(head[0])
+                data = data[head_end + 4 + length:]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed after {statuses}"
+        data += chunk
+    assert not data
+    return statuses
+
+
 def test_a_stalled_body_times_out_and_frees_its_slot(st_model):
+    """Also on a kept-alive connection whose pipelined requests came first: the body's deadline is
+    the connection's one timer, which each request moves forward."""
     s = Server(st_model, "--max-concurrent-requests", 1)
+    whole = (b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n"
+             b'{"inputs": "x"}')
     try:
         with socket.create_connection(("127.0.0.1", s.port), timeout=120) as stalled:
+            stalled.sendall(whole * 2)
+            assert read_replies(stalled, 2) == ["HTTP/1.1 200 OK"] * 2
             stalled.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                             b"Content-Length: 100\r\n\r\n{\"inputs\":")  # and nothing more
             time.sleep(1)
             assert httpx.post(s.url + "/embed", json={"inputs": "y"}).status_code == 429  # its slot is held
             start = time.monotonic()
             reply = stalled.recv(65536)
-        assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 45
+        assert reply.startswith(b"HTTP/1.1 408") and b"request body did not arrive" in reply
+        assert time.monotonic() - start < 45
         assert httpx.post(s.url + "/embed", json={"inputs": "y"}).status_code == 200
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'ftengine_requests_total{route="embed",status="408"} 1.0' in metrics
     finally:
         assert s.stop()[0] == 0
 
