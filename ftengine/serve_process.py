@@ -131,10 +131,13 @@ def worker_app():
     if settings.get("key_file"):
         with open(settings["key_file"]) as f:
             limits = ServeLimits(**(asdict(limits) | {"api_key": f.read()}))
+    # with engine processes a worker tokenises no batch (/tokenize and /decode run on the CPU
+    # tokenizer anyway): no GPU tokenizer to build in each, its tables and kernels at every cold start
+    tokenizer = "cpu" if settings["engines"] else settings["tokenizer"]
     try:
         loaded = load_models(settings["models"], device=settings["device"], dtype=settings["dtype"],
                              max_length=settings["max_length"], batch_tokens=limits.max_batch_tokens,
-                             tokenizer=settings["tokenizer"])
+                             tokenizer=tokenizer)
     except FtengineError as e:
         print(f"ftengine: {e}", file=sys.stderr, flush=True)
         sys.exit(STARTUP_FAILURE)

@@ -31,13 +31,14 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model, *args):
+    def __init__(self, model, *args, device: str = "cpu"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")  # a pipe nobody reads would fill and stall the server
-        self.proc = subprocess.Popen([EXE, "serve", "--model", str(model), "--device", "cpu", "--port",
+        hide = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
+        self.proc = subprocess.Popen([EXE, "serve", "--model", str(model), "--device", device, "--port",
                                       str(self.port), *map(str, args)], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                                     stderr=subprocess.STDOUT, env={**os.environ, **hide})
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:

@@ -22,7 +22,7 @@ from ftengine import Classifier
 from ftengine.cli import main
 from tests.test_serve import Server, close
 from tests.test_serve_join import WORDS, texts
-from tests.tolerances import BATCHING_INVARIANCE_FP32
+from tests.tolerances import BATCHING_INVARIANCE_FP32, GPU_FP32_REL
 
 def engine_pid(server) -> int:
     found = re.search(r"engine process (\d+) ready", server.output())
@@ -38,7 +38,7 @@ def alive(pid: int) -> bool:
     return True
 
 
-def predict_at_once(server, requests: list, expected: list):
+def predict_at_once(server, requests: list, expected: list, tolerance: float = BATCHING_INVARIANCE_FP32):
     """POST every request to /predict at once; each answer as `expected` (Classifier.predict's)."""
     async def main_():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
@@ -47,8 +47,7 @@ def predict_at_once(server, requests: list, expected: list):
         assert reply.status_code == 200, reply.text
         got = reply.json()
         assert [[x["label"] for x in row] for row in got] == [[x["label"] for x in row] for row in ref]
-        assert max(abs(a["score"] - b["score"]) for row, r in zip(got, ref) for a, b in zip(row, r)) \
-            <= BATCHING_INVARIANCE_FP32
+        assert max(abs(a["score"] - b["score"]) for row, r in zip(got, ref) for a, b in zip(row, r)) <= tolerance
 
 
 def test_workers_share_one_engine_process(small_classifier):
@@ -121,6 +120,21 @@ def test_an_engine_process_per_worker(small_classifier):
     while any(alive(pid) for pid in engines) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in engines), "an engine process outlived the service"
+
+
+@pytest.mark.gpu
+def test_engine_processes_on_the_gpu(small_classifier):
+    """On the GPU in fp32, each worker's engine process answers as the model does on the CPU here
+    (the workers load theirs with the CPU tokenizer: they tokenise no batch)."""
+    requests = [texts(600 + i, (1, 3, 4, 5, 6)[i % 5]) for i in range(32)]
+    with Classifier.from_pretrained(small_classifier, device="cpu") as classifier:
+        expected = [classifier.predict(r, top_k=None) for r in requests]
+    s = Server(small_classifier, "--workers", 2, "--engine-processes", 2, "--dtype", "fp32", device="cuda")
+    try:
+        predict_at_once(s, requests, expected, GPU_FP32_REL)
+    finally:
+        code, output = s.stop()
+    assert code == 0, output
 
 
 def test_worker_slots_are_one_each_and_freed_with_their_process(tmp_path):
