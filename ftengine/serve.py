@@ -222,7 +222,6 @@ class Service:
             raise validation(str(e)) from None
 
     async def handle(self, request, route: str, handler):
-        from starlette.requests import ClientDisconnect
         from starlette.responses import JSONResponse
         start = time.perf_counter()
         inputs = tokens = 0
@@ -242,9 +241,6 @@ class Service:
         except HTTPFailure as e:
             response = JSONResponse({"error": e.message, "error_type": e.kind}, status_code=e.status,
                                     headers=e.headers)
-        except ClientDisconnect:  # the client left while its request was read: nothing to answer
-            response = JSONResponse({"error": "the client went away", "error_type": "Disconnected"},
-                                    status_code=499)
         except FtengineError as e:  # the engine is broken or closed
             response = JSONResponse({"error": str(e), "error_type": "Backend"}, status_code=503)
         except Exception as e:  # a bug: one line in the log and the reply, no traceback to the client
