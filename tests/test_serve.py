@@ -154,6 +154,27 @@ def test_body_over_the_cap_is_413(server):
     assert r.status_code == 413 and "over the limit" in r.json()["error"]
 
 
+def test_a_15_mb_input_is_cut_from_a_bounded_prefix_and_stalls_no_one(server, encoder):
+    """One text of 15 MB, inside the body cap: with truncate it is embedded from a bounded prefix
+    (as the text cut short is), a small request sent while its body is read and parsed is answered
+    meanwhile, and without truncate the 413 counts its characters."""
+    huge = "!" * (15 << 20)
+
+    async def main_():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            big = asyncio.ensure_future(http.post("/embed", json={"inputs": huge, "truncate": True}))
+            await asyncio.sleep(0.05)
+            start = time.monotonic()
+            small = await http.post("/embed", json={"inputs": "still served"})
+            return await big, small, time.monotonic() - start
+
+    big, small, waited = asyncio.run(main_())
+    assert big.status_code == 200 and close(big.json(), encoder.encode(["!" * 200]))
+    assert small.status_code == 200 and close(small.json(), encoder.encode(["still served"])) and waited < 10
+    refused = httpx.post(server.url + "/embed", json={"inputs": huge}, timeout=120)
+    assert refused.status_code == 413 and f"input 0 has {len(huge)} characters" in refused.json()["error"]
+
+
 def test_info_and_health(server):
     info = httpx.get(server.url + "/info").json()
     assert info["dim"] == 32 and info["max_input_length"] == 48 and info["device"] == "cpu"
