@@ -8,7 +8,11 @@ shape with a three-label head and bench_serve's texts, fp16, the default tokeniz
 Between this ceiling and the served figure lies what the service adds: HTTP, the workers' event
 loops, the link to the engine processes and how the clients' requests join.
 
-    PYTHONPATH=. python3 bench/experiments/engine_ceiling.py --model-src PATH
+    PYTHONPATH=. python3 bench/experiments/engine_ceiling.py --model-src PATH [--in-flight N] [--layouts 4x1,1x1]
+
+--in-flight 1,024: the half of the clients' volume that the engines hold at once when each worker's
+requests go in two alternating submissions (one on the engine while the other's replies and next
+requests are on the event loop), as traced under bench_serve's load.
 
 PATH: an all-MiniLM-L6-v2 folder (its config and tokenizer; random weights replace its own), as
 bench_serve.py takes it.
@@ -70,6 +74,9 @@ def child(model: str):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-src", type=Path, required=True)
+    parser.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="texts in flight over all threads")
+    parser.add_argument("--layouts", type=lambda v: [tuple(map(int, x.split("x"))) for x in v.split(",")],
+                        default=LAYOUTS, help="PxT,...: P processes of T threads each")
     args = parser.parse_args()
     from bench.bench_pipeline import make_model
     from bench.bench_serve import fill_tables, offline_head, sentences
@@ -83,15 +90,15 @@ def main():
     texts = sentences(model / "vocab.txt", 20_000)
     (model / "texts.json").write_text(json.dumps(texts))
     before = offline_head(model, "classify", texts)
-    most = max(p for p, _ in LAYOUTS)
+    most = max(p for p, _ in args.layouts)
     procs = [subprocess.Popen([sys.executable, __file__, "child", str(model)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True) for _ in range(most)]
     for proc in procs:
         if proc.stdout.readline().strip() != "ready":
             raise SystemExit("an engine process failed to start")
     rows = []
-    for processes, threads in LAYOUTS:
-        size, start = IN_FLIGHT // (processes * threads), time.time() + 3
+    for processes, threads in args.layouts:
+        size, start = args.in_flight // (processes * threads), time.time() + 3
         for k, proc in enumerate(procs):
             proc.stdin.write(json.dumps([threads if k < processes else 0, size, start]) + "\n")
             proc.stdin.flush()
